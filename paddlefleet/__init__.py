@@ -1,0 +1,3 @@
+"""paddlefleet: PaddlePaddle-native training extensions."""
+
+__version__ = "0.1.0"

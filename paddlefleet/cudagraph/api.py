@@ -1,0 +1,95 @@
+"""autocudagraph(): decorate a function, a Layer method or a Layer instance."""
+
+import functools
+
+import paddle
+
+from .lifecycle import GraphedCallable
+from .options import GraphOptions
+
+__all__ = ["autocudagraph"]
+
+
+class _GraphedMethod:
+    """Descriptor for ``@autocudagraph`` on a method: every instance gets its own graphs."""
+
+    def __init__(self, fn, options):
+        self._fn = fn
+        self._options = options
+        self._attr = f"_autocudagraph_{fn.__name__}_{id(self)}"
+        functools.update_wrapper(self, fn)
+
+    def __set_name__(self, owner, name):
+        self._attr = f"_autocudagraph_{name}"
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        wrapper = obj.__dict__.get(self._attr)
+        if wrapper is None:
+            wrapper = GraphedCallable(self._fn, self._options, owner=obj)
+            obj.__dict__[self._attr] = wrapper
+        return wrapper
+
+    def __call__(self, obj, *args, **kwargs):  # Class.method(instance, ...)
+        return self.__get__(obj)(*args, **kwargs)
+
+
+def _wrap(target, options):
+    if isinstance(target, paddle.nn.Layer):
+        forward = type(target).forward
+        wrapper = GraphedCallable(forward, options, owner=target)
+        # An instance attribute: Layer.__call__ finds it before the class's forward, hooks still
+        # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
+        object.__setattr__(target, "forward", wrapper)
+        return target
+    if isinstance(target, GraphedCallable) or isinstance(target, _GraphedMethod):
+        raise TypeError(
+            f"autocudagraph: {target!r} is already wrapped. Apply autocudagraph once; call "
+            ".reset() on it to drop its graphs."
+        )
+    if not callable(target):
+        raise TypeError(
+            f"autocudagraph: expected a function, a method or a paddle.nn.Layer, got {target!r} "
+            f"({type(target).__name__})."
+        )
+    params = getattr(getattr(target, "__code__", None), "co_varnames", ())
+    if params[:1] == ("self",) and "." in getattr(target, "__qualname__", ""):
+        return _GraphedMethod(target, options)
+    return GraphedCallable(target, options)
+
+
+def autocudagraph(target=None, **options):
+    """Captures the forward and backward of ``target`` into CUDA graphs and replays them.
+
+    Usable bare (``@autocudagraph``), with options (``@autocudagraph(warmup_steps=2)``), on a
+    method (each instance keeps its own graphs) or on a Layer instance
+    (``autocudagraph(layer)`` graphs its forward in place and returns the same Layer).
+
+    Per key (by default: the argument structure, each tensor's shape/dtype/place/stop_gradient,
+    non-tensor values, grad mode, AMP state and the training flag of the Layers involved) the
+    first ``warmup_steps`` calls run eagerly, the next call captures, and later calls replay.
+    Every call returns what eager would; grads flow to inputs and to the parameters of the
+    Layers used through autograd, so hooks, DataParallel and accumulation behave as in eager.
+
+    Args:
+        target: the function, method or Layer; omitted when options are given.
+        **options: see GraphOptions (warmup_steps, max_graphs, dispatch_key_fn, backend,
+            clone_outputs, clone_param_grads, verify_replays, max_bytes, capture_hooks,
+            check_stale_outputs).
+
+    Returns:
+        The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer, or
+        a decorator when ``target`` is omitted.
+
+    Raises:
+        TypeError, ValueError: at decoration time, for a bad option.
+
+    Limitations:
+        See docs/limitations.md: static shapes per key, no host syncs inside the function, one
+        forward replay per key in flight before its backward.
+    """
+    opts = GraphOptions(**options)
+    if target is None:
+        return lambda t: _wrap(t, opts)
+    return _wrap(target, opts)

@@ -1,0 +1,64 @@
+"""Backends behind one small interface (see base.py), and the choice between them."""
+
+import os
+
+import paddle
+
+from ..errors import CudaGraphError
+from ..options import BACKEND_NAMES, ENV_BACKEND
+from .base import Backend, Graph, capturing, is_capturing
+from .cuda import CudaBackend, cuda_available, pool_sharing_supported
+from .simulated import SimulatedBackend
+
+__all__ = [
+    "Backend",
+    "Graph",
+    "capturing",
+    "is_capturing",
+    "resolve_backend",
+    "cuda_available",
+    "pool_sharing_supported",
+]
+
+_SIMULATED = SimulatedBackend()
+
+
+def _gpu_place(tensors):
+    for t in tensors:
+        place = t.place
+        if place.is_gpu_place():
+            return paddle.CUDAPlace(place.gpu_device_id())
+    return None
+
+
+def resolve_backend(option, tensors):
+    """Returns ``(backend or None, reason)``; None means run eagerly, untouched.
+
+    The environment variable PADDLEFLEET_CUDAGRAPH_BACKEND overrides ``option``.
+    """
+    name = os.environ.get(ENV_BACKEND) or option
+    if name is not None and name not in BACKEND_NAMES:
+        raise CudaGraphError(
+            f"autocudagraph: {ENV_BACKEND}={name!r} is not a backend; use one of {BACKEND_NAMES}."
+        )
+    if name == "simulate":
+        return _SIMULATED, "simulate"
+    if name == "eager":
+        return None, "backend is eager"
+    place = _gpu_place(tensors)
+    if name == "cuda":
+        if not cuda_available():
+            raise CudaGraphError(
+                "autocudagraph: backend 'cuda' was asked for but this Paddle build has no CUDA graphs "
+                f"(paddle {paddle.__version__}). Install paddlepaddle-gpu, or use backend='simulate' "
+                "to test on the CPU."
+            )
+        if place is None and tensors:
+            raise CudaGraphError(
+                "autocudagraph: backend 'cuda' needs the call's tensors on a GPU, but they are on "
+                f"{tensors[0].place}. Move them with .cuda() or paddle.set_device('gpu')."
+            )
+        return CudaBackend(place), "cuda"
+    if cuda_available() and place is not None:
+        return CudaBackend(place), "cuda"
+    return None, "no GPU tensors or no CUDA build (backend=None runs eagerly)"

@@ -1,0 +1,82 @@
+"""The small interface every backend implements, and the process-wide capture flag.
+
+A backend makes pools and graphs. A graph captures a *body* (a Python callable that runs
+Paddle ops) once and replays it later; the tensors the body allocates during capture are the
+graph's static buffers, and every replay writes its results into those same tensors.
+"""
+
+import contextlib
+import threading
+
+__all__ = ["Backend", "Graph", "is_capturing", "capturing"]
+
+_state = threading.local()
+
+
+def is_capturing():
+    """True while autocudagraph is capturing a graph in this thread.
+
+    Communication code can read it to take its graph-safe path (see ``capture_hooks``).
+    """
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def capturing(hooks=()):
+    """Marks the current thread as capturing and enters the capture hooks; undone on exit."""
+    with contextlib.ExitStack() as stack:
+        for factory in hooks:
+            stack.enter_context(factory())
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+
+
+class Graph:
+    """One captured graph. Subclasses implement ``capture``, ``replay`` and ``reset``."""
+
+    def capture(self, body, hooks=()):
+        """Captures ``body()`` and returns what it returned (the static results).
+
+        ``hooks`` are context-manager factories entered around the capture (outside
+        begin/end on a real device). The capture is always ended, also when ``body`` raises;
+        the error is re-raised.
+        """
+        raise NotImplementedError
+
+    def replay(self):
+        """Re-executes the captured work, writing into the same static tensors."""
+        raise NotImplementedError
+
+    def reset(self):
+        """Frees the graph; it cannot be replayed afterwards."""
+        raise NotImplementedError
+
+
+class Backend:
+    """Makes pools and graphs for one kind of device.
+
+    Attributes:
+        name: "cuda" or "simulate".
+        shares_pools: whether graphs made with one pool share memory.
+        capture_executes: whether capture runs the body's kernels (simulate) or only records
+            them (cuda). See NOTE [ RNG across capture ] in lifecycle.py.
+    """
+
+    name = "base"
+    shares_pools = False
+    capture_executes = False
+
+    def new_pool(self):
+        """Returns a pool handle to share between the graphs of one key (or None)."""
+        raise NotImplementedError
+
+    def new_graph(self, pool):
+        """Returns an empty Graph that will allocate from ``pool``."""
+        raise NotImplementedError
+
+    def describe(self):
+        """One line naming the backend and its capabilities."""
+        return self.name

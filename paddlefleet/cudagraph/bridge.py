@@ -1,0 +1,83 @@
+"""The autograd bridge: a PyLayer whose forward replays the forward graph and whose backward
+replays the backward graph and hands grads back for every input and parameter.
+
+NOTE [ Parameters through the bridge ]
+The parameters of the Layers a call uses are inputs of the PyLayer, so their grads come back
+through autograd like any other: Paddle accumulates them into ``p.grad``, runs gradient hooks,
+DataParallel's reducer and ``main_grad`` hooks exactly as in eager. The backward graph itself
+never writes ``p.grad``.
+"""
+
+import weakref
+
+import paddle
+from paddle.autograd import PyLayer
+
+from .errors import PendingBackwardError
+from .grads import alias, hand_out
+
+__all__ = ["GraphedFunction", "hand_out_outputs"]
+
+
+class _Token:
+    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx)."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self):
+        self.done = False
+
+
+def hand_out_outputs(entry):
+    """The output tensors given to the caller: copies, or aliases of the static buffers."""
+    if entry.clone_outputs:
+        with paddle.no_grad():
+            return [t.clone() for t in entry.static_outputs]
+    return [alias(t) for t in entry.static_outputs]
+
+
+class GraphedFunction(PyLayer):
+    """``apply(entry, *tensors, *params)``: static inputs must already hold the call's values."""
+
+    @staticmethod
+    def forward(ctx, entry, *inputs):
+        entry.fwd_graph.replay()
+        entry.generation += 1
+        token = _Token()
+        entry.inflight = weakref.ref(token)
+        ctx.token = token
+        ctx.entry = entry
+        ctx.generation = entry.generation
+        outputs = hand_out_outputs(entry)
+        non_diff = [o for o, d in zip(outputs, entry.out_differentiable) if not d]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry = ctx.entry
+        if entry.bwd_graph is None or ctx.generation != entry.generation:
+            raise PendingBackwardError(
+                f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "
+                f"#{entry.generation} of the same graph overwrote its saved activations. Run backward "
+                "before calling the graphed function again with the same key, or wrap the extra calls "
+                "in dispatch_key_fn returning None."
+            )
+        with paddle.no_grad():
+            buffers = iter(entry.static_grad_outputs)
+            for grad, differentiable in zip(grads, entry.out_differentiable):
+                if not differentiable:
+                    continue
+                buf = next(buffers)
+                if grad is None:
+                    buf.zero_()
+                elif grad is not buf:
+                    buf.copy_(grad, False)
+        entry.bwd_graph.replay()
+        ctx.token.done = True
+        static = entry.static_grads
+        return tuple(
+            None if slot is None else hand_out(static[slot], clone)
+            for slot, clone in zip(entry.grad_slots, entry.hand_out_clone)
+        )

@@ -1,0 +1,32 @@
+"""Errors raised by autocudagraph.
+
+Messages follow one form: what happened (with the values), why it matters, what to do.
+"""
+
+__all__ = [
+    "CudaGraphError",
+    "CaptureError",
+    "InputMismatchError",
+    "StaleOutputError",
+    "PendingBackwardError",
+]
+
+
+class CudaGraphError(RuntimeError):
+    """Base class of every error autocudagraph raises at call time."""
+
+
+class CaptureError(CudaGraphError):
+    """A capture could not be completed (host sync, uncapturable op, error in the function)."""
+
+
+class InputMismatchError(CudaGraphError):
+    """A call's tensors do not fit the static buffers of the graph its key selected."""
+
+
+class StaleOutputError(CudaGraphError):
+    """An output static buffer was read after a later replay overwrote it."""
+
+
+class PendingBackwardError(CudaGraphError):
+    """A backward replay was asked for a forward replay whose saved state was overwritten."""

@@ -1,0 +1,76 @@
+"""Gradient bookkeeping: the "no trace" .grad swap around captured backward runs, and the
+policy for handing grads back from static buffers.
+
+NOTE [ Paddle .grad handles ]
+In Paddle, ``t.grad`` returns a handle that shares the gradient's tensor object, and both
+``t.grad = None`` and ``clear_gradient(False)`` release the storage *of every handle sharing
+it*; ``t.grad = value`` copies ``value`` into the gradient. So a saved gradient must be held
+through a view (a new tensor object on the same storage), and a gradient handed back to
+autograd must not be a static buffer: when ``p.grad`` is None autograd adopts the returned
+tensor itself, the next backward accumulates into it in place, and ``clear_gradient(False)``
+frees it (measured on Paddle 3.3.1).
+"""
+
+import paddle
+
+__all__ = ["alias", "GradSwap", "hand_out"]
+
+
+def alias(t):
+    """A new tensor object on ``t``'s storage (no copy), or None for None."""
+    if t is None:
+        return None
+    if hasattr(t, "view"):
+        return t.view(t.shape)
+    with paddle.no_grad():  # Paddle without views: a copy is the safe alias
+        return t.clone()
+
+
+class GradSwap:
+    """Runs a backward with every given tensor's ``.grad`` empty, collects the grads it made,
+    and puts the original grads back (same values).
+
+    Usage::
+
+        swap = GradSwap(leaves)
+        with swap:
+            paddle.autograd.backward(outputs, grad_outputs)
+        grads = swap.collected  # one tensor (or None) per leaf, detached from .grad
+    """
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+        self.collected = None
+        self._saved = None
+
+    def __enter__(self):
+        self._saved = []
+        for t in self.tensors:
+            g = t.grad
+            self._saved.append(alias(g))
+            if g is not None:
+                t.grad = None
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        collected = []
+        for t, saved in zip(self.tensors, self._saved):
+            g = t.grad
+            collected.append(alias(g))
+            if g is not None:
+                t.grad = None
+            if saved is not None:
+                t.grad = saved
+        self.collected = collected
+        self._saved = None
+        return False
+
+
+def hand_out(static, clone):
+    """What to give autograd for a static grad buffer: a copy, or a fresh alias of the buffer."""
+    if static is None:
+        return None
+    if clone:
+        with paddle.no_grad():
+            return static.clone()
+    return alias(static)

@@ -1,0 +1,533 @@
+"""GraphedCallable: the warmup -> capture -> replay lifecycle of one wrapped callable.
+
+``__call__`` decides per call (no key -> eager; new key -> warmup/capture; known key ->
+replay). Capture builds the static buffers and both graphs of a key; replay copies the call's
+tensors in and runs the graphs through the autograd bridge.
+
+NOTE [ RNG across capture ]
+Warmup calls are ordinary eager calls: they consume random numbers exactly as eager does.
+The simulated backend *executes* the body while capturing, so it restores every RNG state
+after capture; the capture call then replays, consuming what the eager call would. A CUDA
+capture only records: Paddle's random kernels read the generator when captured and advance it
+on every later replay, so the generator is left as the capture moved it.
+
+NOTE [ Policies fixed at capture ]
+clone_outputs and clone_param_grads are copied into the entry at capture. Changing the
+wrapper's options afterwards never mixes policies within one graph.
+"""
+
+import collections
+import inspect
+import logging
+import warnings
+import weakref
+
+import paddle
+
+from . import state
+from .backends import is_capturing, resolve_backend
+from .bridge import GraphedFunction, hand_out_outputs
+from .entry import GraphEntry, Phase
+from .errors import CaptureError, CudaGraphError, InputMismatchError
+from .grads import GradSwap
+from .options import GraphOptions
+from .static_io import StaticInputs, flatten, leaf_names, tensor_meta, unflatten
+from .stats import Counters, describe_entries
+
+__all__ = ["GraphedCallable"]
+
+logger = logging.getLogger(__name__)
+
+
+class _LayerRecorder:
+    """While active, records every Layer called (and snapshots its buffers before it runs)."""
+
+    def __init__(self, snapshot):
+        self.layers = []
+        self._seen = set()
+        self._snapshot = snapshot
+        self._original = None
+
+    def __enter__(self):
+        original = paddle.nn.Layer.__call__
+        recorder = self
+
+        def recording_call(layer, *args, **kwargs):
+            if id(layer) not in recorder._seen:
+                recorder._seen.add(id(layer))
+                recorder.layers.append(layer)
+                recorder._snapshot.add(layer)
+            return original(layer, *args, **kwargs)
+
+        self._original = original
+        paddle.nn.Layer.__call__ = recording_call
+        return self
+
+    def __exit__(self, *exc):
+        paddle.nn.Layer.__call__ = self._original
+        return False
+
+
+def _param_homes(layers):
+    """``[(sublayer, name, param)]`` for every parameter of ``layers``, each parameter once."""
+    homes, seen = [], set()
+    for layer in layers:
+        for _, sub in layer.named_sublayers(include_self=True):
+            for name, p in sub._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    homes.append((sub, name, p))
+    return homes
+
+
+def _accumulation_nodes(outputs):
+    """node_ptr -> node of every leaf accumulation node reachable from ``outputs``."""
+    found, seen = {}, set()
+    stack = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        ptr = node.node_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if node.name() == "GradNodeAccumulation":
+            found[ptr] = node
+        stack.extend(node.next_functions)
+    return found
+
+
+def _name_unknown_leaves(fn, unknown_ptrs):
+    """Best-effort names for leaf tensors found in ``fn``'s globals and closure."""
+    candidates = {}
+    scopes = dict(getattr(fn, "__globals__", {}))
+    for name, cell in zip(getattr(fn.__code__, "co_freevars", ()), fn.__closure__ or ()):
+        try:
+            scopes[name] = cell.cell_contents
+        except ValueError:
+            pass
+    for name, value in scopes.items():
+        if isinstance(value, paddle.Tensor) and not value.stop_gradient:
+            candidates[name] = value
+        elif isinstance(value, paddle.nn.Layer):
+            for pname, p in value.named_parameters():
+                candidates[f"{name}.{pname}"] = p
+    names = []
+    for name, t in candidates.items():
+        node = getattr(t, "grad_fn", None)
+        if node is not None and node.node_ptr() in unknown_ptrs:
+            names.append(name)
+    missing = len(unknown_ptrs) - len(names)
+    if missing > 0:
+        names.append(f"{missing} unnamed tensor(s)")
+    return names
+
+
+class GraphedCallable:
+    """A callable with per-key CUDA graphs. Made by autocudagraph(); see its docstring.
+
+    Args:
+        fn: the function; for a bound method or Layer, the unbound function taking ``owner``
+            first.
+        options: validated GraphOptions.
+        owner: the Layer (or object) ``fn`` is bound to, or None.
+    """
+
+    def __init__(self, fn, options, owner=None):
+        if not isinstance(options, GraphOptions):
+            raise TypeError(f"GraphedCallable: options must be GraphOptions, got {options!r}")
+        self._fn = fn
+        self._owner_ref = weakref.ref(owner) if owner is not None else None
+        self._options = options
+        self._entries = collections.OrderedDict()
+        self._warned = set()
+        self._tick = 0
+        self._signature = None
+        self._tracked_layers = [owner] if isinstance(owner, paddle.nn.Layer) else []
+        self.counters = Counters()
+        self.__wrapped__ = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def options(self):
+        return self._options
+
+    def stats(self):
+        """Counters of this wrapper plus ``graphs``, the number of keys holding graphs now."""
+        out = self.counters.snapshot()
+        out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
+        out["keys"] = len(self._entries)
+        out["static_bytes"] = sum(e.nbytes() for e in self._entries.values() if e.has_graphs)
+        return out
+
+    def report(self):
+        """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
+        return describe_entries(self._entries.values())
+
+    def explain(self):
+        """A readable report: every key's phase and counts, and why calls ran eagerly."""
+        lines = [f"autocudagraph({self.__name__}): {len(self._entries)} key(s)"]
+        for row in self.report():
+            line = (
+                f"  key {row['key']!r:.80}: {row['phase']} on {row['backend']}, "
+                f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays, "
+                f"{row['static_bytes']} static bytes, input copies {row['input_copies']} made / "
+                f"{row['input_copies_skipped']} skipped"
+            )
+            if row["fallback_reason"]:
+                line += f"; fell back: {row['fallback_reason']}"
+            lines.append(line)
+        reasons = self.counters.eager_reasons
+        if reasons:
+            lines.append("  eager calls:")
+            for reason, count in reasons.most_common():
+                lines.append(f"    {count} x {reason}")
+        return "\n".join(lines)
+
+    def reset(self):
+        """Drops every graph, pool and static buffer, and zeroes the counters."""
+        for entry in self._entries.values():
+            entry.release()
+        self._entries.clear()
+        self._warned.clear()
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ call
+    def _owner(self):
+        if self._owner_ref is None:
+            return None
+        owner = self._owner_ref()
+        if owner is None:
+            raise CudaGraphError("autocudagraph: the Layer this wrapper was bound to no longer exists.")
+        return owner
+
+    def _run(self, args, kwargs):
+        if self._owner_ref is None:
+            return self._fn(*args, **kwargs)
+        return self._fn(self._owner(), *args, **kwargs)
+
+    def _eager(self, args, kwargs, reason):
+        self.counters.eager(reason)
+        return self._run(args, kwargs)
+
+    def _warn_once(self, topic, message):
+        if topic in self._warned:
+            return
+        self._warned.add(topic)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def __call__(self, *args, **kwargs):
+        if is_capturing():
+            return self._eager(args, kwargs, "called inside another capture")
+        tensors, consts, spec = flatten((args, kwargs))
+        key = self._key(args, kwargs, tensors, spec)
+        if key is None:
+            return self._eager(args, kwargs, "dispatch_key_fn returned None")
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key, tensors)
+            if entry is None:
+                return self._eager(args, kwargs, self._last_refusal)
+        self._tick += 1
+        entry.last_used = self._tick
+        self._entries.move_to_end(key)
+        phase = entry.phase
+        if phase is Phase.REPLAY:
+            return self._replay(entry, args, kwargs, tensors, spec)
+        if phase is Phase.WARMUP:
+            if entry.warmup_calls < self._options.warmup_steps:
+                entry.warmup_calls += 1
+                self.counters.warmup_calls += 1
+                return self._run(args, kwargs)
+            return self._capture_call(entry, args, kwargs, tensors, consts, spec)
+        if phase is Phase.RECAPTURE:
+            if not self._budget_allows(entry):
+                return self._eager(args, kwargs, "max_graphs reached")
+            self.counters.recaptures += 1
+            return self._capture_call(entry, args, kwargs, tensors, consts, spec)
+        return self._eager(args, kwargs, f"key fell back: {entry.fallback_reason}")
+
+    # ------------------------------------------------------------------ keys
+    def _bound_arguments(self, args, kwargs):
+        if self._signature is None:
+            sig = inspect.signature(self._fn)
+            if self._owner_ref is not None:
+                params = list(sig.parameters.values())[1:]
+                sig = sig.replace(parameters=params)
+            self._signature = sig
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound
+
+    def _state_key(self):
+        return (
+            paddle.is_grad_enabled(),
+            state.amp_state(),
+            tuple(layer.training for layer in self._tracked_layers),
+        )
+
+    def _key(self, args, kwargs, tensors, spec):
+        key_fn = self._options.dispatch_key_fn
+        if key_fn is None:
+            return (spec, tuple(tensor_meta(t) for t in tensors), self._state_key())
+        user_key = key_fn(self._bound_arguments(args, kwargs))
+        if user_key is None:
+            return None
+        try:
+            hash(user_key)
+        except TypeError as err:
+            raise CudaGraphError(
+                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
+                "Return a tuple, string or number (or None to run the call eagerly)."
+            ) from None
+        return ("user", user_key, self._state_key())
+
+    def _budget_allows(self, entry):
+        live = sum(1 for e in self._entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY))
+        if live < self._options.max_graphs:
+            return True
+        self._warn_once(
+            "max_graphs",
+            f"autocudagraph({self.__name__}): max_graphs={self._options.max_graphs} keys already hold "
+            "graphs; further keys run eagerly. Raise max_graphs, or return fewer distinct keys from "
+            "dispatch_key_fn (e.g. pad shapes to a few sizes).",
+        )
+        return False
+
+    def _new_entry(self, key, tensors):
+        backend, reason = resolve_backend(self._options.backend, tensors)
+        if backend is None:
+            self._last_refusal = reason
+            return None
+        entry = GraphEntry(key=key, backend=backend)
+        if not self._budget_allows(entry):
+            self._last_refusal = "max_graphs reached"
+            return None
+        self._entries[key] = entry
+        return entry
+
+    # ------------------------------------------------------------------ capture
+    def _capture_call(self, entry, args, kwargs, tensors, consts, spec):
+        try:
+            self._capture(entry, args, kwargs, tensors, consts, spec)
+        except Exception as err:  # contained: this key runs eagerly from now on
+            reason = f"{type(err).__name__}: {err}"
+            entry.fall_back(reason)
+            logger.debug("capture of %s failed", self.__name__, exc_info=True)
+            self._warn_once(
+                ("capture", entry.key),
+                f"autocudagraph({self.__name__}): capture failed and this key now runs eagerly. "
+                f"Reason: {reason}",
+            )
+            return self._eager(args, kwargs, "capture failed")
+        entry.captures += 1
+        self.counters.captures += 1
+        self._enforce_max_bytes(entry)
+        return self._run_graphs(entry, tensors, copy=False)
+
+    def _capture(self, entry, args, kwargs, tensors, consts, spec):
+        opts = self._options
+        backend = entry.backend
+        owner = self._owner()
+        names = leaf_names(self._named_arguments(args, kwargs))
+        static = StaticInputs(tensors, names)
+        static_args, static_kwargs = unflatten(spec, static.buffers, consts)
+        grad_enabled = paddle.is_grad_enabled()
+        fn = self._fn
+        live = {}
+
+        def forward_body():
+            with paddle.set_grad_enabled(grad_enabled):
+                if owner is None:
+                    out = fn(*static_args, **static_kwargs)
+                else:
+                    out = fn(owner, *static_args, **static_kwargs)
+            out_tensors, out_consts, out_spec = flatten(out)
+            live["outputs"] = out_tensors
+            live["spec"] = (out_spec, out_consts)
+            return out_tensors
+
+        snapshot = state.BufferSnapshot()
+        layer_args = [c for c in consts if isinstance(c, paddle.nn.Layer)]
+        bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
+        for layer in bound_layers:
+            snapshot.add(layer)
+        rng = state.rng_snapshot()
+        entry.pool = backend.new_pool()
+        entry.clone_outputs = opts.clone_outputs
+        entry.clone_param_grads = opts.clone_param_grads
+        try:
+            entry.fwd_graph = backend.new_graph(entry.pool)
+            with _LayerRecorder(snapshot) as recorder:
+                outputs = entry.fwd_graph.capture(forward_body, opts.capture_hooks)
+            entry.static_inputs = static
+            entry.in_spec = spec
+            entry.static_outputs = list(outputs)
+            entry.out_spec, entry.out_consts = live["spec"]
+            entry.out_differentiable = [not o.stop_gradient for o in outputs]
+            layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
+            self._track_layers(layers)
+            homes = _param_homes(layers)
+            entry.layers = layers
+            entry.param_homes = [(sub, name, p, p.stop_gradient) for sub, name, p in homes]
+            entry.param_ptrs = [p.data_ptr() for _, _, p in homes]
+            input_ids = {id(t) for t in tensors}
+            entry.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
+            needs_grad = [not b.stop_gradient for b in static.buffers]
+            wants_backward = grad_enabled and any(entry.out_differentiable) and (any(needs_grad) or entry.params)
+            if wants_backward:
+                self._capture_backward(entry, live, static, needs_grad, tensors, opts)
+            else:
+                entry.out_differentiable = [False] * len(outputs)
+            entry.live = live
+        finally:
+            snapshot.restore()
+            if backend.capture_executes:
+                state.restore_rng(rng)
+        entry.phase = Phase.REPLAY
+        entry.verify_left = opts.verify_replays
+        # Layers discovered during capture are now part of the key (their training flags).
+        self._rekey(entry)
+
+    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts):
+        outputs = entry.static_outputs
+        diff_index = [i for i, d in enumerate(entry.out_differentiable) if d]
+        leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
+        known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
+        unknown = set(_accumulation_nodes([outputs[i] for i in diff_index])) - known
+        if unknown:
+            names = _name_unknown_leaves(self._fn, unknown)
+            raise CaptureError(
+                f"autocudagraph: the function uses tensors that require grad but are neither arguments "
+                f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
+                "would be lost. Pass them as arguments, or use them through a Layer."
+            )
+        with paddle.no_grad():
+            grad_outputs = []
+            for i in diff_index:
+                buf = outputs[i].detach().clone()
+                buf.stop_gradient = True
+                grad_outputs.append(buf)
+
+        def backward_body():
+            current = live["outputs"]
+            swap = GradSwap(leaves)
+            with swap:
+                paddle.autograd.backward([current[i] for i in diff_index], grad_outputs, retain_graph=True)
+            return swap.collected
+
+        entry.bwd_graph = entry.backend.new_graph(entry.pool)
+        entry.static_grads = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
+        entry.static_grad_outputs = grad_outputs
+        # One grad slot per PyLayer tensor input: the call's tensors, then the parameters.
+        slots, clones, leaf_i = [], [], 0
+        for t, n in zip(tensors, needs_grad):
+            if n:
+                slots.append(leaf_i if entry.static_grads[leaf_i] is not None else None)
+                # A leaf would keep the returned tensor as its .grad: never hand it a buffer.
+                clones.append(True if t.is_leaf else entry.clone_param_grads)
+                leaf_i += 1
+            else:
+                slots.append(None)
+                clones.append(False)
+        for _ in entry.params:
+            slots.append(leaf_i if entry.static_grads[leaf_i] is not None else None)
+            clones.append(entry.clone_param_grads)
+            leaf_i += 1
+        entry.grad_slots = slots
+        entry.hand_out_clone = clones
+
+    def _track_layers(self, layers):
+        for layer in layers:
+            if all(layer is not t for t in self._tracked_layers):
+                self._tracked_layers.append(layer)
+
+    def _rekey(self, entry):
+        old = entry.key
+        new = old[:2] + (self._state_key(),)
+        if new != old and new not in self._entries:
+            del self._entries[old]
+            entry.key = new
+            self._entries[new] = entry
+
+    def _named_arguments(self, args, kwargs):
+        try:
+            return list(self._bound_arguments(args, kwargs).arguments.items())
+        except TypeError:
+            return [("args", args), ("kwargs", kwargs)]
+
+    # ------------------------------------------------------------------ replay
+    def _params_moved(self, entry):
+        for (sub, name, p, frozen), ptr in zip(entry.param_homes, entry.param_ptrs):
+            if sub._parameters.get(name) is not p or p.stop_gradient != frozen or p.data_ptr() != ptr:
+                return f"parameter '{name}' of {type(sub).__name__} was replaced, moved or (un)frozen"
+        return None
+
+    def _replay(self, entry, args, kwargs, tensors, spec):
+        if self._options.dispatch_key_fn is not None:
+            if spec != entry.in_spec:
+                raise InputMismatchError(
+                    "autocudagraph: the call's argument structure differs from the one its key was "
+                    "captured with. Include the structure in the key that dispatch_key_fn returns."
+                )
+            entry.static_inputs.check(tensors)
+        moved = self._params_moved(entry)
+        if moved is not None:
+            entry.release()
+            entry.phase = Phase.RECAPTURE
+            entry.fallback_reason = None
+            logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, moved)
+            self.counters.recaptures += 1
+            _, consts, _ = flatten((args, kwargs))
+            return self._capture_call(entry, args, kwargs, tensors, consts, spec)
+        inflight = entry.inflight() if entry.inflight is not None else None
+        if inflight is not None and not inflight.done:
+            self._warn_once(
+                "inflight",
+                f"autocudagraph({self.__name__}): called again with the same key before the backward of "
+                "the previous call ran; this call runs eagerly so the graph's saved activations are not "
+                "overwritten. Run backward between calls, or give such calls their own key.",
+            )
+            return self._eager(args, kwargs, "previous replay's backward still pending")
+        return self._run_graphs(entry, tensors, copy=True)
+
+    def _run_graphs(self, entry, tensors, copy):
+        if copy:
+            copied, skipped = entry.static_inputs.copy_in(tensors)
+            entry.replays += 1
+            self.counters.replays += 1
+        else:
+            copied, skipped = 0, 0
+        entry.input_copies += copied
+        entry.input_copies_skipped += skipped
+        self.counters.input_copies += copied
+        self.counters.input_copies_skipped += skipped
+        if entry.bwd_graph is not None and paddle.is_grad_enabled():
+            outputs = GraphedFunction.apply(entry, *tensors, *entry.params)
+            if isinstance(outputs, paddle.Tensor):
+                outputs = [outputs]
+        else:
+            entry.fwd_graph.replay()
+            outputs = hand_out_outputs(entry)
+            for o in outputs:
+                o.stop_gradient = True
+        return unflatten(entry.out_spec, outputs, entry.out_consts)
+
+    def _enforce_max_bytes(self, entry):
+        budget = self._options.max_bytes
+        if budget is None:
+            return
+        holders = [e for e in self._entries.values() if e.has_graphs]
+        total = sum(e.nbytes() for e in holders)
+        for victim in sorted(holders, key=lambda e: e.last_used):
+            if total <= budget:
+                break
+            if victim is entry:
+                continue
+            total -= victim.nbytes()
+            victim.release()
+            victim.phase = Phase.RECAPTURE
+            self.counters.evictions += 1

@@ -1,0 +1,116 @@
+"""GraphOptions: every option of autocudagraph, validated once at decoration time."""
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+__all__ = ["GraphOptions", "BACKEND_NAMES", "ENV_BACKEND"]
+
+#: Names accepted by ``backend=`` and by the environment override.
+BACKEND_NAMES = ("cuda", "simulate", "eager")
+#: Environment variable that overrides the backend of every wrapper.
+ENV_BACKEND = "PADDLEFLEET_CUDAGRAPH_BACKEND"
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name, value, minimum, hint):
+    if not _is_int(value):
+        raise TypeError(
+            f"autocudagraph: {name} must be an int, got {value!r} ({type(value).__name__}). "
+            f"{hint}"
+        )
+    if value < minimum:
+        raise ValueError(
+            f"autocudagraph: {name} must be >= {minimum}, got {value}. {hint}"
+        )
+
+
+def _check_bool(name, value, hint):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"autocudagraph: {name} must be True or False, got {value!r} "
+            f"({type(value).__name__}). {hint}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphOptions:
+    """Options of one autocudagraph wrapper.
+
+    Attributes:
+        warmup_steps: eager calls per key before the capture call (0 allowed).
+        max_graphs: keys that may hold graphs at once; further keys run eagerly.
+        dispatch_key_fn: ``fn(bound_arguments) -> hashable | None`` replacing the default key;
+            None from it runs that call eagerly.
+        backend: "cuda", "simulate", "eager" or None (cuda when the call's tensors are on a GPU
+            of a CUDA build of Paddle, otherwise eager). The environment variable
+            PADDLEFLEET_CUDAGRAPH_BACKEND overrides it.
+        clone_outputs: return copies of the static output buffers (True) or the buffers themselves.
+        clone_param_grads: hand parameter grads back as copies (True) or as the static grad buffers.
+        verify_replays: compare the first N replays of each key with an eager re-run.
+        max_bytes: optional budget for the static buffers of all keys; least recently used keys
+            are evicted beyond it.
+        capture_hooks: context-manager factories entered around every capture.
+        check_stale_outputs: with clone_outputs=False, raise when an output is used after a later
+            replay overwrote it.
+    """
+
+    warmup_steps: int = 1
+    max_graphs: int = 8
+    dispatch_key_fn: Optional[Callable[[Any], Any]] = None
+    backend: Optional[str] = None
+    clone_outputs: bool = True
+    clone_param_grads: bool = True
+    verify_replays: int = 0
+    max_bytes: Optional[int] = None
+    capture_hooks: Tuple[Callable[[], Any], ...] = ()
+    check_stale_outputs: bool = False
+
+    def __post_init__(self):
+        _check_int("warmup_steps", self.warmup_steps, 0,
+                   "Pass the number of eager calls before capture, e.g. warmup_steps=1.")
+        _check_int("max_graphs", self.max_graphs, 0,
+                   "Pass how many keys may hold graphs, e.g. max_graphs=8 (0 runs every call eagerly).")
+        if self.dispatch_key_fn is not None and not callable(self.dispatch_key_fn):
+            raise TypeError(
+                f"autocudagraph: dispatch_key_fn must be callable or None, got {self.dispatch_key_fn!r}. "
+                "Pass a function bound_arguments -> hashable key (or None for eager)."
+            )
+        if self.backend is not None and self.backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"autocudagraph: backend must be one of {BACKEND_NAMES} or None, got {self.backend!r}. "
+                "Use backend=None to pick cuda on a GPU and eager elsewhere."
+            )
+        _check_bool("clone_outputs", self.clone_outputs,
+                    "clone_outputs=False returns static buffers that the next replay overwrites.")
+        _check_bool("clone_param_grads", self.clone_param_grads,
+                    "clone_param_grads=False is safe only when grads are consumed before the next backward replay.")
+        _check_bool("check_stale_outputs", self.check_stale_outputs,
+                    "Pass check_stale_outputs=True to detect reads of overwritten outputs.")
+        _check_int("verify_replays", self.verify_replays, 0,
+                   "Pass how many replays per key to compare with eager, e.g. verify_replays=2.")
+        if self.max_bytes is not None:
+            _check_int("max_bytes", self.max_bytes, 1,
+                       "Pass a byte budget for static buffers, e.g. max_bytes=2**30, or None for no budget.")
+        if self.check_stale_outputs and self.clone_outputs:
+            raise ValueError(
+                "autocudagraph: check_stale_outputs=True needs clone_outputs=False (cloned outputs are never "
+                "overwritten). Pass clone_outputs=False, or drop check_stale_outputs."
+            )
+        hooks = self.capture_hooks
+        if hooks is None:
+            hooks = ()
+        if callable(hooks) or not isinstance(hooks, Sequence):
+            raise TypeError(
+                f"autocudagraph: capture_hooks must be a list of context-manager factories, got {hooks!r}. "
+                "Wrap a single factory in a list: capture_hooks=[my_capture_context]."
+            )
+        for hook in hooks:
+            if not callable(hook):
+                raise TypeError(
+                    f"autocudagraph: every capture_hooks entry must be callable and return a context manager, "
+                    f"got {hook!r}. Pass the factory (e.g. allreduce.capture), not its result."
+                )
+        object.__setattr__(self, "capture_hooks", tuple(hooks))
