@@ -1,4 +1,4 @@
-"""Per-key state: the Phase enum and the GraphEntry dataclass.
+r"""Per-key state: the Phase enum and the GraphEntry dataclass.
 
 The lifecycle of a key (transitions happen only through the methods here)::
 

@@ -377,6 +377,8 @@ class GraphedCallable:
             input_ids = {id(t) for t in tensors}
             entry.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
             needs_grad = [not b.stop_gradient for b in static.buffers]
+            if grad_enabled and any(entry.out_differentiable):
+                self._refuse_unknown_leaves(entry, static, needs_grad)
             wants_backward = grad_enabled and any(entry.out_differentiable) and (any(needs_grad) or entry.params)
             if wants_backward:
                 self._capture_backward(entry, live, static, needs_grad, tensors, opts)
@@ -392,12 +394,13 @@ class GraphedCallable:
         # Layers discovered during capture are now part of the key (their training flags).
         self._rekey(entry)
 
-    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts):
-        outputs = entry.static_outputs
-        diff_index = [i for i, d in enumerate(entry.out_differentiable) if d]
+    def _refuse_unknown_leaves(self, entry, static, needs_grad):
+        """Raises CaptureError when the outputs depend on leaves that need grad but would not get
+        it: neither call arguments nor parameters of the Layers the call uses."""
+        outputs = [o for o, d in zip(entry.static_outputs, entry.out_differentiable) if d]
         leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
         known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
-        unknown = set(_accumulation_nodes([outputs[i] for i in diff_index])) - known
+        unknown = set(_accumulation_nodes(outputs)) - known
         if unknown:
             names = _name_unknown_leaves(self._fn, unknown)
             raise CaptureError(
@@ -405,6 +408,11 @@ class GraphedCallable:
                 f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
                 "would be lost. Pass them as arguments, or use them through a Layer."
             )
+
+    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts):
+        outputs = entry.static_outputs
+        diff_index = [i for i, d in enumerate(entry.out_differentiable) if d]
+        leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
         with paddle.no_grad():
             grad_outputs = []
             for i in diff_index:

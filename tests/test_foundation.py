@@ -1,0 +1,547 @@
+"""The foundation: lifecycle, autograd bridge, nested IO, keys and dispatch, backends, errors.
+
+Every graphed result is compared with eager bit for bit, outputs and every grad.
+"""
+
+import os
+import unittest
+import warnings
+from unittest import mock
+
+import numpy as np
+import paddle
+from parameterized import parameterized
+
+from paddlefleet.cudagraph import CaptureError, CudaGraphError, InputMismatchError, autocudagraph
+from paddlefleet.cudagraph.backends import cuda as cuda_backend
+from paddlefleet.cudagraph.options import ENV_BACKEND
+
+from .harness import (
+    BackendCase,
+    backend_classes,
+    clone_leaf,
+    grads_of,
+    parameterized_class,
+    params_of,
+    twin_layers,
+)
+
+
+def mm(x, w):
+    return paddle.matmul(x, w)
+
+
+def two_layer(x, w1, w2):
+    return paddle.matmul(paddle.nn.functional.gelu(paddle.matmul(x, w1)), w2)
+
+
+class MatmulLayer(paddle.nn.Layer):
+    def __init__(self, n=8, m=8):
+        super().__init__()
+        self.w = self.create_parameter([n, m])
+
+    def forward(self, x):
+        return paddle.matmul(x, self.w)
+
+
+class FFN(paddle.nn.Layer):
+    def __init__(self, d=8, h=16, layers=3):
+        super().__init__()
+        self.blocks = paddle.nn.LayerList(
+            [paddle.nn.Sequential(paddle.nn.Linear(d, h), paddle.nn.GELU(), paddle.nn.Linear(h, d)) for _ in range(layers)]
+        )
+        self.norm = paddle.nn.LayerNorm(d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.norm(x)
+
+
+class DecoratedFFN(FFN):
+    @autocudagraph(warmup_steps=2)
+    def forward(self, x):
+        return FFN.forward(self, x)
+
+
+def run_steps(fn, inputs_per_step, leaves_per_step, dys=None):
+    """Calls fn per step, backward with dy (or sum), returns outputs and leaf grads per step."""
+    outs, grads = [], []
+    for i, args in enumerate(inputs_per_step):
+        y = fn(*args)
+        if dys is None:
+            y.sum().backward()
+        else:
+            y.backward(dys[i])
+        outs.append(y.numpy())
+        grads.append([None if t.grad is None else t.grad.numpy() for t in leaves_per_step[i]])
+    return outs, grads
+
+
+@parameterized_class(backend_classes())
+class TestPureFunctions(BackendCase):
+    @parameterized.expand([(0,), (1,), (2,), (3,)])
+    def test_warmup_steps_then_one_capture_then_replays(self, warmup):
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+        w_e = clone_leaf(w)
+        g = self.graphed(mm, warmup_steps=warmup)
+        steps = 6
+        for i in range(steps):
+            x = paddle.randn([4, 8])
+            x.stop_gradient = False
+            x_e = clone_leaf(x)
+            y = g(x, w)
+            y_e = mm(x_e, w_e)
+            self.assertBitwise(y, y_e, f"output step {i}")
+            dy = paddle.randn([4, 8])
+            y.backward(dy)
+            y_e.backward(dy)
+            self.assertBitwise(x.grad, x_e.grad, f"x.grad step {i}")
+            self.assertBitwise(w.grad, w_e.grad, f"w.grad step {i} (accumulated)")
+        s = g.stats()
+        self.assertEqual((s["warmup_calls"], s["captures"], s["replays"]), (warmup, 1, steps - warmup - 1))
+        self.assertEqual((s["graphs"], s["fallbacks"]), (1, 0))
+
+    @parameterized.expand(
+        [
+            ("all_need_grad", (False, False, False)),
+            ("x_frozen", (True, False, False)),
+            ("w1_frozen", (False, True, False)),
+            ("only_w2", (True, True, False)),
+            ("none_need_grad", (True, True, True)),
+        ]
+    )
+    def test_multiple_inputs_stop_gradient_mix(self, _, stops):
+        g = self.graphed(two_layer, warmup_steps=1)
+        base = [paddle.randn([4, 8]), paddle.randn([8, 16]), paddle.randn([16, 8])]
+        for t, s in zip(base, stops):
+            t.stop_gradient = s
+        ref = [clone_leaf(t) for t in base]
+        for step in range(4):
+            y = g(*base)
+            y_e = two_layer(*ref)
+            self.assertBitwise(y, y_e, "output")
+            self.assertEqual(y.stop_gradient, y_e.stop_gradient)
+            if not y_e.stop_gradient:
+                y.sum().backward()
+                y_e.sum().backward()
+            for i, (t, r) in enumerate(zip(base, ref)):
+                self.assertBitwise(t.grad, r.grad, f"grad of input {i} at step {step}")
+        self.assertEqual(g.stats()["captures"], 1)
+
+    def test_same_key_shares_graph_and_new_shape_gets_new_graph(self):
+        g = self.graphed(mm, warmup_steps=0)
+        w = paddle.randn([8, 8])
+        for rows in (4, 4, 2, 2, 4):
+            x = paddle.randn([rows, 8])
+            self.assertBitwise(g(x, w), mm(x, w))
+        s = g.stats()
+        self.assertEqual((s["captures"], s["replays"], s["graphs"]), (2, 3, 2))
+
+    def test_non_tensor_values_are_part_of_the_key(self):
+        def scaled(x, scale, mode="mul"):
+            return x * scale if mode == "mul" else x + scale
+
+        g = self.graphed(scaled, warmup_steps=0)
+        x = paddle.randn([3, 3])
+        for scale, mode in [(2.0, "mul"), (3.0, "mul"), (2.0, "add"), (2.0, "mul"), (3.0, "mul")]:
+            self.assertBitwise(g(x, scale, mode=mode), scaled(x, scale, mode=mode), f"{scale} {mode}")
+        self.assertEqual(g.stats()["captures"], 3)
+        self.assertEqual(g.stats()["replays"], 2)
+
+    def test_passing_the_static_buffer_itself_skips_the_copy(self):
+        g = self.graphed(mm, warmup_steps=0)
+        w = paddle.randn([8, 8])
+        x = paddle.randn([4, 8])
+        g(x, w)
+        entry = next(iter(g._entries.values()))
+        static_x, static_w = entry.static_inputs.buffers
+        paddle.assign(paddle.randn([4, 8]), output=static_x)
+        expected = mm(static_x.clone(), w)
+        with g.counters.expect(replays=1, input_copies=0, input_copies_skipped=2):
+            y = g(static_x, static_w)
+        self.assertBitwise(y, expected)
+
+
+@parameterized_class(backend_classes())
+class TestLayers(BackendCase):
+    def test_decorated_method_instances_keep_their_own_graphs(self):
+        # The class decorator names no backend: backend=None picks cuda for GPU tensors; the
+        # environment override puts it on the simulated backend.
+        env = {ENV_BACKEND: self.backend} if self.backend == "simulate" else {}
+        with mock.patch.dict(os.environ, env):
+            self._check_decorated_methods()
+
+    def _check_decorated_methods(self):
+        a = DecoratedFFN()
+        b = DecoratedFFN()
+        ref_a, ref_b = FFN(), FFN()
+        ref_a.set_state_dict(a.state_dict())
+        ref_b.set_state_dict(b.state_dict())
+        for step in range(5):
+            x = paddle.randn([4, 8])
+            for model, ref in ((a, ref_a), (b, ref_b)):
+                y, y_e = model(x), ref(x)
+                self.assertBitwise(y, y_e, f"output step {step}")
+                y.sum().backward()
+                y_e.sum().backward()
+                self.assertBitwise(grads_of(model), grads_of(ref), f"param grads step {step}")
+        self.assertIsNot(a.forward, b.forward)
+        for model in (a, b):
+            s = model.forward.stats()
+            self.assertEqual((s["warmup_calls"], s["captures"], s["replays"]), (2, 1, 2))
+
+    def test_layer_instance_is_graphed_in_place(self):
+        model, ref = twin_layers(FFN)
+        keys = list(model.state_dict().keys())
+        same = self.graphed(model, warmup_steps=1)
+        self.assertIs(same, model)
+        self.assertEqual(list(model.state_dict().keys()), keys)
+        opt = paddle.optimizer.AdamW(learning_rate=0.01, parameters=model.parameters())
+        opt_e = paddle.optimizer.AdamW(learning_rate=0.01, parameters=ref.parameters())
+        for step in range(5):
+            x = paddle.randn([4, 8])
+            y, y_e = model(x), ref(x)
+            self.assertBitwise(y, y_e, f"output step {step}")
+            (y * y).mean().backward()
+            (y_e * y_e).mean().backward()
+            self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step}")
+            opt.step()
+            opt_e.step()
+            opt.clear_grad()
+            opt_e.clear_grad()
+            self.assertBitwise(params_of(model), params_of(ref), f"params step {step}")
+        s = model.forward.stats()
+        self.assertEqual((s["captures"], s["replays"]), (1, 3))
+
+    def test_layer_argument_parameters_get_grads(self):
+        def apply(layer, x):
+            return layer(x) * 2.0
+
+        layer, ref = twin_layers(MatmulLayer)
+        g = self.graphed(apply, warmup_steps=1)
+        for step in range(4):
+            x = paddle.randn([4, 8])
+            y, y_e = g(layer, x), apply(ref, x)
+            self.assertBitwise(y, y_e)
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(layer.w.grad, ref.w.grad, f"w.grad step {step}")
+        self.assertEqual(g.stats()["replays"], 2)
+
+    def test_global_layer_called_by_a_plain_function_gets_grads(self):
+        layer, ref = twin_layers(MatmulLayer)
+
+        def uses_global(x):
+            return layer(x)
+
+        g = self.graphed(uses_global, warmup_steps=0)
+        for step in range(3):
+            x = paddle.randn([4, 8])
+            y, y_e = g(x), ref(x)
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(y, y_e)
+            self.assertBitwise(layer.w.grad, ref.w.grad, f"w.grad step {step}")
+        self.assertEqual(g.stats()["captures"], 1)
+
+    def test_raw_parameter_not_given_is_refused_not_dropped(self):
+        w = paddle.create_parameter([8, 8], "float32")
+
+        def hidden_param(x):
+            return paddle.matmul(x, w)
+
+        g = self.graphed(hidden_param, warmup_steps=0)
+        x = paddle.randn([4, 8])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = g(x)
+        self.assertTrue(any("w" in str(c.message) and "grads" in str(c.message) for c in caught), [str(c.message) for c in caught])
+        y.sum().backward()
+        w_ref = clone_leaf(w)
+        paddle.matmul(x, w_ref).sum().backward()
+        self.assertBitwise(w.grad, w_ref.grad, "grad of the hidden parameter (eager fallback)")
+        self.assertEqual(g.stats()["captures"], 0)
+        self.assertEqual(g.stats()["eager_reasons"], {"capture failed": 1})
+
+    def test_multi_layer_ffn_end_to_end_param_grads(self):
+        model, ref = twin_layers(lambda: FFN(d=16, h=32, layers=4))
+        self.graphed(model, warmup_steps=1)
+        for step in range(4):
+            x = paddle.randn([8, 16])
+            x.stop_gradient = False
+            x_e = clone_leaf(x)
+            y, y_e = model(x), ref(x_e)
+            dy = paddle.randn([8, 16])
+            y.backward(dy)
+            y_e.backward(dy)
+            self.assertBitwise(y, y_e)
+            self.assertBitwise(x.grad, x_e.grad, "input grad")
+            self.assertBitwise(grads_of(model), grads_of(ref), f"param grads step {step}")
+
+
+@parameterized_class(backend_classes())
+class TestNestedIO(BackendCase):
+    def test_nested_dict_and_list_io(self):
+        def block(batch, extra=None):
+            w = batch["w"]
+            h = paddle.matmul(batch["x"], w)
+            outs = {"h": h, "parts": [h * batch["scale"], None, "tag"], "n": 3}
+            if extra is not None:
+                outs["e"] = (paddle.matmul(extra[0], w), extra[1])
+            return outs
+
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+        w_e = clone_leaf(w)
+        g = self.graphed(block, warmup_steps=1)
+        for step in range(4):
+            x = paddle.randn([4, 8])
+            extra = [paddle.randn([2, 8]), 7]
+            out = g({"x": x, "w": w, "scale": 0.5}, extra=extra)
+            ref = block({"x": x, "w": w_e, "scale": 0.5}, extra=extra)
+            self.assertEqual(type(out["parts"]), list)
+            self.assertEqual(type(out["e"]), tuple)
+            self.assertEqual((out["parts"][1], out["parts"][2], out["n"], out["e"][1]), (None, "tag", 3, 7))
+            self.assertBitwise(out["h"], ref["h"])
+            self.assertBitwise(out["parts"][0], ref["parts"][0])
+            self.assertBitwise(out["e"][0], ref["e"][0])
+            (out["h"].sum() + out["e"][0].sum()).backward()
+            (ref["h"].sum() + ref["e"][0].sum()).backward()
+            self.assertBitwise(w.grad, w_e.grad, f"w.grad step {step}")
+        self.assertEqual(g.stats()["replays"], 2)
+
+    def test_closure_tensor_needing_grad_is_refused_not_dropped(self):
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+
+        def closes_over(x):
+            return paddle.matmul(x, w)
+
+        g = self.graphed(closes_over, warmup_steps=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            g(paddle.randn([4, 8])).sum().backward()
+        self.assertTrue(any("closes_over" in str(c.message) and ": w." in str(c.message) for c in caught),
+                        [str(c.message) for c in caught])
+        self.assertIsNotNone(w.grad)
+        self.assertEqual(g.stats()["captures"], 0)
+
+    def test_slices_and_strided_views_as_inputs(self):
+        w = paddle.randn([4, 8])
+        w.stop_gradient = False
+        w_e = clone_leaf(w)
+        g = self.graphed(mm, warmup_steps=1)
+        for step in range(4):
+            base = paddle.randn([6, 8])
+            base.stop_gradient = False
+            base_e = clone_leaf(base)
+            x, x_e = base[1:5, ::2], base_e[1:5, ::2]
+            y, y_e = g(x, w), mm(x_e, w_e)
+            self.assertBitwise(y, y_e, f"output step {step}")
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(base.grad, base_e.grad, "grad through the strided view")
+            self.assertBitwise(w.grad, w_e.grad)
+        self.assertEqual(g.stats()["replays"], 2)
+
+    def test_no_grad_calls_capture_a_forward_only_graph(self):
+        model, ref = twin_layers(FFN)
+        self.graphed(model, warmup_steps=1)
+        for step in range(4):
+            x = paddle.randn([4, 8])
+            with paddle.no_grad():
+                y = model(x)
+                y_e = ref(x)
+            self.assertTrue(y.stop_gradient)
+            self.assertBitwise(y, y_e)
+        entry = next(iter(model.forward._entries.values()))
+        self.assertIsNone(entry.bwd_graph)
+        # Grad mode is part of the key: a call with grad captures its own graph with a backward.
+        y = model(paddle.randn([4, 8]))
+        self.assertFalse(y.stop_gradient)
+        self.assertEqual(model.forward.stats()["keys"], 2)
+
+
+@parameterized_class(backend_classes())
+class TestDispatch(BackendCase):
+    def test_dispatch_key_fn_none_runs_eagerly(self):
+        g = self.graphed(mm, warmup_steps=0, dispatch_key_fn=lambda ba: None if ba.arguments["x"].shape[0] > 4 else "small")
+        w = paddle.randn([8, 8])
+        for rows in (4, 8, 4, 8):
+            x = paddle.randn([rows, 8])
+            self.assertBitwise(g(x, w), mm(x, w))
+        s = g.stats()
+        self.assertEqual((s["captures"], s["replays"], s["fallbacks"]), (1, 1, 2))
+        self.assertEqual(s["eager_reasons"], {"dispatch_key_fn returned None": 2})
+
+    def test_max_graphs_fallback_warns_once_and_counts(self):
+        g = self.graphed(mm, warmup_steps=0, max_graphs=2)
+        w = paddle.randn([8, 8])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for rows in (1, 2, 3, 4, 1, 2, 3):
+                x = paddle.randn([rows, 8])
+                self.assertBitwise(g(x, w), mm(x, w))
+        max_warnings = [c for c in caught if "max_graphs" in str(c.message)]
+        self.assertEqual(len(max_warnings), 1)
+        s = g.stats()
+        self.assertEqual((s["graphs"], s["captures"], s["replays"], s["fallbacks"]), (2, 2, 2, 3))
+        self.assertEqual(s["eager_reasons"], {"max_graphs reached": 3})
+
+    def test_user_key_ignoring_shapes_raises_naming_argument_and_shapes(self):
+        g = self.graphed(mm, warmup_steps=0, dispatch_key_fn=lambda ba: "one")
+        w = paddle.randn([8, 8])
+        g(paddle.randn([4, 8]), w)
+        with self.assertRaises(InputMismatchError) as ctx:
+            g(paddle.randn([6, 8]), w)
+        msg = str(ctx.exception)
+        self.assertIn("'x'", msg)
+        self.assertIn("[4, 8]", msg)
+        self.assertIn("[6, 8]", msg)
+        with self.assertRaises(InputMismatchError):
+            g(paddle.randn([4, 8]).astype("float64"), w.astype("float64"))
+
+    def test_reset_drops_every_graph(self):
+        g = self.graphed(mm, warmup_steps=0)
+        w = paddle.randn([8, 8])
+        for rows in (1, 2):
+            g(paddle.randn([rows, 8]), w)
+        self.assertEqual(g.stats()["graphs"], 2)
+        g.reset()
+        self.assertEqual((g.stats()["graphs"], g.stats()["keys"]), (0, 0))
+        x = paddle.randn([1, 8])
+        self.assertBitwise(g(x, w), mm(x, w))
+        self.assertEqual(g.stats()["captures"], 1)
+
+    def test_training_flag_is_part_of_the_key(self):
+        model, ref = twin_layers(lambda: paddle.nn.Sequential(paddle.nn.Linear(8, 8), paddle.nn.Dropout(0.5)))
+        self.graphed(model, warmup_steps=0)
+        x = paddle.randn([4, 8])
+        model.eval()
+        ref.eval()
+        self.assertBitwise(model(x), ref(x))
+        model.train()
+        self.assertEqual(model.forward.stats()["keys"], 1)
+        y = model(x)
+        self.assertEqual(model.forward.stats()["keys"], 2)
+        self.assertGreater(int((y == 0).astype("int32").sum()), 0, "training graph applies dropout")
+
+
+@parameterized_class(backend_classes())
+class TestCaptureRules(BackendCase):
+    def test_host_sync_during_capture_falls_back_with_warning(self):
+        if self.backend != "simulate":
+            self.skipTest("the simulated backend refuses host syncs; a real capture fails on its own")
+
+        def syncs(x):
+            if float(x.sum()) > 1e9:
+                return x
+            return x * 2.0
+
+        g = self.graphed(syncs, warmup_steps=0)
+        x = paddle.randn([3])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = g(x)
+        self.assertBitwise(y, x * 2.0)
+        self.assertTrue(any("Tensor.__float__" in str(c.message) for c in caught))
+        self.assertBitwise(g(x), x * 2.0)
+        s = g.stats()
+        self.assertEqual((s["captures"], s["graphs"]), (0, 0))
+        self.assertEqual(s["eager_reasons"], {"capture failed": 1, "key fell back: CaptureError: " + str(g.report()[0]["fallback_reason"]).split(": ", 1)[1]: 1})
+        # Nothing was left patched.
+        self.assertEqual(float(paddle.to_tensor(2.0)), 2.0)
+
+
+class TestBackendChoice(unittest.TestCase):
+    def setUp(self):
+        paddle.set_device("cpu")
+
+    def test_backend_none_on_cpu_runs_eagerly_untouched(self):
+        if os.environ.get(ENV_BACKEND):
+            self.skipTest(f"{ENV_BACKEND} overrides the choice")
+        g = autocudagraph(mm)
+        x, w = paddle.randn([2, 8]), paddle.randn([8, 8])
+        for _ in range(3):
+            self.assertBitwise_(g(x, w), mm(x, w))
+        s = g.stats()
+        self.assertEqual((s["captures"], s["graphs"], s["fallbacks"]), (0, 0, 3))
+        self.assertEqual(list(s["eager_reasons"]), ["no GPU tensors or no CUDA build (backend=None runs eagerly)"])
+
+    def test_environment_overrides_every_wrapper(self):
+        g = autocudagraph(mm, backend="eager", warmup_steps=0)
+        x, w = paddle.randn([2, 8]), paddle.randn([8, 8])
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "simulate"}):
+            self.assertBitwise_(g(x, w), mm(x, w))
+        self.assertEqual(g.stats()["captures"], 1)
+        g2 = autocudagraph(mm, backend="simulate", warmup_steps=0)
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "eager"}):
+            g2(x, w)
+        self.assertEqual(g2.stats()["captures"], 0)
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "tpu"}):
+            with self.assertRaisesRegex(CudaGraphError, "tpu"):
+                g2(x, w)
+
+    def test_cuda_backend_without_cuda_says_so(self):
+        if cuda_backend.cuda_available():
+            self.skipTest("this Paddle has CUDA graphs")
+        g = autocudagraph(mm, backend="cuda")
+        with mock.patch.dict(os.environ, {ENV_BACKEND: ""}):
+            with self.assertRaisesRegex(CudaGraphError, "no CUDA graphs"):
+                g(paddle.randn([2, 8]), paddle.randn([8, 8]))
+
+    @parameterized.expand(
+        [
+            ("max_graphs", {"max_graphs": -1}, ValueError, "max_graphs must be >= 0, got -1"),
+            ("warmup_str", {"warmup_steps": "2"}, TypeError, "warmup_steps must be an int, got '2'"),
+            ("warmup_bool", {"warmup_steps": True}, TypeError, "warmup_steps must be an int"),
+            ("backend", {"backend": "tpu"}, ValueError, "backend must be one of"),
+            ("key_fn", {"dispatch_key_fn": 3}, TypeError, "dispatch_key_fn must be callable"),
+            ("clone", {"clone_param_grads": "yes"}, TypeError, "clone_param_grads must be True or False"),
+            ("hooks", {"capture_hooks": lambda: None}, TypeError, "capture_hooks must be a list"),
+            ("unknown", {"warmup": 1}, TypeError, "warmup"),
+        ]
+    )
+    def test_bad_options_fail_at_decoration(self, _, options, error, text):
+        with self.assertRaisesRegex(error, text):
+            autocudagraph(**options)
+        with self.assertRaisesRegex(error, text):
+            autocudagraph(mm, **options)
+
+    def test_pool_sharing_is_detected_not_versioned(self):
+        class Graph26:
+            def __init__(self, place=None, mode="thread_local"):
+                self.kw = {"place": place, "mode": mode}
+
+        class Graph3x(Graph26):
+            def __init__(self, place=None, mode="thread_local", pool_id=None):
+                self.kw = {"place": place, "mode": mode, "pool_id": pool_id}
+
+        class Core26:
+            pass
+
+        class Core3x:
+            @staticmethod
+            def begin_capture_with_pool_id(place, mode, pool):
+                pass
+
+            @staticmethod
+            def gen_new_memory_pool_id():
+                return 42
+
+        for core, graph_cls, shares in ((Core26, Graph26, False), (Core3x, Graph3x, True)):
+            module = mock.Mock(CUDAGraph=graph_cls, is_cuda_graph_supported=lambda: True)
+            with mock.patch.object(cuda_backend, "_core_graph_class", return_value=(module, core)):
+                self.assertEqual(cuda_backend.pool_sharing_supported(), shares)
+                backend = cuda_backend.CudaBackend(place="gpu:0")
+                self.assertEqual(backend.shares_pools, shares)
+                self.assertEqual(backend.new_pool(), 42 if shares else None)
+
+    def assertBitwise_(self, a, b):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), strict=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
