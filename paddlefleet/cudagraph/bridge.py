@@ -14,7 +14,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .errors import PendingBackwardError
-from .grads import alias, hand_out
+from .grads import alias, copy, hand_out
 
 __all__ = ["GraphedFunction", "hand_out_outputs"]
 
@@ -31,8 +31,7 @@ class _Token:
 def hand_out_outputs(entry):
     """The output tensors given to the caller: copies, or aliases of the static buffers."""
     if entry.clone_outputs:
-        with paddle.no_grad():
-            return [t.clone() for t in entry.static_outputs]
+        return [copy(t) for t in entry.static_outputs]
     return [alias(t) for t in entry.static_outputs]
 
 

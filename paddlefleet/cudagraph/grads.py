@@ -12,18 +12,35 @@ frees it (measured on Paddle 3.3.1).
 """
 
 import paddle
+from paddle import _C_ops
 
-__all__ = ["alias", "GradSwap", "hand_out"]
+__all__ = ["alias", "copy", "GradSwap", "hand_out"]
+
+# The C++ entry points skip Paddle's Python wrappers (measured: view 9.7 us -> 4.6 us,
+# clone 9.2 us -> 6.9 us per call on the host); both are copies/views, no arithmetic kernel.
+_VIEW = getattr(_C_ops, "view_shape", None)
+_ASSIGN = getattr(_C_ops, "assign", None)
+
+
+def copy(t):
+    """A new tensor with ``t``'s values (one device copy), not attached to autograd."""
+    if _ASSIGN is not None:
+        out = _ASSIGN(t)
+        out.stop_gradient = True
+        return out
+    with paddle.no_grad():
+        return t.clone()
 
 
 def alias(t):
     """A new tensor object on ``t``'s storage (no copy), or None for None."""
     if t is None:
         return None
+    if _VIEW is not None:
+        return _VIEW(t, t.shape)
     if hasattr(t, "view"):
         return t.view(t.shape)
-    with paddle.no_grad():  # Paddle without views: a copy is the safe alias
-        return t.clone()
+    return copy(t)  # Paddle without views: a copy is the safe alias
 
 
 class GradSwap:
@@ -70,7 +87,4 @@ def hand_out(static, clone):
     """What to give autograd for a static grad buffer: a copy, or a fresh alias of the buffer."""
     if static is None:
         return None
-    if clone:
-        with paddle.no_grad():
-            return static.clone()
-    return alias(static)
+    return copy(static) if clone else alias(static)

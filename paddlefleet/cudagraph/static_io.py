@@ -97,7 +97,7 @@ def leaf_names(named_arguments):
 
 def tensor_meta(t):
     """The parts of a tensor that a graph fixes: shape, dtype, place, stop_gradient."""
-    return (tuple(t.shape), t.dtype, str(t.place), t.stop_gradient)
+    return (tuple(t.shape), t.dtype, t.place, t.stop_gradient)
 
 
 def nbytes(t):
