@@ -436,7 +436,7 @@ class GraphedCallable:
             if n:
                 slots.append(leaf_i if entry.static_grads[leaf_i] is not None else None)
                 # A leaf would keep the returned tensor as its .grad: never hand it a buffer.
-                clones.append(True if t.is_leaf else entry.clone_param_grads)
+                clones.append(True if getattr(t, "is_leaf", True) else entry.clone_param_grads)
                 leaf_i += 1
             else:
                 slots.append(None)
