@@ -43,9 +43,24 @@ def alias(t):
     return copy(t)  # Paddle without views: a copy is the safe alias
 
 
+# ``t.grad_ = g`` re-points t's gradient slot at g's tensor (no copy, nothing freed), unlike
+# ``t.grad = g`` (copies) and ``t.grad = None`` (frees every handle's storage).
+_REBIND_GRAD = isinstance(getattr(paddle.Tensor, "grad_", None), type(paddle.Tensor.grad))
+
+
+def _empty_grad(t):
+    """A tensor without storage: a .grad slot holding it reads as None and is filled fresh by
+    the next backward."""
+    empty = paddle.empty([0], dtype=t.dtype)
+    empty._clear_data()
+    return empty
+
+
 class GradSwap:
     """Runs a backward with every given tensor's ``.grad`` empty, collects the grads it made,
-    and puts the original grads back (same values).
+    and puts the original grads back: the same gradient tensors, so handles to them taken
+    before (by the user, an optimizer or a reducer) stay valid and see later accumulation
+    (NOTE [ Paddle .grad handles ]).
 
     Usage::
 
@@ -64,6 +79,11 @@ class GradSwap:
         self._saved = []
         for t in self.tensors:
             g = t.grad
+            if _REBIND_GRAD:
+                self._saved.append(g)
+                if g is not None:
+                    t.grad_ = _empty_grad(t)
+                continue
             self._saved.append(alias(g))
             if g is not None:
                 t.grad = None
@@ -73,6 +93,13 @@ class GradSwap:
         collected = []
         for t, saved in zip(self.tensors, self._saved):
             g = t.grad
+            if _REBIND_GRAD:
+                collected.append(g)
+                if saved is not None:
+                    t.grad_ = saved
+                elif g is not None:
+                    t.grad_ = _empty_grad(t)
+                continue
             collected.append(alias(g))
             if g is not None:
                 t.grad = None
