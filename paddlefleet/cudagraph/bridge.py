@@ -76,7 +76,15 @@ class GraphedFunction(PyLayer):
         entry.bwd_graph.replay()
         ctx.token.done = True
         static = entry.static_grads
-        return tuple(
-            None if slot is None else hand_out(static[slot], clone)
-            for slot, clone in zip(entry.grad_slots, entry.hand_out_clone)
-        )
+        first_param = len(entry.grad_slots) - len(entry.params)
+        handed = []
+        for i, (slot, clone) in enumerate(zip(entry.grad_slots, entry.hand_out_clone)):
+            if slot is None:
+                handed.append(None)
+                continue
+            if not clone and i >= first_param and entry.params[i - first_param].grad is None:
+                # Autograd would adopt the buffer itself as p.grad, and the next replay would
+                # overwrite it (NOTE [ Paddle .grad handles ] in grads.py): copy this one.
+                clone = True
+            handed.append(hand_out(static[slot], clone))
+        return tuple(handed)
