@@ -11,6 +11,17 @@ after capture; the capture call then replays, consuming what the eager call woul
 capture only records: Paddle's random kernels read the generator when captured and advance it
 on every later replay, so the generator is left as the capture moved it.
 
+NOTE [ Simulated backward replays ]
+A CUDA replay runs kernels only: no Python, no autograd hooks. The capture's
+``paddle.autograd.backward`` runs the accumulation nodes of the leaves, and with them their
+hooks: harmless at capture (DataParallel's reducer is disarmed until the forward returns), but
+the simulated backend re-runs the backward body inside the caller's backward, where a reducer
+hook firing a second time for one parameter raises "has been ready before". So simulated
+replays compute leaf grads with ``paddle.grad`` (which runs no accumulation node and no leaf
+hook), plus what an inner backward (reentrant recompute) put into ``.grad``. One trial replay
+at capture checks that this runs and reaches the same leaves; if not, replays keep
+``backward`` (and DataParallel then fails on the simulated backend only).
+
 NOTE [ Policies fixed at capture ]
 clone_outputs and clone_param_grads are copied into the entry at capture. Changing the
 wrapper's options afterwards never mixes policies within one graph.
@@ -122,6 +133,15 @@ def _name_unknown_leaves(fn, unknown_ptrs):
     if missing > 0:
         names.append(f"{missing} unnamed tensor(s)")
     return names
+
+
+def _merge_leaf_grads(raw, collected):
+    """Per leaf: the grad paddle.grad returned plus any grad an inner backward (reentrant
+    recompute) accumulated into ``.grad``."""
+    merged = []
+    for r, c in zip(raw, collected):
+        merged.append(c if r is None else (r if c is None else c + r))
+    return merged
 
 
 class GraphedCallable:
@@ -421,14 +441,23 @@ class GraphedCallable:
                 grad_outputs.append(buf)
 
         def backward_body():
-            current = live["outputs"]
+            current = [live["outputs"][i] for i in diff_index]
             swap = GradSwap(leaves)
             with swap:
-                paddle.autograd.backward([current[i] for i in diff_index], grad_outputs, retain_graph=True)
+                if live.get("replay_by_grad"):
+                    raw = paddle.grad(current, leaves, grad_outputs, retain_graph=True, allow_unused=True)
+                else:
+                    paddle.autograd.backward(current, grad_outputs, retain_graph=True)
+            if live.get("replay_by_grad"):
+                merged = _merge_leaf_grads(raw, swap.collected)
+                live["grad_is_none"] = [g is None for g in merged]
+                return merged
             return swap.collected
 
         entry.bwd_graph = entry.backend.new_graph(entry.pool)
         entry.static_grads = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
+        if entry.backend.capture_executes:
+            self._choose_backward_replay(entry, live)
         entry.static_grad_outputs = grad_outputs
         # One grad slot per PyLayer tensor input: the call's tensors, then the parameters.
         slots, clones, leaf_i = [], [], 0
@@ -447,6 +476,20 @@ class GraphedCallable:
             leaf_i += 1
         entry.grad_slots = slots
         entry.hand_out_clone = clones
+
+    def _choose_backward_replay(self, entry, live):
+        """NOTE [ Simulated backward replays ]: try one replay with paddle.grad; keep it when it
+        runs and gives a grad to the same leaves as the capture did."""
+        expected = [g is None for g in entry.static_grads]
+        live["replay_by_grad"] = True
+        try:
+            entry.fwd_graph.replay()  # a fresh autograd graph: Paddle crashes on a PyLayer
+            entry.bwd_graph.replay()  # node that runs backward twice
+            ok = live.pop("grad_is_none", None) == expected
+        except Exception:  # e.g. a PyLayer that paddle.grad refuses
+            logger.debug("autocudagraph(%s): paddle.grad replay refused", self.__name__, exc_info=True)
+            ok = False
+        live["replay_by_grad"] = ok
 
     def _track_layers(self, layers):
         for layer in layers:
