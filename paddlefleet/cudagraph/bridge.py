@@ -14,7 +14,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .errors import PendingBackwardError
-from .grads import alias, copy, hand_out
+from .grads import alias, copy, hand_out, rescue_grad
 
 __all__ = ["GraphedFunction", "hand_out_outputs"]
 
@@ -33,6 +33,20 @@ def hand_out_outputs(entry):
     if entry.clone_outputs:
         return [copy(t) for t in entry.static_outputs]
     return [alias(t) for t in entry.static_outputs]
+
+
+def _rescue_adopted_grads(entry):
+    """Moves a p.grad that lives in a static grad buffer out of it before the replay writes it.
+
+    With clone_param_grads=False, autograd adopts the handed-out buffer itself as p.grad when
+    p.grad is None or was zeroed by ``clear_grad()`` (set_to_zero=True marks it "fake empty":
+    the next accumulation assigns instead of adding, and Python cannot see that flag). The next
+    replay would then overwrite p.grad, corrupting gradient accumulation (measured, Paddle 3.3.1).
+    """
+    first_param = len(entry.grad_slots) - len(entry.params)
+    for p, slot, clone in zip(entry.params, entry.grad_slots[first_param:], entry.hand_out_clone[first_param:]):
+        if not clone and slot is not None:
+            rescue_grad(p, entry.static_grads[slot])
 
 
 class GraphedFunction(PyLayer):
@@ -73,18 +87,12 @@ class GraphedFunction(PyLayer):
                     buf.zero_()
                 elif grad is not buf:
                     buf.copy_(grad, False)
+        if not entry.clone_param_grads and entry.params:
+            _rescue_adopted_grads(entry)
         entry.bwd_graph.replay()
         ctx.token.done = True
         static = entry.static_grads
-        first_param = len(entry.grad_slots) - len(entry.params)
-        handed = []
-        for i, (slot, clone) in enumerate(zip(entry.grad_slots, entry.hand_out_clone)):
-            if slot is None:
-                handed.append(None)
-                continue
-            if not clone and i >= first_param and entry.params[i - first_param].grad is None:
-                # Autograd would adopt the buffer itself as p.grad, and the next replay would
-                # overwrite it (NOTE [ Paddle .grad handles ] in grads.py): copy this one.
-                clone = True
-            handed.append(hand_out(static[slot], clone))
-        return tuple(handed)
+        return tuple(
+            None if slot is None else hand_out(static[slot], clone)
+            for slot, clone in zip(entry.grad_slots, entry.hand_out_clone)
+        )

@@ -14,7 +14,7 @@ frees it (measured on Paddle 3.3.1).
 import paddle
 from paddle import _C_ops
 
-__all__ = ["alias", "copy", "GradSwap", "hand_out"]
+__all__ = ["alias", "copy", "GradSwap", "hand_out", "rescue_grad"]
 
 # The C++ entry points skip Paddle's Python wrappers (measured: view 9.7 us -> 4.6 us,
 # clone 9.2 us -> 6.9 us per call on the host); both are copies/views, no arithmetic kernel.
@@ -108,6 +108,17 @@ class GradSwap:
         self.collected = collected
         self._saved = None
         return False
+
+
+def rescue_grad(t, buffer):
+    """If ``t.grad`` shares ``buffer``'s storage, gives t a private copy of it (same values).
+
+    Paddle without ``grad_`` cannot re-point a grad slot; there clone_param_grads=False is
+    only as safe as its documentation says.
+    """
+    g = t.grad
+    if _REBIND_GRAD and g is not None and g.data_ptr() == buffer.data_ptr():
+        t.grad_ = copy(g)
 
 
 def hand_out(static, clone):
