@@ -370,7 +370,7 @@ class GraphedCallable:
             live["spec"] = (out_spec, out_consts)
             return out_tensors
 
-        snapshot = state.BufferSnapshot()
+        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
         layer_args = [c for c in consts if isinstance(c, paddle.nn.Layer)]
         bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
         for layer in bound_layers:

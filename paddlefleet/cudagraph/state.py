@@ -60,15 +60,27 @@ def preserved_rng():
 
 
 class BufferSnapshot:
-    """Copies of the buffers (e.g. BatchNorm running statistics) of some Layers, put back in
-    place by restore(), so that capture runs leave no trace."""
+    """Copies of what a forward may write in place - the buffers and the non-trainable
+    parameters of some Layers (BatchNorm keeps its running statistics in parameters with
+    stop_gradient=True, not in buffers) - put back by restore(), so that capture runs leave no
+    trace.
 
-    def __init__(self):
+    Args:
+        enabled: False makes add() and restore() no-ops. A backend whose capture only records
+            kernels (cuda) changes nothing during capture, and a copy taken inside the capture
+            would be recorded, not made: restore() would then write garbage.
+    """
+
+    def __init__(self, enabled=True):
         self._saved = {}
+        self._enabled = enabled
 
     def add(self, layer):
+        if not self._enabled:
+            return
         with paddle.no_grad():
-            for buf in layer.buffers():
+            frozen = [p for p in layer.parameters() if p.stop_gradient]
+            for buf in list(layer.buffers()) + frozen:
                 if id(buf) not in self._saved and buf._is_initialized():
                     self._saved[id(buf)] = (buf, buf.clone())
 
