@@ -32,6 +32,9 @@ def hand_out_outputs(entry):
     """The output tensors given to the caller: copies, or aliases of the static buffers."""
     if entry.clone_outputs:
         return [copy(t) for t in entry.static_outputs]
+    if entry.host_outputs:  # host outputs are always copies (NOTE [ Host tensors ] in safety.py)
+        host = entry.host_outputs
+        return [copy(t) if i in host else alias(t) for i, t in enumerate(entry.static_outputs)]
     return [alias(t) for t in entry.static_outputs]
 
 

@@ -36,6 +36,14 @@ class GraphEntry:
     fallback_reason: Optional[str] = None
     last_used: int = 0
     verify_left: int = 0
+    verified: int = 0
+    evictions: int = 0
+    # A readable description of the key (argument shapes and dtypes), for explain() and messages.
+    label: str = ""
+    # Weak references to the tensors of the latest warmup or capture call (NOTE [ Adopted inputs ]).
+    last_inputs: Any = None
+    # Indices of outputs that are host (CPU) tensors (NOTE [ Host tensors ] in safety.py).
+    host_outputs: list = dataclasses.field(default_factory=list)
     # Fixed at capture (NOTE [ Policies fixed at capture ] in lifecycle.py).
     clone_outputs: bool = True
     clone_param_grads: bool = True

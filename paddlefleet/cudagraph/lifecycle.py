@@ -35,7 +35,7 @@ import weakref
 
 import paddle
 
-from . import state
+from . import safety, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .entry import GraphEntry, Phase
@@ -43,7 +43,7 @@ from .errors import CaptureError, CudaGraphError, InputMismatchError
 from .grads import GradSwap
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, leaf_names, tensor_meta, unflatten
-from .stats import Counters, describe_entries
+from .stats import Counters, describe_call, describe_entries
 
 __all__ = ["GraphedCallable"]
 
@@ -188,21 +188,41 @@ class GraphedCallable:
         return describe_entries(self._entries.values())
 
     def explain(self):
-        """A readable report: every key's phase and counts, and why calls ran eagerly."""
-        lines = [f"autocudagraph({self.__name__}): {len(self._entries)} key(s)"]
+        """A readable report: every key's phase and counts, and a reason for every eager call.
+
+        Example::
+
+            autocudagraph(block): 2 key(s), 1 holding graphs, 4096 static bytes
+              key (x: float32[8, 16], w: float32[16, 16] grad): replay on simulate; 1 warmup, 1 capture(s), 5 replays; ...
+              key (x: float32[4, 16], ...): fallback on simulate; ...; fell back: CaptureError: ... (at model.py:12 in block)
+              eager calls: 3
+                2 x warmup (before the capture of their key)
+                1 x capture failed
+        """
+        stats = self.stats()
+        lines = [
+            f"autocudagraph({self.__name__}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+            f"{stats['static_bytes']} static bytes"
+        ]
         for row in self.report():
             line = (
-                f"  key {row['key']!r:.80}: {row['phase']} on {row['backend']}, "
-                f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays, "
-                f"{row['static_bytes']} static bytes, input copies {row['input_copies']} made / "
+                f"  key {row['label'] or repr(row['key'])[:80]}: {row['phase']} on {row['backend']}; "
+                f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays; "
+                f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
                 f"{row['input_copies_skipped']} skipped"
             )
+            if row["evictions"]:
+                line += f"; evicted {row['evictions']} time(s) (max_bytes)"
+            if row["verified_replays"]:
+                line += f"; {row['verified_replays']} call(s) verified against eager"
             if row["fallback_reason"]:
                 line += f"; fell back: {row['fallback_reason']}"
             lines.append(line)
-        reasons = self.counters.eager_reasons
+        reasons = collections.Counter(self.counters.eager_reasons)
+        if self.counters.warmup_calls:
+            reasons["warmup (before the capture of their key)"] = self.counters.warmup_calls
         if reasons:
-            lines.append("  eager calls:")
+            lines.append(f"  eager calls: {sum(reasons.values())}")
             for reason, count in reasons.most_common():
                 lines.append(f"    {count} x {reason}")
         return "\n".join(lines)
@@ -237,18 +257,19 @@ class GraphedCallable:
         if topic in self._warned:
             return
         self._warned.add(topic)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=safety.user_stacklevel())
 
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(args, kwargs, "called inside another capture")
         tensors, consts, spec = flatten((args, kwargs))
+        safety.check_fresh(tensors)  # NOTE [ Stale outputs ] in safety.py
         key = self._key(args, kwargs, tensors, spec)
         if key is None:
             return self._eager(args, kwargs, "dispatch_key_fn returned None")
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._new_entry(key, tensors)
+            entry = self._new_entry(key, tensors, args, kwargs)
             if entry is None:
                 return self._eager(args, kwargs, self._last_refusal)
         self._tick += 1
@@ -261,6 +282,7 @@ class GraphedCallable:
             if entry.warmup_calls < self._options.warmup_steps:
                 entry.warmup_calls += 1
                 self.counters.warmup_calls += 1
+                entry.last_inputs = [weakref.ref(t) for t in tensors]
                 return self._run(args, kwargs)
             return self._capture_call(entry, args, kwargs, tensors, consts, spec)
         if phase is Phase.RECAPTURE:
@@ -292,7 +314,11 @@ class GraphedCallable:
     def _key(self, args, kwargs, tensors, spec):
         key_fn = self._options.dispatch_key_fn
         if key_fn is None:
-            return (spec, tuple(tensor_meta(t) for t in tensors), self._state_key())
+            metas = tuple(tensor_meta(t) for t in tensors)
+            host = safety.host_mask(tensors)
+            if host is not None:  # NOTE [ Host tensors ] in safety.py: keyed by value
+                metas = tuple(m + (safety.host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
+            return (spec, metas, self._state_key())
         user_key = key_fn(self._bound_arguments(args, kwargs))
         if user_key is None:
             return None
@@ -317,12 +343,18 @@ class GraphedCallable:
         )
         return False
 
-    def _new_entry(self, key, tensors):
+    def _new_entry(self, key, tensors, args, kwargs):
         backend, reason = resolve_backend(self._options.backend, tensors)
         if backend is None:
             self._last_refusal = reason
             return None
+        named = self._named_arguments(args, kwargs)
+        host = safety.host_mask(tensors)
+        if host is not None:
+            safety.check_host_inputs(tensors, host, leaf_names(named))
         entry = GraphEntry(key=key, backend=backend)
+        host_tensors = [t for t, h in zip(tensors, host or ()) if h]
+        entry.label = describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
         if not self._budget_allows(entry):
             self._last_refusal = "max_graphs reached"
             return None
@@ -335,6 +367,9 @@ class GraphedCallable:
             self._capture(entry, args, kwargs, tensors, consts, spec)
         except Exception as err:  # contained: this key runs eagerly from now on
             reason = f"{type(err).__name__}: {err}"
+            where = safety.user_location(err.__traceback__)
+            if where is not None:
+                reason += f" (at {where})"
             entry.fall_back(reason)
             logger.debug("capture of %s failed", self.__name__, exc_info=True)
             self._warn_once(
@@ -345,15 +380,30 @@ class GraphedCallable:
             return self._eager(args, kwargs, "capture failed")
         entry.captures += 1
         self.counters.captures += 1
-        self._enforce_max_bytes(entry)
-        return self._run_graphs(entry, tensors, copy=False)
+        if not self._enforce_max_bytes(entry):
+            return self._eager(args, kwargs, "static buffers exceed max_bytes")
+        return self._graph_call(entry, args, kwargs, tensors, copy=False)
 
     def _capture(self, entry, args, kwargs, tensors, consts, spec):
         opts = self._options
         backend = entry.backend
         owner = self._owner()
         names = leaf_names(self._named_arguments(args, kwargs))
-        static = StaticInputs(tensors, names)
+        host = safety.host_mask(tensors, on_gpu=backend.name == "cuda")
+        # NOTE [ Adopted inputs ] in static_io.py: the same tensor as in the previous call.
+        last = entry.last_inputs or ()
+        adopt = [
+            len(last) == len(tensors) and last[i]() is t and t.is_contiguous() and not (host and host[i])
+            for i, t in enumerate(tensors)
+        ]
+        entry.last_inputs = [weakref.ref(t) for t in tensors]
+        static = StaticInputs(tensors, names, adopt=adopt, host=host)
+        for i in static.host:
+            if safety.is_marked_host(tensors[i]):
+                safety.mark_host(static.buffers[i])
+        # A capture that runs the body must not leave its in-place writes in the caller's tensors.
+        adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
+            backend.capture_executes) else []
         static_args, static_kwargs = unflatten(spec, static.buffers, consts)
         grad_enabled = paddle.is_grad_enabled()
         fn = self._fn
@@ -376,6 +426,7 @@ class GraphedCallable:
         for layer in bound_layers:
             snapshot.add(layer)
         rng = state.rng_snapshot()
+        captured = False
         entry.pool = backend.new_pool()
         entry.clone_outputs = opts.clone_outputs
         entry.clone_param_grads = opts.clone_param_grads
@@ -383,11 +434,26 @@ class GraphedCallable:
             entry.fwd_graph = backend.new_graph(entry.pool)
             with _LayerRecorder(snapshot) as recorder:
                 outputs = entry.fwd_graph.capture(forward_body, opts.capture_hooks)
+            written = static.written()
+            if written:
+                with paddle.no_grad():
+                    for buf, value in adopted_values:
+                        paddle.assign(value, output=buf)
+                raise CaptureError(
+                    f"autocudagraph: the function writes its input(s) {', '.join(map(repr, written))} in place. "
+                    "A graph writes into its own copy of an input, so the caller's tensor would not change "
+                    "(and the capture run would apply the write twice). Return the new value instead of "
+                    "writing the argument, or write it after the call."
+                )
             entry.static_inputs = static
             entry.in_spec = spec
             entry.static_outputs = list(outputs)
             entry.out_spec, entry.out_consts = live["spec"]
             entry.out_differentiable = [not o.stop_gradient for o in outputs]
+            out_host = safety.host_mask(outputs, on_gpu=backend.name == "cuda") if outputs else None
+            entry.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
+            if opts.check_stale_outputs and not opts.clone_outputs:
+                entry.handed_out = safety.StaleOutputs()
             layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
             self._track_layers(layers)
             homes = _param_homes(layers)
@@ -405,9 +471,11 @@ class GraphedCallable:
             else:
                 entry.out_differentiable = [False] * len(outputs)
             entry.live = live
+            captured = True
         finally:
             snapshot.restore()
-            if backend.capture_executes:
+            # A failed capture leaves RNG as the eager re-run that replaces it expects.
+            if backend.capture_executes or not captured:
                 state.restore_rng(rng)
         entry.phase = Phase.REPLAY
         entry.verify_left = opts.verify_replays
@@ -526,6 +594,10 @@ class GraphedCallable:
                 )
             entry.static_inputs.check(tensors)
         moved = self._params_moved(entry)
+        if moved is None and entry.static_inputs.adopted:
+            moved = entry.static_inputs.moved(tensors)
+            if moved is not None:  # NOTE [ Adopted inputs ] in static_io.py
+                moved = f"input '{moved}' is another tensor than the one the graph reads in place"
         if moved is not None:
             entry.release()
             entry.phase = Phase.RECAPTURE
@@ -543,7 +615,12 @@ class GraphedCallable:
                 "overwritten. Run backward between calls, or give such calls their own key.",
             )
             return self._eager(args, kwargs, "previous replay's backward still pending")
-        return self._run_graphs(entry, tensors, copy=True)
+        return self._graph_call(entry, args, kwargs, tensors, copy=True)
+
+    def _graph_call(self, entry, args, kwargs, tensors, copy):
+        if entry.verify_left > 0:
+            return verify.verified_call(self, entry, args, kwargs, tensors, copy)
+        return self._run_graphs(entry, tensors, copy)
 
     def _run_graphs(self, entry, tensors, copy):
         if copy:
@@ -565,12 +642,28 @@ class GraphedCallable:
             outputs = hand_out_outputs(entry)
             for o in outputs:
                 o.stop_gradient = True
+        if entry.handed_out is not None:  # NOTE [ Stale outputs ] in safety.py
+            # After the replay: this call's inputs may be the previous outputs (y = f(f(x))).
+            entry.handed_out.overwrite(self.__name__, entry.label, safety.user_call_site())
+            entry.handed_out.hand_out(outputs, entry.host_outputs)
         return unflatten(entry.out_spec, outputs, entry.out_consts)
 
     def _enforce_max_bytes(self, entry):
+        """Evicts least recently used keys until the static buffers fit max_bytes; returns False
+        (and moves ``entry`` to eager) when ``entry`` alone does not fit."""
         budget = self._options.max_bytes
         if budget is None:
-            return
+            return True
+        own = entry.nbytes()
+        if own > budget:
+            reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
+            entry.fall_back(reason)
+            self._warn_once(
+                ("max_bytes", entry.key),
+                f"autocudagraph({self.__name__}): key {entry.label} runs eagerly: {reason}. Raise max_bytes, "
+                "or split the function so each graph holds less.",
+            )
+            return False
         holders = [e for e in self._entries.values() if e.has_graphs]
         total = sum(e.nbytes() for e in holders)
         for victim in sorted(holders, key=lambda e: e.last_used):
@@ -581,4 +674,7 @@ class GraphedCallable:
             total -= victim.nbytes()
             victim.release()
             victim.phase = Phase.RECAPTURE
+            victim.evictions += 1
             self.counters.evictions += 1
+            logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
+        return True

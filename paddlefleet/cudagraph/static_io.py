@@ -6,6 +6,15 @@ A graph reads its inputs from fixed addresses. At capture every tensor argument 
 buffer (a contiguous copy); each replay first copies the call's tensors into those buffers.
 A caller that passes the static buffer itself (or a tensor at the same address with the same
 layout) pays no copy.
+
+NOTE [ Adopted inputs ]
+An argument that was the very same tensor in the last warmup call and in the capture call (a
+weight passed as an argument, an input buffer the caller refills in place) is *adopted*: its
+own storage is the static buffer, as a parameter's is, so calls that pass it again copy nothing
+and see its in-place updates. A graph never copies another tensor into an adopted one (that
+would overwrite the caller's tensor): when a call passes a different tensor there, the key is
+captured again with an ordinary static buffer for that argument. Host (CPU) inputs are keyed by
+value (NOTE [ Host tensors ] in safety.py) and never copied.
 """
 
 import paddle
@@ -115,18 +124,54 @@ def _alloc(t):
     return buf
 
 
+def _adopt(t):
+    buf = t.detach()  # same storage, a leaf of its own
+    buf.stop_gradient = t.stop_gradient
+    return buf
+
+
 class StaticInputs:
     """The static input buffers of one key and the copy into them.
+
+    Args:
+        tensors: the call's tensors at capture.
+        names: the argument name of each tensor.
+        adopt: per tensor, use its own storage as the buffer (NOTE [ Adopted inputs ]).
+        host: per tensor, a host input keyed by value: never copied, checked by check().
 
     Attributes:
         buffers: one contiguous tensor per tensor argument, in flatten() order.
         names: the argument name of each buffer (for error messages).
+        adopted: indices of adopted arguments.
+        host: indices of host arguments.
     """
 
-    def __init__(self, tensors, names):
-        self.buffers = [_alloc(t) for t in tensors]
+    def __init__(self, tensors, names, adopt=None, host=None):
+        adopt = adopt or [False] * len(tensors)
+        host = host or [False] * len(tensors)
+        self.buffers = [_adopt(t) if a else _alloc(t) for t, a in zip(tensors, adopt)]
         self.names = list(names)
         self._ptrs = [b.data_ptr() for b in self.buffers]
+        self.adopted = [i for i, a in enumerate(adopt) if a]
+        self.host = [i for i, h in enumerate(host) if h]
+        self._versions = [b._inplace_version() for b in self.buffers]
+        # What copy_in() looks at: (index, buffer, address) of the arguments it may copy.
+        self._slots = [(i, b, p) for i, (b, p) in enumerate(zip(self.buffers, self._ptrs)) if not host[i]]
+
+    def name(self, i):
+        return self.names[i] if i < len(self.names) else f"tensor #{i}"
+
+    def written(self):
+        """Names of the buffers written in place since they were made (by the function)."""
+        return [self.name(i) for i, (b, v) in enumerate(zip(self.buffers, self._versions)) if b._inplace_version() != v]
+
+    def moved(self, tensors):
+        """Name of the first adopted argument for which the call passes another tensor, or None."""
+        for i in self.adopted:
+            t = tensors[i]
+            if t.data_ptr() != self._ptrs[i] or not t.is_contiguous():
+                return self.name(i)
+        return None
 
     def check(self, tensors):
         """Raises InputMismatchError when a tensor's shape or dtype differs from its buffer."""
@@ -144,12 +189,20 @@ class StaticInputs:
                 f"autocudagraph: the call passed {len(tensors)} tensors but the graph was captured with "
                 f"{len(self.buffers)}. Include the argument structure in the key that dispatch_key_fn returns."
             )
+        for i in self.host:
+            if tensors[i].numpy().tobytes() != self.buffers[i].numpy().tobytes():
+                raise InputMismatchError(
+                    f"autocudagraph: CPU input '{self.name(i)}' holds {tensors[i].numpy().tolist()} but the graph "
+                    f"of this key was captured with {self.buffers[i].numpy().tolist()}; a graph bakes in the "
+                    "values of CPU inputs. Include them in the key that dispatch_key_fn returns."
+                )
 
     def copy_in(self, tensors):
         """Copies the call's tensors into the buffers; returns ``(copied, skipped)``."""
-        copied = skipped = 0
+        copied, skipped = 0, len(self.host)  # host inputs: same value by key, nothing to copy
         with paddle.no_grad():
-            for t, b, ptr in zip(tensors, self.buffers, self._ptrs):
+            for i, b, ptr in self._slots:
+                t = tensors[i]
                 if t is b or (t.data_ptr() == ptr and t.is_contiguous()):
                     skipped += 1
                     continue
@@ -158,4 +211,6 @@ class StaticInputs:
         return copied, skipped
 
     def nbytes(self):
-        return sum(nbytes(b) for b in self.buffers)
+        """Bytes of the buffers this object allocated (adopted arguments are the caller's)."""
+        adopted = set(self.adopted)
+        return sum(nbytes(b) for i, b in enumerate(self.buffers) if i not in adopted)

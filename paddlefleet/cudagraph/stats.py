@@ -10,7 +10,9 @@ import collections
 import contextlib
 import dataclasses
 
-__all__ = ["Counters", "describe_entries"]
+import paddle
+
+__all__ = ["Counters", "describe_entries", "describe_call"]
 
 _FIELDS = (
     "captures",
@@ -65,6 +67,39 @@ class Counters:
             raise AssertionError(f"counter changes {got} != expected {deltas}")
 
 
+def _describe(name, value, host_ids, parts):
+    if isinstance(value, paddle.Tensor):
+        part = f"{name}: {str(value.dtype).replace('paddle.', '')}{list(value.shape)}"
+        if not value.stop_gradient:
+            part += " grad"
+        if id(value) in host_ids:
+            part += f" on CPU = {value.numpy().tolist()}"
+        parts.append(part)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _describe(f"{name}[{i}]", v, host_ids, parts)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _describe(f"{name}[{k!r}]", v, host_ids, parts)
+    elif isinstance(value, paddle.nn.Layer):
+        parts.append(f"{name}: {type(value).__name__}")
+    else:
+        text = repr(value)
+        parts.append(f"{name}={text if len(text) <= 40 else text[:37] + '...'}")
+
+
+def describe_call(named_arguments, host_tensors=(), user_key=None):
+    """A short readable description of a key, e.g. ``(x: float32[8, 16] grad, n: int64[1] on
+    CPU = [3], mode='train')``, or ``dispatch key ...`` for a key from dispatch_key_fn."""
+    if user_key is not None:
+        return f"dispatch key {user_key!r}"
+    parts = []
+    host_ids = {id(t) for t in host_tensors}
+    for name, value in named_arguments:
+        _describe(name, value, host_ids, parts)
+    return "(" + ", ".join(parts) + ")"
+
+
 def describe_entries(entries):
     """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
     rows = []
@@ -72,6 +107,7 @@ def describe_entries(entries):
         rows.append(
             {
                 "key": entry.key,
+                "label": entry.label,
                 "backend": entry.backend.name if entry.backend is not None else "eager",
                 "phase": entry.phase.value,
                 "warmup_calls": entry.warmup_calls,
@@ -81,6 +117,8 @@ def describe_entries(entries):
                 "static_bytes": entry.nbytes(),
                 "input_copies": entry.input_copies,
                 "input_copies_skipped": entry.input_copies_skipped,
+                "evictions": entry.evictions,
+                "verified_replays": entry.verified,
             }
         )
     return rows

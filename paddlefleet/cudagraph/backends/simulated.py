@@ -7,6 +7,11 @@ over them - and copies every result *in place* into the tensors the capture retu
 caller that holds a static buffer sees it overwritten by the next replay, exactly as with a
 real CUDA graph. Host-synchronising calls are refused during capture, as a capturing CUDA
 stream refuses them (CUDA error 900).
+
+Unlike a GPU graph, replay re-runs the body's Python: Python values it reads (globals,
+attributes, a branch on them) are read afresh on every replay, where a GPU graph repeats what
+capture saw. Reads of host tensors (``safety.mark_host``) are frozen as on a GPU: replay hands
+back the values read at capture, and host results keep their capture-time values.
 """
 
 import contextlib
@@ -14,6 +19,7 @@ import contextlib
 import paddle
 
 from ..errors import CaptureError
+from ..safety import is_marked_host
 from .base import Backend, Graph, capturing
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -31,10 +37,42 @@ _HOST_SYNC = (
 )
 
 
-def _refusing(owner, name):
+class _HostReads:
+    """Values the body read from host tensors (mark_host) at capture, handed back in the same
+    order on replay: a GPU graph does not re-run host code (NOTE [ Host tensors ] in safety.py)."""
+
+    def __init__(self):
+        self.values = []
+        self._next = None
+        self._inside = False
+
+    def replaying(self):
+        self._next = 0
+        return self
+
+    def read(self, original, args, kwargs):
+        if self._inside:  # a read made by another read (int() calls numpy()): not a read of its own
+            return original(*args, **kwargs)
+        if self._next is not None and self._next < len(self.values):
+            value = self.values[self._next]
+            self._next += 1
+            return value
+        self._inside = True
+        try:
+            value = original(*args, **kwargs)
+        finally:
+            self._inside = False
+        if self._next is None:  # capture: remember; a replay reading more than capture did reads live
+            self.values.append(value)
+        return value
+
+
+def _refusing(owner, name, original, host_reads):
     where = f"paddle.device.{name}()" if owner is paddle.device else f"Tensor.{name}()"
 
     def refuse(*args, **kwargs):
+        if host_reads is not None and owner is paddle.Tensor and args and is_marked_host(args[0]):
+            return host_reads.read(original, args, kwargs)
         raise CaptureError(
             f"autocudagraph: {where} was called during capture. It waits for the device, which a "
             "capturing CUDA stream refuses (CUDA error 900). Keep host reads out of the graphed "
@@ -45,18 +83,20 @@ def _refusing(owner, name):
 
 
 @contextlib.contextmanager
-def refuse_host_sync():
-    """Makes host-synchronising calls raise CaptureError until the block exits."""
+def refuse_host_sync(host_reads=None):
+    """Makes host-synchronising calls raise CaptureError until the block exits; reads of
+    host tensors (mark_host) go to ``host_reads`` when given."""
     saved = []
     try:
         for owner, name in _HOST_SYNC:
             if hasattr(owner, name):
-                saved.append((owner, name, owner.__dict__.get(name, None), getattr(owner, name)))
-                setattr(owner, name, _refusing(owner, name))
+                original = getattr(owner, name)
+                saved.append((owner, name, owner.__dict__.get(name, None), original))
+                setattr(owner, name, _refusing(owner, name, original, host_reads))
         cuda_mod = getattr(paddle.device, "cuda", None)
         if cuda_mod is not None and hasattr(cuda_mod, "synchronize"):
             saved.append((cuda_mod, "synchronize", cuda_mod.__dict__.get("synchronize"), cuda_mod.synchronize))
-            cuda_mod.synchronize = _refusing(paddle.device, "cuda.synchronize")
+            cuda_mod.synchronize = _refusing(paddle.device, "cuda.synchronize", None, None)
         yield
     finally:
         for owner, name, own, original in reversed(saved):
@@ -74,26 +114,37 @@ class _SimulatedGraph(Graph):
         self._body = None
         self._hooks = ()
         self._static = None
+        self._host_reads = None
 
     def capture(self, body, hooks=()):
-        with capturing(hooks), refuse_host_sync():
+        host_reads = _HostReads()
+        with capturing(hooks), refuse_host_sync(host_reads):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
         self._static = _flat_tensors(result)
+        self._host_reads = host_reads if host_reads.values else None
         return result
 
     def replay(self):
         if self._body is None:
             raise CaptureError("autocudagraph: replay of a graph that was never captured or was reset.")
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
-        # the body re-runs in the capture context (is_capturing() True, hooks entered).
+        # the body re-runs in the capture context (is_capturing() True, hooks entered), and
+        # reads of host tensors return what they returned at capture.
         with capturing(self._hooks):
-            fresh = _flat_tensors(self._body())
+            if self._host_reads is None:
+                fresh = _flat_tensors(self._body())
+            else:
+                with refuse_host_sync(self._host_reads.replaying()):
+                    fresh = _flat_tensors(self._body())
         with paddle.no_grad():
             for static, value in zip(self._static, fresh):
-                if static is not value:
-                    paddle.assign(value, output=static)
+                # Host results keep their capture-time values, as on a GPU.
+                if static is not value and not is_marked_host(static):
+                    # copy_ leaves the inplace version alone, as a GPU replay does: autograd's
+                    # saved-tensor check does not see a replay's writes on either backend.
+                    static.copy_(value, False)
 
     def reset(self):
         self._body = None
