@@ -1,0 +1,136 @@
+"""autocudagraph inside Paddle's distributed engine: two CPU processes, gloo, simulated backend.
+
+One ``python -m paddle.distributed.launch`` job (tests/dist_scripts/fleet_worker.py, about
+8 s) runs every case; each rank compares its graphed run with an eager run of the same model
+bit for bit and prints one ``RESULT`` line per case. The tests here check those lines and what
+must agree across ranks (averaged grads, broadcast parameters, all-reduced outputs). A failure
+message carries both workers' logs.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import paddle
+
+from paddlefleet.cudagraph.options import ENV_BACKEND
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "dist_scripts" / "fleet_worker.py"
+TIMEOUT_S = 240  # the job takes ~8 s; a hang must not block CI
+CASES = (
+    "dp_paddle",
+    "dp_fleet_decorated_method_with_dropout",
+    "dp_unused_block",
+    "all_reduce_in_graphed_function",
+    "all_reduce_no_grad_in_place",
+    "tensor_parallel_layers",
+)
+
+
+def launch_two_ranks(script, log_dir, timeout=TIMEOUT_S):
+    """Runs ``script`` on two CPU ranks; returns (exit status or None on timeout, launcher output)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", ENV_BACKEND)}
+    env.update(
+        PYTHONUNBUFFERED="1",
+        PADDLEFLEET_ROOT=str(ROOT),
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # silences ColumnParallelLinear's GPU advice
+    )
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+           "--log_dir", str(log_dir), str(script)]
+    proc = subprocess.Popen(cmd, env=env, cwd=log_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the launcher stops its workers (SIGKILL would orphan them)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        return None, out
+
+
+@unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs run tools/dist_gpu_check.py")
+class TestFleetTwoProcesses(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="paddlefleet_dist_"))
+        log_dir = cls.tmp / "logs"
+        cls.rc, cls.launcher_out = launch_two_ranks(WORKER, log_dir)
+        cls.logs = {f.name: f.read_text(errors="replace") for f in sorted(log_dir.glob("workerlog.*"))}
+        cls.results = {}
+        for text in cls.logs.values():
+            for line in text.splitlines():
+                if line.startswith("RESULT "):
+                    r = json.loads(line[len("RESULT "):])
+                    cls.results[(r["case"], r["rank"])] = r
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def logs_text(self):
+        tail = lambda s: s[-6000:]  # noqa: E731
+        parts = [f"launcher exit status {self.rc} (None: killed after {TIMEOUT_S} s)",
+                 "---- launcher ----", tail(self.launcher_out or "")]
+        for name, text in self.logs.items():
+            parts += [f"---- {name} ----", tail(text)]
+        return "\n".join(parts)
+
+    def case(self, name):
+        """Both ranks' results for ``name``, asserting both passed."""
+        got = [self.results.get((name, rank)) for rank in (0, 1)]
+        for rank, r in enumerate(got):
+            if r is None:
+                self.fail(f"rank {rank} reported no result for {name}\n{self.logs_text()}")
+            if not r["ok"]:
+                self.fail(f"rank {rank}, {name}: {r['detail']}\n{r.get('traceback', '')}\n{self.logs_text()}")
+        return [r["detail"] for r in got]
+
+    def test_job_ran_every_case_and_exited_cleanly(self):
+        self.assertEqual(self.rc, 0, self.logs_text())
+        self.assertEqual({c for c, _ in self.results}, set(CASES), self.logs_text())
+
+    def _check_data_parallel(self, name):
+        r0, r1 = self.case(name)
+        # Ranks train on different data (different losses) yet hold the same grads (averaged)
+        # and the same parameters (rank 0's broadcast, then identical updates).
+        self.assertNotEqual(r0["loss"], r1["loss"])
+        self.assertEqual(r0["grads"], r1["grads"], "grads differ across ranks: not averaged")
+        self.assertEqual(r0["params"], r1["params"], "parameters differ across ranks")
+
+    def test_paddle_data_parallel_around_graphed_blocks_is_bitwise_eager(self):
+        self._check_data_parallel("dp_paddle")
+
+    def test_fleet_distributed_model_dp2_decorated_method_with_dropout(self):
+        self._check_data_parallel("dp_fleet_decorated_method_with_dropout")
+
+    def test_data_parallel_find_unused_parameters_with_a_skipped_graphed_block(self):
+        self._check_data_parallel("dp_unused_block")
+
+    def test_all_reduce_inside_a_graphed_function_with_grads(self):
+        r0, r1 = self.case("all_reduce_in_graphed_function")
+        self.assertEqual(r0["replicated"], r1["replicated"], "all-reduced values differ across ranks")
+
+    def test_in_place_all_reduce_inside_a_forward_only_graph(self):
+        r0, r1 = self.case("all_reduce_no_grad_in_place")
+        self.assertEqual(r0["replicated"], r1["replicated"])
+
+    def test_tensor_parallel_layers_with_the_model_parallel_rng_tracker(self):
+        r0, r1 = self.case("tensor_parallel_layers")
+        self.assertEqual(r0["replicated"], r1["replicated"], "row-parallel outputs differ across ranks")
+        self.assertNotEqual(r0["shard"], r1["shard"], "column shards should differ across ranks")
+
+
+if __name__ == "__main__":
+    unittest.main()
