@@ -46,10 +46,12 @@ def _pattern_like(t):
 
 
 def _layer_buffers(layers):
-    """``[(name, buffer)]`` of every initialised buffer of ``layers``, each once."""
+    """``[(name, tensor)]`` of what a forward may write in place: every initialised buffer and
+    non-trainable parameter (BatchNorm's running statistics) of ``layers``, each once."""
     found, seen = [], set()
     for layer in layers:
-        for name, buf in layer.named_buffers():
+        frozen = [(n, p) for n, p in layer.named_parameters() if p.stop_gradient]
+        for name, buf in list(layer.named_buffers()) + frozen:
             if id(buf) not in seen and buf._is_initialized():
                 seen.add(id(buf))
                 found.append((f"buffer '{name}' of {type(layer).__name__}", buf))
@@ -62,9 +64,11 @@ def _save(buffers):
 
 
 def _put(buffers, saved):
+    # copy_ keeps the inplace version: the graph's autograd saved some of these tensors (e.g.
+    # BatchNorm statistics) and checks their version in the caller's backward.
     with paddle.no_grad():
         for (_, b), value in zip(buffers, saved):
-            paddle.assign(value, output=b)
+            b.copy_(value, False)
 
 
 def _host(t):
