@@ -8,7 +8,10 @@ it*; ``t.grad = value`` copies ``value`` into the gradient. So a saved gradient 
 through a view (a new tensor object on the same storage), and a gradient handed back to
 autograd must not be a static buffer: when ``p.grad`` is None autograd adopts the returned
 tensor itself, the next backward accumulates into it in place, and ``clear_gradient(False)``
-frees it (measured on Paddle 3.3.1).
+frees it (measured on Paddle 3.3.1). Autograd adopts the same way after
+``clear_gradient(True)``: it marks the zeroed grad "fake empty" and the next accumulation
+assigns instead of adding. ``t.grad_ = g`` (no copy) re-points the slot at ``g``'s tensor
+without freeing anything; GradSwap and rescue_grad use it where Paddle has it.
 """
 
 import paddle
