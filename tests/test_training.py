@@ -724,6 +724,34 @@ class ParameterChangeTest(BackendCase):
             got = run(graphed)
         self.assertBitwise(got, want)
 
+    def test_failed_recapture_falls_back_and_says_why(self):
+        class SyncsWhenAsked(MLP):
+            sync = False
+
+            def forward(self, x):
+                if self.sync:
+                    float(x.sum())  # a host sync: refused while capturing
+                return super().forward(x)
+
+        eager, graphed = twin_layers(SyncsWhenAsked)
+
+        def change(layer):
+            realloc(layer)
+            layer.sync = True
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want = self._run(eager, batches(6), 3, change)
+            self.graphed(graphed)
+            got = self._run(graphed, batches(6), 3, change)
+        self.assertBitwise(got, want)
+        stats = graphed.forward.stats()
+        self.assertEqual((stats["recaptures"], stats["captures"], stats["replays"]), (1, 1, 1))
+        self.assertEqual(stats["eager_reasons"].get("capture failed"), 1)
+        self.assertEqual(stats["graphs"], 0)
+        self.assertIn("capture failed", graphed.forward.explain())
+        self.assertTrue(any("capture failed" in str(w.message) for w in caught))
+
     def test_repeated_moves_stay_within_one_graph(self):
         eager, graphed = twin_layers(MLP)
         self.graphed(graphed, max_graphs=1)
