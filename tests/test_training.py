@@ -336,9 +336,9 @@ class ClonePolicyTest(BackendCase):
     @unittest.expectedFailure
     def test_param_hooks_do_not_run_during_capture(self):
         # Known bug: the capture's backward body uses paddle.autograd.backward, which runs the
-        # parameters' gradient hooks (and DataParallel's reduce hooks) once more during capture;
-        # on CUDA their kernels would be recorded into the backward graph. Remove the decorator
-        # once capture takes grads without accumulating (paddle.grad) where it can.
+        # parameters' gradient hooks once more during capture; on CUDA their kernels would be
+        # recorded into the backward graph (a main_grad hook would add twice per replay).
+        # Remove the decorator once capture takes grads without accumulating (paddle.grad).
         eager, graphed = twin_layers(MLP)
         self.graphed(graphed, warmup_steps=0)
         calls = {"eager": 0, "graphed": 0}
