@@ -1,0 +1,438 @@
+"""Two-GPU data-parallel check of autocudagraph with NCCL, bitwise against eager.
+
+On a host with two GPUs (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh`` where
+Paddle 2.6.2 is the GPU build at hand)::
+
+    python tools/dist_gpu_check.py --out docs/dist_gpu_check.md
+
+launches every case as its own two-rank job (``python -m paddle.distributed.launch --gpus
+0,1``, so a rank that aborts cannot take the other cases with it), reads the ``RESULT`` lines
+of both ranks' logs and prints a report. A single job can also be launched by hand::
+
+    python -m paddle.distributed.launch --gpus 0,1 tools/dist_gpu_check.py --rank-cases all
+
+CPU smoke test of the same script (two CPU ranks, gloo, simulated backend)::
+
+    python tools/dist_gpu_check.py --backend simulate
+
+What runs on the GPU is limited to what Paddle 2.6.2 can do on Hopper (sm_90): cuBLAS matmuls
+and copies, plus NCCL, whose kernels come with NCCL itself (untested on that GPU until this
+runs). So the models are chains of matmuls (no bias, no activation, each tensor used once so
+backward adds nothing), data and parameters are made with numpy and copied in, loss grads are
+passed explicitly (``y.backward(dy)``), grads are released with ``clear_gradient(False)``
+(zeroing would need a fill kernel), and the data-parallel all-reduce is a SUM over the grads
+done by hand: ``paddle.DataParallel``'s reducer concatenates and scales grads with Paddle's own
+kernels, which 2.6.2 lacks for sm_90.
+
+Exit code: 0 when every case passed on both ranks, 1 otherwise.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import paddle  # noqa: E402
+import paddle.distributed as dist  # noqa: E402
+from paddle.autograd import PyLayer  # noqa: E402
+
+from paddlefleet.cudagraph import autocudagraph  # noqa: E402
+from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+
+BACKEND = "cuda"
+STEPS = 5
+CASES = {}
+
+
+def case(name):
+    def deco(fn):
+        CASES[name] = fn
+        return fn
+
+    return deco
+
+
+# ----------------------------------------------------------------------------- helpers
+def T(a, stop_gradient=True):
+    """A tensor on this rank's device from numpy: a host-to-device copy, no kernel."""
+    return paddle.to_tensor(np.ascontiguousarray(a, dtype="float32"), stop_gradient=stop_gradient)
+
+
+def rng(seed):
+    gen = np.random.default_rng(seed)
+    return lambda *shape, scale=1.0: (gen.standard_normal(shape) * scale).astype("float32")
+
+
+def digest(arrays):
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+class Check:
+    """Bitwise comparisons of one case; failures are collected, not raised."""
+
+    def __init__(self):
+        self.failures, self.notes, self.compared = [], [], 0
+
+    def bitwise(self, what, actual, expected):
+        self.compared += 1
+        a = actual.numpy() if isinstance(actual, paddle.Tensor) else np.asarray(actual)
+        e = expected.numpy() if isinstance(expected, paddle.Tensor) else np.asarray(expected)
+        if a.dtype != e.dtype or a.shape != e.shape:
+            self.failures.append(f"{what}: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}")
+        elif a.tobytes() != e.tobytes():
+            diff = np.abs(a.astype("float64") - e.astype("float64"))
+            self.failures.append(f"{what}: {int(np.count_nonzero(a != e))}/{a.size} differ, max |diff| {np.nanmax(diff):.3g}")
+
+    def close(self, what, actual, reference, rtol=2e-2):
+        """Loose check against numpy float64: kernels that silently compute garbage fail it."""
+        a = np.asarray(actual, dtype="float64")
+        ref = np.asarray(reference, dtype="float64")
+        scale = max(float(np.abs(ref).max()), 1e-6)
+        err = float(np.abs(a - ref).max()) if a.shape == ref.shape else float("inf")
+        if not np.isfinite(err) or err > rtol * scale:
+            self.failures.append(f"{what}: differs from numpy by {err:.3g} (scale {scale:.3g})")
+
+    def phases(self, wrapper, captures, replays):
+        s = wrapper.stats()
+        got = (s["captures"], s["replays"], s["fallbacks"])
+        if got != (captures, replays, 0):
+            self.failures.append(f"(captures, replays, eager calls) {got} != {(captures, replays, 0)}: {wrapper.explain()}")
+        self.notes.append(f"captures={s['captures']} replays={s['replays']} eager={s['fallbacks']}")
+
+
+def all_reduce_sum(t, calc_stream):
+    """SUM all-reduce in place. ``calc_stream``: NCCL on the compute stream (the capture-friendly
+    form); otherwise Paddle's default, NCCL on its communication stream joined by events."""
+    if calc_stream:
+        dist.stream.all_reduce(t, op=dist.ReduceOp.SUM, sync_op=True, use_calc_stream=True)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+class MatChain(paddle.nn.Layer):
+    """x @ w0 @ w1 @ ...: parameters made on the CPU from numpy, then copied to the device."""
+
+    def __init__(self, dims, seed):
+        super().__init__()
+        draw = rng(seed)
+        place = paddle.get_device()
+        paddle.set_device("cpu")
+        try:
+            self.ws = paddle.nn.ParameterList(
+                [self.create_parameter([a, b], dtype="float32") for a, b in zip(dims[:-1], dims[1:])]
+            )
+            for w in self.ws:
+                w.set_value(draw(*w.shape, scale=1.0 / np.sqrt(w.shape[0])))
+        finally:
+            paddle.set_device(place)
+        if not place.startswith("cpu"):
+            self.to(device=place)
+
+    def forward(self, x):
+        for w in self.ws:
+            x = paddle.matmul(x, w)
+        return x
+
+
+# ----------------------------------------------------------------------------- cases
+@case("sanity")
+def case_sanity(chk, rank, world):
+    """Eager matmul and NCCL all-reduce against numpy: do the kernels this check needs run?"""
+    draw = rng(10 + rank)
+    xn, wn = draw(16, 64), draw(64, 32)
+    y = paddle.matmul(T(xn), T(wn))
+    chk.close("matmul", y.numpy(), xn.astype("float64") @ wn)
+    parts = [rng(10 + r)(8, 8) for r in range(world)]
+    t = T(parts[rank])
+    all_reduce_sum(t, calc_stream=False)
+    chk.close("all_reduce (communication stream)", t.numpy(), np.sum(parts, axis=0, dtype="float64"), 1e-5)
+    if BACKEND == "cuda":
+        t = T(parts[rank])
+        all_reduce_sum(t, calc_stream=True)
+        chk.close("all_reduce (compute stream)", t.numpy(), np.sum(parts, axis=0, dtype="float64"), 1e-5)
+    return {"replicated": digest([t.numpy()])}
+
+
+@case("data_parallel_by_hand")
+def case_data_parallel(chk, rank, world):
+    """A graphed matmul chain per rank; grads summed over ranks by NCCL outside the graph."""
+    dims = [32, 64, 48, 16]
+    graphed, eager = MatChain(dims, seed=1), MatChain(dims, seed=1)  # same init on both ranks
+    autocudagraph(graphed, backend=BACKEND, warmup_steps=1)
+    draw = rng(100 + rank)  # each rank its own batch
+    summed = []
+    for step in range(STEPS):
+        xn, dyn = draw(8, dims[0]), draw(8, dims[-1])
+        ys = []
+        for model in (graphed, eager):
+            model.clear_gradients(False)
+            y = model(T(xn))
+            y.backward(T(dyn))
+            for w in model.ws:
+                all_reduce_sum(w.grad, calc_stream=False)
+            ys.append(y)
+        chk.bitwise(f"step {step} y", *ys)
+        for i, (a, e) in enumerate(zip(graphed.ws, eager.ws)):
+            chk.bitwise(f"step {step} summed w{i}.grad", a.grad, e.grad)
+        summed += [w.grad.numpy() for w in graphed.ws]
+    chk.phases(graphed.forward, captures=1, replays=STEPS - 2)
+    return {"replicated": digest(summed)}
+
+
+class ReduceFromParallel(PyLayer):
+    """Row-parallel output: all-reduce in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, calc_stream):
+        return all_reduce_sum(x.clone(), calc_stream)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _all_reduce_in_graph(chk, rank, calc_stream):
+    def row_parallel(x, w1, w2_shard):
+        return ReduceFromParallel.apply(paddle.matmul(paddle.matmul(x, w1), w2_shard), calc_stream)
+
+    graphed = autocudagraph(row_parallel, backend=BACKEND, warmup_steps=1)
+    draw = rng(200 + rank)  # each rank its own shards
+    shards = [draw(16, 32, scale=0.2), draw(32, 8, scale=0.2)]
+    wa = [T(s, stop_gradient=False) for s in shards]
+    we = [T(s, stop_gradient=False) for s in shards]
+    common = rng(300)  # the same input and output grad on every rank
+    outs = []
+    for step in range(STEPS):
+        xn, dyn = common(4, 16), common(4, 8)
+        for w in wa + we:
+            w.clear_gradient(False)
+        xa, xe = T(xn, False), T(xn, False)
+        ya, ye = graphed(xa, *wa), row_parallel(xe, *we)
+        ya.backward(T(dyn))
+        ye.backward(T(dyn))
+        chk.bitwise(f"step {step} y (all-reduced in the graph)", ya, ye)
+        chk.bitwise(f"step {step} x.grad", xa.grad, xe.grad)
+        for i, (a, e) in enumerate(zip(wa, we)):
+            chk.bitwise(f"step {step} w{i}.grad", a.grad, e.grad)
+        outs.append(ya.numpy())
+    chk.phases(graphed, captures=1, replays=STEPS - 2)
+    return {"replicated": digest(outs)}
+
+
+@case("all_reduce_in_graph_compute_stream")
+def case_in_graph_calc(chk, rank, world):
+    if BACKEND != "cuda":
+        chk.notes.append("skipped: gloo has no compute-stream all_reduce")
+        return {}
+    return _all_reduce_in_graph(chk, rank, calc_stream=True)
+
+
+@case("all_reduce_in_graph_comm_stream")
+def case_in_graph_comm(chk, rank, world):
+    return _all_reduce_in_graph(chk, rank, calc_stream=False)
+
+
+@case("forward_only_in_place_all_reduce")
+def case_forward_only(chk, rank, world):
+    def reduce_matmul(x, w):
+        y = paddle.matmul(x, w)
+        return all_reduce_sum(y, calc_stream=BACKEND == "cuda")
+
+    graphed = autocudagraph(reduce_matmul, backend=BACKEND, warmup_steps=1)
+    draw = rng(400 + rank)
+    outs = []
+    with paddle.no_grad():
+        for step in range(STEPS):
+            x, w = T(draw(8, 16)), T(draw(16, 8))
+            ya, ye = graphed(x, w), reduce_matmul(x, w)
+            chk.bitwise(f"step {step} y", ya, ye)
+            outs.append(ya.numpy())
+    chk.phases(graphed, captures=1, replays=STEPS - 2)
+    return {"replicated": digest(outs)}
+
+
+@case("timing")
+def case_timing(chk, rank, world):
+    """Per-step time of the data-parallel step, eager vs graphed (not a pass/fail check)."""
+    dims = [512] * 17  # 16 matmul layers, 512 wide, batch 16
+    graphed, eager = MatChain(dims, seed=2), MatChain(dims, seed=2)
+    autocudagraph(graphed, backend=BACKEND, warmup_steps=1)
+    draw = rng(500 + rank)
+    x, dy = T(draw(16, 512)), T(draw(16, 512))
+    sync = paddle.device.cuda.synchronize if BACKEND == "cuda" else (lambda: None)
+    result, steps = {}, 50 if BACKEND == "cuda" else 3
+    for name, model in (("eager", eager), ("graphed", graphed)):
+        def step():
+            model.clear_gradients(False)
+            model(x).backward(dy)
+            for w in model.ws:
+                all_reduce_sum(w.grad, calc_stream=False)
+
+        for _ in range(5):
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        result[name] = (time.perf_counter() - start) / steps * 1e3
+    for a, e in zip(graphed.ws, eager.ws):
+        chk.bitwise("last step's summed grads", a.grad, e.grad)
+    chk.notes.append(f"ms/step eager {result['eager']:.3f}, graphed {result['graphed']:.3f} "
+                     f"(16 x 512x512 matmuls fwd+bwd, 16 grad all-reduces outside the graph)")
+    return {}
+
+
+# ----------------------------------------------------------------------------- rank side
+def run_rank(names):
+    global BACKEND
+    BACKEND = os.environ.get("DIST_GPU_CHECK_BACKEND", "cuda")
+    os.environ.pop(ENV_BACKEND, None)
+    dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = 0
+    for name in names:
+        chk = Check()
+        start = time.perf_counter()
+        row = {"case": name, "rank": rank, "device": paddle.get_device()}
+        try:
+            row["detail"] = CASES[name](chk, rank, world) or {}
+            row["ok"] = not chk.failures
+        except Exception as err:  # the next case still runs
+            row.update(ok=False, detail={}, error=f"{type(err).__name__}: {str(err).strip()[:800]}",
+                       traceback=traceback.format_exc()[-3000:])
+        row.update(failures=chk.failures[:20], notes=chk.notes, compared=chk.compared,
+                   ms=round((time.perf_counter() - start) * 1e3))
+        failed += not row["ok"]
+        print("RESULT " + json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- launcher side
+def launch(names, backend, log_dir, timeout):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DIST_GPU_CHECK_BACKEND=backend)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(log_dir)]
+    if backend == "cuda":
+        cmd += ["--gpus", "0,1"]
+    else:
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # set at all, even empty, it breaks the CPU launch
+        cmd += ["--nproc_per_node", "2"]
+    cmd += [__file__, "--rank-cases", ",".join(names)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the launcher stops its workers
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        out += f"\n[killed after {timeout} s]"
+    logs = {f.name: f.read_text(errors="replace") for f in sorted(pathlib.Path(log_dir).glob("workerlog.*"))}
+    return proc.returncode, out, logs
+
+
+def summarize(name, rc, out, logs):
+    rows = {}
+    for text in logs.values():
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT "):])
+                rows[r["rank"]] = r
+    lines, ok = [], len(rows) == 2 and all(r["ok"] for r in rows.values())
+    replicated = {r["detail"].get("replicated") for r in rows.values()}
+    if ok and len(replicated) != 1:
+        ok = False
+        lines.append("  - ranks disagree on values that must be replicated (all-reduced)")
+    for rank in sorted(rows):
+        r = rows[rank]
+        lines.append(f"  - rank {rank} on {r['device']}: {'ok' if r['ok'] else 'FAILED'}, "
+                     f"{r['compared']} bitwise comparisons, {r['ms']} ms" + "".join(f"; {n}" for n in r["notes"]))
+        lines += [f"    - {f}" for f in r["failures"]]
+        if r.get("error"):
+            lines.append(f"    - error: {r['error']}")
+    if len(rows) < 2:
+        tail = "\n".join((out or "").splitlines()[-15:])
+        logs_tail = {k: "\n".join(v.splitlines()[-25:]) for k, v in logs.items()}
+        lines.append(f"  - {2 - len(rows)} rank(s) reported nothing (launcher exit {rc}); launcher tail:\n```\n{tail}\n```")
+        for k, v in logs_tail.items():
+            lines.append(f"  - {k} tail:\n```\n{v}\n```")
+    return ok, [f"- **{'PASS' if ok else 'FAIL'}** `{name}`"] + lines
+
+
+def header(backend):
+    lines = [f"# autocudagraph two-rank data-parallel check ({backend} backend)", "",
+             f"- paddle {paddle.__version__} (commit {getattr(paddle.version, 'commit', '?')}), "
+             f"CUDA {paddle.version.cuda()}, cuDNN {paddle.version.cudnn()}"]
+    nccl = getattr(paddle.version, "nccl", None)
+    if callable(nccl):
+        lines.append(f"- NCCL (as built) {nccl()}")
+    if backend == "cuda" and paddle.is_compiled_with_cuda():
+        try:
+            n = paddle.device.cuda.device_count()
+            names = [paddle.device.cuda.get_device_name(i) for i in range(n)]
+            caps = [paddle.device.cuda.get_device_capability(i) for i in range(n)]
+            lines.append(f"- GPUs: {', '.join(f'{a} (sm_{b[0]}{b[1]})' for a, b in zip(names, caps))}")
+        except Exception as err:  # the report still says what it could
+            lines.append(f"- GPUs: unknown ({type(err).__name__}: {err})")
+    return lines + [f"- date: {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--cases", default="all", help=f"comma-separated, from: {', '.join(CASES)}")
+    parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
+    parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--rank-cases", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_cases is not None or "PADDLE_TRAINER_ID" in os.environ:  # a rank of a launched job
+        wanted = args.rank_cases or args.cases
+        return run_rank(list(CASES) if wanted == "all" else wanted.split(","))
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
+    report, all_ok = header(args.backend), True
+    print("\n".join(report), flush=True)
+    jobs = [names] if args.one_job else [[n] for n in names]
+    with tempfile.TemporaryDirectory(prefix="dist_gpu_check_") as tmp:
+        for i, job in enumerate(jobs):
+            rc, out, logs = launch(job, args.backend, pathlib.Path(tmp) / f"job{i}", args.timeout)
+            for name in job:
+                sub = {k: "\n".join(l for l in v.splitlines() if not l.startswith("RESULT ") or f'"case": "{name}"' in l)
+                       for k, v in logs.items()}
+                ok, lines = summarize(name, rc, out, sub)
+                all_ok &= ok
+                report += lines
+                print("\n".join(lines), flush=True)
+    report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'}"]
+    print(report[-1])
+    if args.out:
+        pathlib.Path(args.out).write_text("\n".join(report) + "\n")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
