@@ -21,8 +21,9 @@ forward + backward with an explicit output grad ``dy``; parameter grads are rele
   replay, with TF32 for float32 matmuls set to what Paddle does (measured, see below).
 
 Timing: every timed step is followed by a device synchronisation and timed on the host with
-``time.perf_counter``; the table gives the median of ``--steps`` (default 200) such steps after
-``--warmup`` steps. A per-step synchronisation measures the latency of one training step
+``time.perf_counter``; the table gives the median of ``--rounds`` x ``--steps`` (default 2 x 200)
+such steps after ``--warmup`` steps, the rounds interleaving the runners of a config in
+alternating order so that neither a slow phase of the machine nor the order favours one. A per-step synchronisation measures the latency of one training step
 including the host work that launches it, which is what graphs remove; batching N steps
 between two CUDA events would instead let the host run ahead and hide launch overhead behind
 the GPU work of earlier steps (reported separately as "pipelined": N steps, one sync, divided
@@ -74,6 +75,95 @@ def short(err, limit=300):
     pick = next((l for l in lines if l.startswith("(") and ")" in l[:40]), None)
     pick = pick or next((l for l in lines if "rror" in l), None) or (lines[-1] if lines else "")
     return f"{type(err).__name__}: {pick}"[:limit]
+
+
+class Runner:
+    """One way of running a training step; its timed samples accumulate over rounds.
+
+    ``step()`` runs one step and returns the host seconds of its forward call and of its
+    backward call (0.0 where there is none); ``sync()`` waits for the device.
+    """
+
+    def __init__(self, name, step, sync):
+        self.name, self.step, self.sync = name, step, sync
+        self.step_t, self.fwd_t, self.bwd_t, self.pipe = [], [], [], []
+        self.error = None
+
+    def timed(self, n):
+        if self.error:
+            return
+        pc = time.perf_counter
+        try:
+            for _ in range(n):
+                t0 = pc()
+                f, b = self.step()
+                self.sync()
+                self.step_t.append(pc() - t0)
+                self.fwd_t.append(f)
+                self.bwd_t.append(b)
+        except Exception as err:  # noqa: BLE001 - keep the other runners
+            self.error = short(err)
+
+    def pipelined(self, n):
+        if self.error:
+            return
+        try:
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.step()
+            self.sync()
+            self.pipe.append((time.perf_counter() - t0) / n)
+        except Exception as err:  # noqa: BLE001
+            self.error = short(err)
+
+    def summary(self, prefix):
+        out = {}
+        if self.error:
+            out[f"{prefix}_error"] = self.error
+        if self.step_t:
+            st = sorted(self.step_t)
+            out[f"{prefix}_us"] = median_us(st)
+            out[f"{prefix}_p10_us"] = st[len(st) // 10] * 1e6
+            out[f"{prefix}_p90_us"] = st[(9 * len(st)) // 10] * 1e6
+            out[f"{prefix}_host_us"] = median_us(self.fwd_t)
+            out[f"{prefix}_backward_host_us"] = median_us(self.bwd_t)
+            out[f"{prefix}_samples"] = len(st)
+        if self.pipe:
+            out[f"{prefix}_pipelined_us"] = statistics.mean(self.pipe) * 1e6
+        return out
+
+
+def run_rounds(runners, args):
+    """Times every runner ``args.rounds`` times, interleaved (ABC then CBA ...), so that a slow
+    phase of the machine or the order of the runners does not favour one of them."""
+    for r in range(args.rounds):
+        order = runners if r % 2 == 0 else list(reversed(runners))
+        for run in order:
+            run.timed(args.steps)
+        for run in order:
+            run.pipelined(args.steps)
+
+
+def profile_runner(run, steps, path):
+    """cProfile of ``steps`` steps of one runner (host side), top functions to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        run.step()
+    run.sync()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    buf.write(f"# {run.name}: {steps} steps (host time; each line's times are totals over all steps)\n")
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as fh:
+        fh.write(buf.getvalue())
 
 
 # ============================================================================ Paddle side
@@ -136,33 +226,17 @@ def paddle_side(args, configs):
         for p in params:
             p.clear_gradient(False)
 
-    def measure(model, x, dy, params, steps):
-        """Per-step synchronised timing; host time of the forward call and of backward."""
-        step_t, fwd_t, bwd_t = [], [], []
-        for _ in range(steps):
+    def step_of(model, x, dy, params):
+        def step():
             t0 = pc()
             y = model(x)
             t1 = pc()
             y.backward(dy)
             t2 = pc()
             release(params)
-            sync()
-            t3 = pc()
-            step_t.append(t3 - t0)
-            fwd_t.append(t1 - t0)
-            bwd_t.append(t2 - t1)
-        return {"step_us": median_us(step_t), "fwd_host_us": median_us(fwd_t), "bwd_host_us": median_us(bwd_t),
-                "p10_us": sorted(step_t)[len(step_t) // 10] * 1e6, "p90_us": sorted(step_t)[(9 * len(step_t)) // 10] * 1e6}
+            return t1 - t0, t2 - t1
 
-    def pipelined(model, x, dy, params, steps):
-        sync()
-        t0 = pc()
-        for _ in range(steps):
-            y = model(x)
-            y.backward(dy)
-            release(params)
-        sync()
-        return (pc() - t0) / steps * 1e6
+        return step
 
     def reference(model, x, dy, params):
         y = model(x)
@@ -204,53 +278,38 @@ def paddle_side(args, configs):
         xn = rng.standard_normal((batch, width)).astype("float32")
         dyn = rng.standard_normal((batch, width)).astype("float32")
         row = {"config": name, "gpu": info["gpu"], "layers": layers, "width": width, "batch": batch,
-               "steps": args.steps, "warmup": args.warmup}
+               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
         x, dy = T(xn), T(dyn)
+        runners, keep = [], []
 
         # --- eager
         eager = build(layers, width, weights)
         ep = eager.parameters()
         ref = reference(eager, x, dy, ep)
+        eager_run = Runner("paddle_eager", step_of(eager, x, dy, ep), sync)
         for _ in range(args.warmup):
-            y = eager(x)
-            y.backward(dy)
-            release(ep)
-        m = measure(eager, x, dy, ep, args.steps)
-        row["paddle_eager_us"] = m["step_us"]
-        row["paddle_eager_host_us"] = m["fwd_host_us"] + m["bwd_host_us"]
-        row["paddle_eager_pipelined_us"] = pipelined(eager, x, dy, ep, args.steps)
-        del eager, ep
+            eager_run.step()
+        runners.append(eager_run)
+        keep.append(eager)
 
         # --- autocudagraph variants
+        wrapped = {}
         for key, opts in VARIANTS:
             try:
                 model = build(layers, width, weights)
                 params = model.parameters()
                 autocudagraph(model, backend=args.backend, **opts)
+                run = Runner(key, step_of(model, x, dy, params), sync)
                 for _ in range(max(args.warmup, 3)):
-                    y = model(x)
-                    y.backward(dy)
-                    release(params)
+                    run.step()
                 row[f"{key}_bitwise_vs_eager"] = same(reference(model, x, dy, params), ref)
-                m = measure(model, x, dy, params, args.steps)
-                row[f"{key}_us"] = m["step_us"]
-                row[f"{key}_host_us"] = m["fwd_host_us"]
-                row[f"{key}_backward_host_us"] = m["bwd_host_us"]
-                row[f"{key}_p10_us"], row[f"{key}_p90_us"] = m["p10_us"], m["p90_us"]
-                row[f"{key}_pipelined_us"] = pipelined(model, x, dy, params, args.steps)
-                st = model.forward.stats()
-                row[f"{key}_stats"] = {k: st.get(k) for k in ("captures", "replays", "fallbacks", "graphs",
-                                                             "input_copies", "input_copies_skipped")}
-                if st.get("captures", 0) < 1 or st.get("fallbacks", 0) > 0:
-                    row[f"{key}_warning"] = "not replaying: " + model.forward.explain().replace("\n", " / ")
-                model.forward.reset()
-                del model, params
+                runners.append(run)
+                wrapped[key] = (model, run)
             except Exception as err:  # noqa: BLE001 - keep the other columns
                 row[f"{key}_error"] = short(err)
-            gc.collect()
-        row["wrapper_host_us"] = row.get("autocudagraph_host_us")
 
         # --- raw CUDA-graph replay (the floor)
+        graph = None
         if cuda:
             try:
                 from paddle.device.cuda import graphs
@@ -272,28 +331,41 @@ def paddle_side(args, configs):
                 graph.replay()
                 sync()
                 row["raw_replay_bitwise_vs_eager"] = same((sy.numpy(), [p.grad.numpy() for p in rp]), ref)
-                for _ in range(args.warmup):
-                    graph.replay()
-                sync()
-                step_t, host_t = [], []
-                for _ in range(args.steps):
+
+                def raw_step(graph=graph):
                     t0 = pc()
                     graph.replay()
-                    t1 = pc()
-                    sync()
-                    step_t.append(pc() - t0)
-                    host_t.append(t1 - t0)
-                row["raw_replay_us"] = median_us(step_t)
-                row["raw_replay_host_us"] = median_us(host_t)
-                t0 = pc()
-                for _ in range(args.steps):
-                    graph.replay()
-                sync()
-                row["raw_replay_pipelined_us"] = (pc() - t0) / args.steps * 1e6
-                graph.reset()
-                del graph, raw, rp, sy
+                    return pc() - t0, 0.0
+
+                run = Runner("raw_replay", raw_step, sync)
+                for _ in range(args.warmup):
+                    run.step()
+                runners.append(run)
+                keep += [raw, rp, sx, sdy, sy]
             except Exception as err:  # noqa: BLE001
                 row["raw_replay_error"] = short(err)
+
+        # --- timing, interleaved over rounds
+        sync()
+        run_rounds(runners, args)
+        for run in runners:
+            row.update(run.summary(run.name))
+        row["paddle_eager_host_us"] = (row.get("paddle_eager_host_us") or 0) + (row.get("paddle_eager_backward_host_us") or 0)
+        row["wrapper_host_us"] = row.get("autocudagraph_host_us")
+        if args.profile and "autocudagraph" in wrapped:
+            path = os.path.join(args.out_dir, f"profile_{name}.txt")
+            profile_runner(wrapped["autocudagraph"][1], min(args.steps, 100), path)
+            row["autocudagraph_profile"] = os.path.basename(path)
+        for key, (model, run) in wrapped.items():
+            st = model.forward.stats()
+            row[f"{key}_stats"] = {k: st.get(k) for k in ("captures", "replays", "fallbacks", "graphs",
+                                                         "input_copies", "input_copies_skipped")}
+            if st.get("captures", 0) < 1 or st.get("fallbacks", 0) > 0:
+                row[f"{key}_warning"] = "not replaying: " + model.forward.explain().replace("\n", " / ")
+            model.forward.reset()
+        if graph is not None:
+            graph.reset()
+        del runners, keep, wrapped, eager, ep, graph
         gc.collect()
         if cuda:
             try:
@@ -331,27 +403,17 @@ def torch_worker(args):
         for p in model.parameters():
             p.grad = None
 
-    def measure(call, model, x, dy, steps):
-        step_t, fwd_t = [], []
-        for _ in range(steps):
+    def step_of(call, model, x, dy):
+        def step():
             t0 = pc()
             y = call(x)
             t1 = pc()
             y.backward(dy)
+            t2 = pc()
             release(model)
-            sync()
-            step_t.append(pc() - t0)
-            fwd_t.append(t1 - t0)
-        return median_us(step_t), median_us(fwd_t)
+            return t1 - t0, t2 - t1
 
-    def pipelined(call, model, x, dy, steps):
-        sync()
-        t0 = pc()
-        for _ in range(steps):
-            call(x).backward(dy)
-            release(model)
-        sync()
-        return (pc() - t0) / steps * 1e6
+        return step
 
     def snapshot(call, model, x, dy):
         y = call(x)
@@ -367,33 +429,32 @@ def torch_worker(args):
            "torch_gpu": torch.cuda.get_device_name(0), "rows": {}}
     for name, layers, width, batch in configs:
         print(f"[torch] {name}", file=sys.stderr, flush=True)
-        row = {}
+        row, runners, keep = {}, [], []
         gen = torch.Generator().manual_seed(1234)
         weights = [torch.randn(width, width, generator=gen) / width ** 0.5 for _ in range(layers)]
         x = torch.randn(batch, width, generator=gen).to(dev)
         dy = torch.randn(batch, width, generator=gen).to(dev)
+        ref = None
         try:
             eager = TMLP(weights).to(dev)
             ref = snapshot(eager, eager, x, dy)
+            run = Runner("torch_eager", step_of(eager, eager, x, dy), sync)
             for _ in range(args.warmup):
-                eager(x).backward(dy)
-                release(eager)
-            row["torch_eager_us"], row["torch_eager_host_us"] = measure(eager, eager, x, dy, args.steps)
-            row["torch_eager_pipelined_us"] = pipelined(eager, eager, x, dy, args.steps)
+                run.step()
+            runners.append(run)
+            keep.append(eager)
         except Exception as err:  # noqa: BLE001
             row["torch_eager_error"] = short(err)
-            ref = None
         try:
             model = TMLP(weights).to(dev)
             graphed = torch.cuda.make_graphed_callables(model, (x.clone(),))
+            run = Runner("torch_graphed", step_of(graphed, model, x, dy), sync)
             for _ in range(args.warmup):
-                graphed(x).backward(dy)
-                release(model)
+                run.step()
             if ref is not None:
                 row["torch_graphed_bitwise_vs_eager"] = same(snapshot(graphed, model, x, dy), ref)
-            row["torch_graphed_us"], row["torch_graphed_host_us"] = measure(graphed, model, x, dy, args.steps)
-            row["torch_graphed_pipelined_us"] = pipelined(graphed, model, x, dy, args.steps)
-            del graphed, model
+            runners.append(run)
+            keep += [model, graphed]
         except Exception as err:  # noqa: BLE001
             row["torch_graphed_error"] = short(err)
         try:
@@ -414,27 +475,24 @@ def torch_worker(args):
             sync()
             if ref is not None:
                 row["torch_raw_replay_bitwise_vs_eager"] = same((sy, [p.grad for p in model.parameters()]), ref)
-            for _ in range(args.warmup):
-                graph.replay()
-            sync()
-            step_t, host_t = [], []
-            for _ in range(args.steps):
+
+            def raw_step(graph=graph):
                 t0 = pc()
                 graph.replay()
-                t1 = pc()
-                sync()
-                step_t.append(pc() - t0)
-                host_t.append(t1 - t0)
-            row["torch_raw_replay_us"] = median_us(step_t)
-            row["torch_raw_replay_host_us"] = median_us(host_t)
-            t0 = pc()
-            for _ in range(args.steps):
-                graph.replay()
-            sync()
-            row["torch_raw_replay_pipelined_us"] = (pc() - t0) / args.steps * 1e6
-            del graph, model
+                return pc() - t0, 0.0
+
+            run = Runner("torch_raw_replay", raw_step, sync)
+            for _ in range(args.warmup):
+                run.step()
+            runners.append(run)
+            keep += [model, graph, sx, sdy, sy]
         except Exception as err:  # noqa: BLE001
             row["torch_raw_replay_error"] = short(err)
+        sync()
+        run_rounds(runners, args)
+        for run in runners:
+            row.update(run.summary(run.name))
+        del runners, keep
         torch.cuda.empty_cache()
         out["rows"][name] = row
     with open(args.json_out, "w") as fh:
@@ -464,7 +522,7 @@ def torch_side(args, configs, tf32):
         os.close(fd)
         cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--json-out", path,
                "--worker-configs", ",".join(c[0] for c in configs), "--tf32", str(int(tf32)),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.torch_timeout)
             sys.stderr.write(proc.stderr[-2000:] if proc.returncode else "")
@@ -527,7 +585,8 @@ def write_report(out_dir, info, rows, args, elapsed):
              + (f" (measured: max relative error {err:.1e} against float64)" if err is not None else "")
              + (f"; torch.backends.cuda.matmul.allow_tf32={info.get('torch_tf32')} to match" if "torch" in info else "")
              + f"; NVIDIA_TF32_OVERRIDE={os.environ.get('NVIDIA_TF32_OVERRIDE', 'unset')}")
-    L.append(f"- method: median of {args.steps} steps after {args.warmup} warmup steps, each step "
+    L.append(f"- method: median of {args.steps * args.rounds} steps ({args.rounds} interleaved round(s) of {args.steps}, "
+             f"the runners in alternating order) after {args.warmup} warmup steps, each step "
              "followed by a device synchronisation (host perf_counter); one step = forward + backward "
              "with an explicit dy, then parameter grads released. Raw replay = replay() of a graph "
              "holding that forward + backward (no input copy). Wrapper host = time of the graphed call "
@@ -594,7 +653,8 @@ def write_report(out_dir, info, rows, args, elapsed):
         L.append("## Problems")
         L.append("")
         for cfg, k, v in problems:
-            L.append(f"- {cfg} {k}: {v}")
+            v = str(v)
+            L.append(f"- {cfg} {k}: {v if len(v) <= 400 else v[:400] + ' ...'}")
     L.append("")
     L.append("## Targets (issue 4)")
     L.append("")
@@ -610,6 +670,10 @@ def write_report(out_dir, info, rows, args, elapsed):
         if None not in (a, raw, tg, tr):
             L.append(f"  - overhead over raw replay: autocudagraph {a - raw:.1f} us vs make_graphed_callables "
                      f"{tg - tr:.1f} us (target smaller: {'met' if a - raw < tg - tr else 'MISSED'})")
+    profiles = [r["autocudagraph_profile"] for r in rows if r.get("autocudagraph_profile")]
+    if profiles:
+        L.append("")
+        L.append("Host profiles of the default autocudagraph step (cProfile): " + ", ".join(profiles))
     with open(os.path.join(out_dir, "benchmarks.md"), "w") as fh:
         fh.write("\n".join(L) + "\n")
     print("\n".join(L))
@@ -623,6 +687,9 @@ def main():
     parser.add_argument("--steps", type=int, help="timed steps per measurement (default 200, --quick 20)")
     parser.add_argument("--warmup", type=int, help="warmup steps (default 20, --quick 3)")
     parser.add_argument("--configs", help="comma-separated config names (default all)")
+    parser.add_argument("--rounds", type=int, help="interleaved timing rounds per measurement (default 2, --quick 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write out-dir/profile_CONFIG.txt: cProfile of autocudagraph's host side")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--torch-timeout", type=int, default=240)
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
@@ -634,6 +701,8 @@ def main():
         args.steps = 20 if args.quick else 200
     if args.warmup is None:
         args.warmup = 3 if args.quick else 20
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     if args.torch_worker:
         torch_worker(args)
         return 0
@@ -645,6 +714,8 @@ def main():
         configs = [(n, l, min(w, SMOKE_WIDTH), b) for n, l, w, b in configs]
         args.no_torch = True
     out_dir = args.out_dir or (os.path.join(REPO, "docs") if args.backend == "cuda" else tempfile.mkdtemp(prefix="bench_smoke_"))
+    args.out_dir = out_dir
+    os.makedirs(out_dir, exist_ok=True)
     info, rows = paddle_side(args, configs)
     if args.backend == "cuda":
         try:

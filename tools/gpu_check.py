@@ -481,7 +481,10 @@ def git_head():
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "paddlefleet"], capture_output=True,
                                text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + (" (+ uncommitted changes in paddlefleet/)" if dirty else "")
+        head = out.stdout.strip()
+        if out.returncode != 0 or not head:
+            return "? (no git checkout here)"
+        return head + (" (+ uncommitted changes in paddlefleet/)" if dirty else "")
     except Exception:  # noqa: BLE001
         return "?"
 
