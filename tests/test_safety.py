@@ -5,14 +5,16 @@ Every graphed result is compared with eager bit for bit; phases are pinned with 
 """
 
 import os
+import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, is_capturing
+from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, is_capturing, safety
 from paddlefleet.cudagraph.safety import MAX_HOST_KEY_ELEMENTS, mark_host
 
 from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
@@ -453,6 +455,29 @@ class HostIOTest(SafetyCase):
         f(x, self.host(2, "int64"))
         with self.assertRaisesRegex(InputMismatchError, r"CPU input 'n' holds 3 but the graph of this key was captured with 2"):
             f(x, self.host(3, "int64"))
+
+
+class HostMaskTest(unittest.TestCase):
+    """The CUDA-build rule, with stand-in places (this machine may have a CPU build)."""
+
+    class Place:
+        def __init__(self, gpu):
+            self.gpu = gpu
+
+        def is_gpu_place(self):
+            return self.gpu
+
+    def test_cpu_tensors_are_host_only_next_to_gpu_tensors(self):
+        ts = [paddle.ones([1]) for _ in range(3)]
+        gpu, cpu = self.Place(True), self.Place(False)
+        with mock.patch.object(safety, "_CUDA_BUILD", True):
+            self.assertEqual(safety.host_mask(ts, places=[gpu, cpu, gpu]), [False, True, False])
+            self.assertIsNone(safety.host_mask(ts, places=[cpu, cpu, cpu]), "an all-CPU call has no host tensors")
+            self.assertIsNone(safety.host_mask(ts, places=[gpu, gpu, gpu]))
+            self.assertEqual(safety.host_mask(ts, on_gpu=True, places=[cpu, gpu, gpu]), [True, False, False])
+        with mock.patch.object(safety, "_CUDA_BUILD", False):
+            self.assertIsNone(safety.host_mask(ts, places=[gpu, cpu, gpu]))
+            self.assertEqual(safety.host_mask([ts[0], mark_host(ts[1])]), [False, True])
 
 
 # ---------------------------------------------------------------------------- 5. input copies

@@ -136,21 +136,23 @@ def is_marked_host(t):
     return ref is not None and ref() is t
 
 
-def host_mask(tensors, on_gpu=None):
+def host_mask(tensors, on_gpu=None, places=None):
     """One bool per tensor: is it a host tensor (NOTE [ Host tensors ])? None when none is.
 
     Args:
         tensors: the call's tensors.
         on_gpu: whether the graph runs on a GPU; None to decide from ``tensors`` (any on a GPU).
+        places: the tensors' places when the caller has them (``Tensor.place`` costs ~1 us).
     """
     mask = None
     if _marked:
         mask = [is_marked_host(t) for t in tensors]
     if _CUDA_BUILD:
+        gpu = [p.is_gpu_place() for p in (places if places is not None else [t.place for t in tensors])]
         if on_gpu is None:
-            on_gpu = any(t.place.is_gpu_place() for t in tensors)
-        if on_gpu:
-            cpu = [not t.place.is_gpu_place() for t in tensors]
+            on_gpu = any(gpu)
+        if on_gpu and not all(gpu):
+            cpu = [not g for g in gpu]
             mask = cpu if mask is None else [a or b for a, b in zip(mask, cpu)]
     if mask is None or not any(mask):
         return None
