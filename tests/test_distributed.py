@@ -19,6 +19,8 @@ import unittest
 
 import paddle
 
+from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph.lifecycle import GraphedCallable
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -130,6 +132,16 @@ class TestFleetTwoProcesses(unittest.TestCase):
         r0, r1 = self.case("tensor_parallel_layers")
         self.assertEqual(r0["replicated"], r1["replicated"], "row-parallel outputs differ across ranks")
         self.assertNotEqual(r0["shard"], r1["shard"], "column shards should differ across ranks")
+
+
+class TestDistributedWrappersAreRefused(unittest.TestCase):
+    def test_graphing_the_data_parallel_wrapper_itself_is_refused_with_the_fix(self):
+        # DataParallel.forward arms the reducer on the host after the model ran; a replay
+        # would skip that, so the blocks (or the inner model) must be graphed instead.
+        dp = paddle.DataParallel(paddle.nn.Linear(4, 4))
+        with self.assertRaisesRegex(TypeError, r"distributed wrapper DataParallel.*paddle.DataParallel\(autocudagraph"):
+            autocudagraph(dp)
+        self.assertFalse(isinstance(dp.forward, GraphedCallable))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,25 @@ class _GraphedMethod:
         return self.__get__(obj)(*args, **kwargs)
 
 
+def _distributed_wrapper_name(layer):
+    """The class name when ``layer`` is a Paddle distributed wrapper (DataParallel, Fleet's
+    TensorParallel/PipelineParallel/...), else None."""
+    names = {cls.__name__ for cls in type(layer).__mro__}
+    if "DataParallel" in names or "MetaParallelBase" in names:
+        return type(layer).__name__
+    return None
+
+
 def _wrap(target, options):
+    wrapper_name = _distributed_wrapper_name(target) if isinstance(target, paddle.nn.Layer) else None
+    if wrapper_name is not None:
+        # See docs/distributed.md: the wrapper's forward is host code around the model.
+        raise TypeError(
+            f"autocudagraph: got the distributed wrapper {wrapper_name}. Its forward arms the gradient "
+            "reducer on the host after the model runs, which a graph replay would skip, so grads would "
+            "not be synchronised. Graph the model or its blocks, then wrap: "
+            "paddle.DataParallel(autocudagraph(model)) or fleet.distributed_model(...)."
+        )
     if isinstance(target, paddle.nn.Layer):
         forward = type(target).forward
         wrapper = GraphedCallable(forward, options, owner=target)
