@@ -270,8 +270,10 @@ def paddle_side(args, configs):
         info["gpu"] = "none (CPU, simulate backend)"
         info["paddle_tf32"] = False
 
-    results = []
-    for name, layers, width, batch in configs:
+    def bench_config(name, layers, width, batch):
+        """One config; a function so that every tensor it made is freed when it returns (a
+        tensor of a graph's private pool freed while a later capture is open aborts Paddle 2.6
+        with CUDA error 900 from CUDAGraphAllocator::FreeImpl)."""
         print(f"[paddle] {name}: {layers} layers x {width}, batch {batch}", file=sys.stderr, flush=True)
         rng = np.random.default_rng(1234)
         weights = [(rng.standard_normal((width, width)) / np.sqrt(width)).astype("float32") for _ in range(layers)]
@@ -321,6 +323,7 @@ def paddle_side(args, configs):
                     y = raw(sx)
                     y.backward(sdy)
                     release(rp)
+                gc.collect()  # nothing of a graph's pool may be freed while the capture is open
                 graph = graphs.CUDAGraph()
                 graph.capture_begin()
                 try:
@@ -365,14 +368,17 @@ def paddle_side(args, configs):
             model.forward.reset()
         if graph is not None:
             graph.reset()
-        del runners, keep, wrapped, eager, ep, graph
+        return row
+
+    results = []
+    for name, layers, width, batch in configs:
+        results.append(bench_config(name, layers, width, batch))
         gc.collect()
         if cuda:
             try:
                 paddle.device.cuda.empty_cache()
             except Exception:  # noqa: BLE001
                 pass
-        results.append(row)
     return info, results
 
 
