@@ -390,6 +390,19 @@ class TestDispatch(BackendCase):
         self.assertEqual((s["graphs"], s["captures"], s["replays"], s["fallbacks"]), (2, 2, 2, 3))
         self.assertEqual(s["eager_reasons"], {"max_graphs reached": 3})
 
+    def test_keys_in_warmup_survive_another_keys_capture(self):
+        # The capture of the first key discovers the sublayers the Layer calls; their training
+        # flags join every key, and keys still in warmup must keep matching.
+        model, ref = twin_layers(FFN)
+        self.graphed(model, warmup_steps=1, max_graphs=2)
+        for _ in range(4):
+            for rows in (4, 8, 12):
+                x = paddle.randn([rows, 8])
+                self.assertBitwise(model(x), ref(x))
+        s = model.forward.stats()
+        self.assertEqual((s["captures"], s["replays"], s["graphs"]), (2, 4, 2))
+        self.assertEqual(s["eager_reasons"].get("max_graphs reached"), 4)
+
     def test_user_key_ignoring_shapes_raises_naming_argument_and_shapes(self):
         g = self.graphed(mm, warmup_steps=0, dispatch_key_fn=lambda ba: "one")
         w = paddle.randn([8, 8])

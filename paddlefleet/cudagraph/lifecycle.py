@@ -479,8 +479,6 @@ class GraphedCallable:
                 state.restore_rng(rng)
         entry.phase = Phase.REPLAY
         entry.verify_left = opts.verify_replays
-        # Layers discovered during capture are now part of the key (their training flags).
-        self._rekey(entry)
 
     def _refuse_unknown_leaves(self, entry, static, needs_grad):
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
@@ -560,17 +558,20 @@ class GraphedCallable:
         live["replay_by_grad"] = ok
 
     def _track_layers(self, layers):
-        for layer in layers:
-            if all(layer is not t for t in self._tracked_layers):
-                self._tracked_layers.append(layer)
-
-    def _rekey(self, entry):
-        old = entry.key
-        new = old[:2] + (self._state_key(),)
-        if new != old and new not in self._entries:
-            del self._entries[old]
-            entry.key = new
-            self._entries[new] = entry
+        """Adds Layers found during a capture to those whose training flag keys every call, and
+        extends the key of every existing entry with their current flags, so that keys made
+        before (other keys still in warmup included) keep matching."""
+        added = [l for l in layers if all(l is not t for t in self._tracked_layers)]
+        if not added:
+            return
+        self._tracked_layers.extend(added)
+        extra = tuple(layer.training for layer in added)
+        rebuilt = collections.OrderedDict()
+        for key, entry in self._entries.items():
+            grad_mode, amp, flags = key[2]
+            entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
+            rebuilt[entry.key] = entry
+        self._entries = rebuilt
 
     def _named_arguments(self, args, kwargs):
         try:
