@@ -552,6 +552,42 @@ class TestBackendChoice(unittest.TestCase):
                 self.assertEqual(backend.shares_pools, shares)
                 self.assertEqual(backend.new_pool(), 42 if shares else None)
 
+    def test_places_key_by_value_not_identity(self):
+        # Paddle 2.6's Place objects hash alike but compare by identity: keying on them made
+        # every call a new key (measured on an H100), so the key holds str(place).
+        from paddlefleet.cudagraph.static_io import tensor_meta
+
+        class IdentityPlace:
+            def __str__(self):
+                return "Place(gpu:0)"
+
+        t = paddle.randn([2, 3])
+        self.assertEqual(tensor_meta(t, IdentityPlace()), tensor_meta(t, IdentityPlace()))
+
+    def test_cuda_capture_collects_garbage_first_and_pauses_the_collector(self):
+        import gc
+
+        seen = {}
+
+        class FakeGraph:
+            def __init__(self, place=None, mode="thread_local"):
+                pass
+
+            def capture_begin(self):
+                seen["enabled_in_capture"] = gc.isenabled()
+
+            def capture_end(self):
+                pass
+
+        module = mock.Mock(CUDAGraph=FakeGraph, is_cuda_graph_supported=lambda: True)
+        with mock.patch.object(cuda_backend, "_core_graph_class", return_value=(module, object())), \
+                mock.patch.object(gc, "collect") as collect:
+            graph = cuda_backend.CudaBackend(place="gpu:0").new_graph(None)
+            self.assertEqual(graph.capture(lambda: 7), 7)
+        collect.assert_called_once()
+        self.assertFalse(seen["enabled_in_capture"])
+        self.assertTrue(gc.isenabled())
+
     def assertBitwise_(self, a, b):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), strict=True)
 

@@ -314,8 +314,9 @@ class GraphedCallable:
     def _key(self, args, kwargs, tensors, spec):
         key_fn = self._options.dispatch_key_fn
         if key_fn is None:
-            metas = tuple(tensor_meta(t) for t in tensors)
-            host = safety.host_mask(tensors, places=[m[2] for m in metas])  # m[2]: tensor_meta's place
+            places = [t.place for t in tensors]
+            metas = tuple(tensor_meta(t, p) for t, p in zip(tensors, places))
+            host = safety.host_mask(tensors, places=places)
             if host is not None:  # NOTE [ Host tensors ] in safety.py: keyed by value
                 metas = tuple(m + (safety.host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
             return (spec, metas, self._state_key())

@@ -104,9 +104,13 @@ def leaf_names(named_arguments):
     return out
 
 
-def tensor_meta(t):
-    """The parts of a tensor that a graph fixes: shape, dtype, place, stop_gradient."""
-    return (tuple(t.shape), t.dtype, t.place, t.stop_gradient)
+def tensor_meta(t, place=None):
+    """The parts of a tensor that a graph fixes: shape, dtype, place, stop_gradient.
+
+    The place enters as ``str(place)``: Paddle 2.6's Place objects hash alike but compare by
+    identity (measured on 2.6.2), so they cannot be a key.
+    """
+    return (tuple(t.shape), t.dtype, str(t.place if place is None else place), t.stop_gradient)
 
 
 def nbytes(t):

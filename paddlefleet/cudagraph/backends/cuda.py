@@ -8,6 +8,8 @@ installed Paddle can do instead of comparing version strings:
 * without it (Paddle 2.6): every capture gets a private pool.
 """
 
+import gc
+
 import paddle
 
 from ..errors import CaptureError
@@ -47,8 +49,18 @@ class _CudaGraph(Graph):
         self._graph = None
 
     def capture(self, body, hooks=()):
-        with capturing(hooks):
-            return self._capture(body)
+        # NOTE [ Garbage collection around capture ]: freeing a tensor of another graph's pool
+        # while a capture is open aborts the process on Paddle 2.6 (CUDA error 900, measured on
+        # an H100). Collect before capturing and keep the collector off until the capture ends.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with capturing(hooks):
+                return self._capture(body)
+        finally:
+            if was_enabled:
+                gc.enable()
 
     def _capture(self, body):
         graphs, _ = _core_graph_class()
