@@ -468,6 +468,29 @@ class TestCaptureRules(BackendCase):
         self.assertEqual(float(paddle.to_tensor(2.0)), 2.0)
 
 
+@parameterized_class(backend_classes())
+class TestBackwardBody(BackendCase):
+    def test_capture_retries_with_backward_when_paddle_grad_refuses(self):
+        # NOTE [ Backward body ]: paddle.grad first; a graph it refuses is captured again with
+        # paddle.autograd.backward, and the key still replays bitwise like eager.
+        model, ref = twin_layers(FFN)
+        self.graphed(model, warmup_steps=0)
+        with mock.patch.object(paddle, "grad", side_effect=RuntimeError("refused by a PyLayer")):
+            x = paddle.randn([4, 8])
+            y = model(x)
+        y_e = ref(x)
+        for step in range(3):
+            if step:
+                x = paddle.randn([4, 8])
+                y, y_e = model(x), ref(x)
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(y, y_e)
+            self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step}")
+        s = model.forward.stats()
+        self.assertEqual((s["captures"], s["replays"], s["fallbacks"]), (1, 2, 0))
+
+
 class TestBackendChoice(unittest.TestCase):
     def setUp(self):
         paddle.set_device("cpu")

@@ -333,12 +333,10 @@ class ClonePolicyTest(BackendCase):
         self.assertBitwise([g.numpy() for g in kept_g], [g.numpy() for g in kept_e])
         self.assertEqual(graphed.forward.stats()["replays"], 3)
 
-    @unittest.expectedFailure
     def test_param_hooks_do_not_run_during_capture(self):
-        # Known bug: the capture's backward body uses paddle.autograd.backward, which runs the
-        # parameters' gradient hooks once more during capture; on CUDA their kernels would be
-        # recorded into the backward graph (a main_grad hook would add twice per replay).
-        # Remove the decorator once capture takes grads without accumulating (paddle.grad).
+        # The capture's backward body takes grads with paddle.grad, which runs no parameter
+        # hook; run by backward(), the hooks' kernels would be recorded into the backward graph
+        # on CUDA (a main_grad hook would add twice per replay). NOTE [ Backward body ].
         eager, graphed = twin_layers(MLP)
         self.graphed(graphed, warmup_steps=0)
         calls = {"eager": 0, "graphed": 0}

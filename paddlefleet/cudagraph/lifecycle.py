@@ -11,16 +11,16 @@ after capture; the capture call then replays, consuming what the eager call woul
 capture only records: Paddle's random kernels read the generator when captured and advance it
 on every later replay, so the generator is left as the capture moved it.
 
-NOTE [ Simulated backward replays ]
-A CUDA replay runs kernels only: no Python, no autograd hooks. The capture's
-``paddle.autograd.backward`` runs the accumulation nodes of the leaves, and with them their
-hooks: harmless at capture (DataParallel's reducer is disarmed until the forward returns), but
-the simulated backend re-runs the backward body inside the caller's backward, where a reducer
-hook firing a second time for one parameter raises "has been ready before". So simulated
-replays compute leaf grads with ``paddle.grad`` (which runs no accumulation node and no leaf
-hook), plus what an inner backward (reentrant recompute) put into ``.grad``. One trial replay
-at capture checks that this runs and reaches the same leaves; if not, replays keep
-``backward`` (and DataParallel then fails on the simulated backend only).
+NOTE [ Backward body ]
+The backward graph is captured from ``paddle.grad(outputs, leaves, grad_outputs)`` run under a
+GradSwap: paddle.grad runs no accumulation node of the leaves, so no gradient hook of a
+parameter (a main_grad hook, DataParallel's reducer, a user hook) runs inside the capture,
+where its kernels would be recorded and applied a second time by every replay; those hooks run
+once, in the caller's backward, when the bridge hands the grads to autograd. What an inner
+backward (reentrant recompute) accumulated into ``.grad`` is collected by the GradSwap and added
+to what paddle.grad returned. The simulated backend re-runs the same body on replay. Where
+paddle.grad refuses the graph (some PyLayers), the key is captured again with
+``paddle.autograd.backward``, and parameter hooks then also run at capture (docs/limitations.md).
 
 NOTE [ Policies fixed at capture ]
 clone_outputs and clone_param_grads are copied into the entry at capture. Changing the
@@ -48,6 +48,14 @@ from .stats import Counters, describe_call, describe_entries
 __all__ = ["GraphedCallable"]
 
 logger = logging.getLogger(__name__)
+
+
+class _GradBodyFailed(Exception):
+    """The paddle.grad backward body failed; the capture is retried with backward()."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
 
 
 class _LayerRecorder:
@@ -365,8 +373,16 @@ class GraphedCallable:
     # ------------------------------------------------------------------ capture
     def _capture_call(self, entry, args, kwargs, tensors, consts, spec):
         try:
-            self._capture(entry, args, kwargs, tensors, consts, spec)
+            try:
+                self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=True)
+            except _GradBodyFailed as failed:
+                # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
+                logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", self.__name__, failed.error)
+                entry.release()
+                self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=False)
         except Exception as err:  # contained: this key runs eagerly from now on
+            if isinstance(err, _GradBodyFailed):
+                err = err.error
             reason = f"{type(err).__name__}: {err}"
             where = safety.user_location(err.__traceback__)
             if where is not None:
@@ -385,7 +401,7 @@ class GraphedCallable:
             return self._eager(args, kwargs, "static buffers exceed max_bytes")
         return self._graph_call(entry, args, kwargs, tensors, copy=False)
 
-    def _capture(self, entry, args, kwargs, tensors, consts, spec):
+    def _capture(self, entry, args, kwargs, tensors, consts, spec, by_grad=True):
         opts = self._options
         backend = entry.backend
         owner = self._owner()
@@ -468,7 +484,7 @@ class GraphedCallable:
                 self._refuse_unknown_leaves(entry, static, needs_grad)
             wants_backward = grad_enabled and any(entry.out_differentiable) and (any(needs_grad) or entry.params)
             if wants_backward:
-                self._capture_backward(entry, live, static, needs_grad, tensors, opts)
+                self._capture_backward(entry, live, static, needs_grad, tensors, opts, by_grad)
             else:
                 entry.out_differentiable = [False] * len(outputs)
             entry.live = live
@@ -496,7 +512,7 @@ class GraphedCallable:
                 "would be lost. Pass them as arguments, or use them through a Layer."
             )
 
-    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts):
+    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts, by_grad):
         outputs = entry.static_outputs
         diff_index = [i for i, d in enumerate(entry.out_differentiable) if d]
         leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
@@ -511,20 +527,21 @@ class GraphedCallable:
             current = [live["outputs"][i] for i in diff_index]
             swap = GradSwap(leaves)
             with swap:
-                if live.get("replay_by_grad"):
+                if by_grad:
                     raw = paddle.grad(current, leaves, grad_outputs, retain_graph=True, allow_unused=True)
                 else:
                     paddle.autograd.backward(current, grad_outputs, retain_graph=True)
-            if live.get("replay_by_grad"):
-                merged = _merge_leaf_grads(raw, swap.collected)
-                live["grad_is_none"] = [g is None for g in merged]
-                return merged
+            if by_grad:
+                return _merge_leaf_grads(raw, swap.collected)
             return swap.collected
 
         entry.bwd_graph = entry.backend.new_graph(entry.pool)
-        entry.static_grads = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
-        if entry.backend.capture_executes:
-            self._choose_backward_replay(entry, live)
+        try:
+            entry.static_grads = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
+        except Exception as err:
+            if by_grad:
+                raise _GradBodyFailed(err) from err
+            raise
         entry.static_grad_outputs = grad_outputs
         # One grad slot per PyLayer tensor input: the call's tensors, then the parameters.
         slots, clones, leaf_i = [], [], 0
@@ -543,20 +560,6 @@ class GraphedCallable:
             leaf_i += 1
         entry.grad_slots = slots
         entry.hand_out_clone = clones
-
-    def _choose_backward_replay(self, entry, live):
-        """NOTE [ Simulated backward replays ]: try one replay with paddle.grad; keep it when it
-        runs and gives a grad to the same leaves as the capture did."""
-        expected = [g is None for g in entry.static_grads]
-        live["replay_by_grad"] = True
-        try:
-            entry.fwd_graph.replay()  # a fresh autograd graph: Paddle crashes on a PyLayer
-            entry.bwd_graph.replay()  # node that runs backward twice
-            ok = live.pop("grad_is_none", None) == expected
-        except Exception:  # e.g. a PyLayer that paddle.grad refuses
-            logger.debug("autocudagraph(%s): paddle.grad replay refused", self.__name__, exc_info=True)
-            ok = False
-        live["replay_by_grad"] = ok
 
     def _track_layers(self, layers):
         """Adds Layers found during a capture to those whose training flag keys every call, and
