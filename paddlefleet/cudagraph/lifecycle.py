@@ -372,6 +372,7 @@ class GraphedCallable:
 
     # ------------------------------------------------------------------ capture
     def _capture_call(self, entry, args, kwargs, tensors, consts, spec):
+        last_inputs = entry.last_inputs
         try:
             try:
                 self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=True)
@@ -379,6 +380,7 @@ class GraphedCallable:
                 # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
                 logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", self.__name__, failed.error)
                 entry.release()
+                entry.last_inputs = last_inputs  # the retry is the same call, not a later one
                 self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=False)
         except Exception as err:  # contained: this key runs eagerly from now on
             if isinstance(err, _GradBodyFailed):
