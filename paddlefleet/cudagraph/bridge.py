@@ -14,6 +14,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .errors import PendingBackwardError
+from .grad_groups import unstack
 from .grads import alias, copy, hand_out, rescue_grad
 
 __all__ = ["GraphedFunction", "hand_out_outputs"]
@@ -50,6 +51,22 @@ def _rescue_adopted_grads(entry):
     for p, slot, clone in zip(entry.params, entry.grad_slots[first_param:], entry.hand_out_clone[first_param:]):
         if not clone and slot is not None:
             rescue_grad(p, entry.static_grads[slot])
+
+
+def _hand_out_grouped(entry, static):
+    """Grads to return when parameters are stacked (NOTE [ Grad groups ]): one copy (or none)
+    and one unbind per stack instead of one call per parameter."""
+    grads = [None] * len(entry.grad_slots)
+    grouped = entry.grouped_positions
+    for pos, (slot, clone) in enumerate(zip(entry.grad_slots, entry.hand_out_clone)):
+        if slot is not None and pos not in grouped:
+            grads[pos] = hand_out(static[slot], clone)
+    for stack, positions in entry.grad_groups:
+        source = copy(stack) if entry.clone_param_grads else stack
+        for pos, view in zip(positions, unstack(source)):
+            if entry.grad_slots[pos] is not None:
+                grads[pos] = view
+    return grads
 
 
 class GraphedFunction(PyLayer):
@@ -95,7 +112,8 @@ class GraphedFunction(PyLayer):
         entry.bwd_graph.replay()
         ctx.token.done = True
         static = entry.static_grads
-        return tuple(
+        grads = [
             None if slot is None else hand_out(static[slot], clone)
             for slot, clone in zip(entry.grad_slots, entry.hand_out_clone)
-        )
+        ] if not entry.grad_groups else _hand_out_grouped(entry, static)
+        return tuple(grads)

@@ -58,6 +58,9 @@ class GraphEntry:
     static_grads: Optional[list] = None
     grad_slots: Optional[list] = None
     hand_out_clone: Optional[List[bool]] = None
+    # (static stack, positions in the bridge's grads) per NOTE [ Grad groups ].
+    grad_groups: list = dataclasses.field(default_factory=list)
+    grouped_positions: frozenset = frozenset()
     # Parameters handed through the autograd bridge, and where each lives.
     params: list = dataclasses.field(default_factory=list)
     param_homes: list = dataclasses.field(default_factory=list)
@@ -97,6 +100,8 @@ class GraphEntry:
         self.fwd_graph = self.bwd_graph = self.pool = self.live = None
         self.static_inputs = self.static_outputs = None
         self.static_grad_outputs = self.static_grads = None
+        self.grad_groups = []
+        self.grouped_positions = frozenset()
         self.inflight = None
         self.handed_out = None
 

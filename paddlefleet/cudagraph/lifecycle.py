@@ -40,6 +40,7 @@ from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
+from . import grad_groups
 from .grads import GradSwap
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, leaf_names, tensor_meta, unflatten
@@ -525,6 +526,9 @@ class GraphedCallable:
                 buf.stop_gradient = True
                 grad_outputs.append(buf)
 
+        first_param = len(leaves) - len(entry.params)
+        grad_groups.probe(entry.params)
+
         def backward_body():
             current = [live["outputs"][i] for i in diff_index]
             swap = GradSwap(leaves)
@@ -533,17 +537,28 @@ class GraphedCallable:
                     raw = paddle.grad(current, leaves, grad_outputs, retain_graph=True, allow_unused=True)
                 else:
                     paddle.autograd.backward(current, grad_outputs, retain_graph=True)
-            if by_grad:
-                return _merge_leaf_grads(raw, swap.collected)
-            return swap.collected
+            grads = _merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
+            # NOTE [ Grad groups ] in grad_groups.py: same-shape parameter grads are also
+            # copied into one stack each, so that handing them out costs one copy per stack.
+            if "grad_groups" not in live:
+                live["grad_groups"] = grad_groups.plan_groups(grads, range(first_param, len(leaves)))
+            return list(grads) + grad_groups.stack_grads(grads, live["grad_groups"])
 
         entry.bwd_graph = entry.backend.new_graph(entry.pool)
         try:
-            entry.static_grads = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
+            results = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
         except Exception as err:
             if by_grad:
                 raise _GradBodyFailed(err) from err
             raise
+        entry.static_grads = results[: len(leaves)]
+        entry.grad_groups = []
+        for idxs, stack in zip(live["grad_groups"], results[len(leaves):]):
+            for i, view in zip(idxs, grad_groups.unstack(stack)):
+                entry.static_grads[i] = view
+            # Positions in the bridge's returned tuple: the call's tensors, then the parameters.
+            entry.grad_groups.append((stack, [len(tensors) + i - first_param for i in idxs]))
+        entry.grouped_positions = frozenset(pos for _, positions in entry.grad_groups for pos in positions)
         entry.static_grad_outputs = grad_outputs
         # One grad slot per PyLayer tensor input: the call's tensors, then the parameters.
         slots, clones, leaf_i = [], [], 0
