@@ -491,6 +491,44 @@ class TestBackwardBody(BackendCase):
         self.assertEqual((s["captures"], s["replays"], s["fallbacks"]), (1, 2, 0))
 
 
+class TwoSizes(paddle.nn.Layer):
+    """Two [8, 64] parameters (2 KiB each) and three [64, 64] parameters (16 KiB each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = paddle.nn.ParameterList([self.create_parameter([8, 64]) for _ in range(2)])
+        self.b = paddle.nn.ParameterList([self.create_parameter([64, 64]) for _ in range(3)])
+
+    def forward(self, x):
+        y = paddle.matmul(x, self.a[0]) + paddle.matmul(x, self.a[1])
+        for w in self.b:
+            y = paddle.matmul(y, w)
+        return y
+
+
+@parameterized_class(backend_classes())
+class TestGradGroups(BackendCase):
+    @parameterized.expand([("all_small", 1 << 20, [2, 3]), ("b_too_large", 4096, [2])])
+    def test_same_shape_grads_are_stacked_up_to_the_size_limit(self, _, limit, sizes):
+        # NOTE [ Grad groups ]: one stack per shape for grads up to GROUP_MAX_BYTES.
+        from paddlefleet.cudagraph import grad_groups
+
+        for clone in (True, False):
+            model, ref = twin_layers(TwoSizes)
+            self.graphed(model, warmup_steps=0, clone_param_grads=clone)
+            with mock.patch.object(grad_groups, "GROUP_MAX_BYTES", limit):
+                for step in range(3):
+                    x = paddle.randn([4, 8])
+                    y, y_e = model(x), ref(x)
+                    y.sum().backward()
+                    y_e.sum().backward()
+                    self.assertBitwise(y, y_e)
+                    self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
+            entry = next(iter(model.forward._entries.values()))
+            self.assertEqual(sorted(len(positions) for _, positions in entry.grad_groups), sizes)
+            self.assertEqual(model.forward.stats()["replays"], 2)
+
+
 class TestBackendChoice(unittest.TestCase):
     def setUp(self):
         paddle.set_device("cpu")
