@@ -21,6 +21,7 @@ class TestDemo(unittest.TestCase):
         self.assertEqual(text.count(" True "), 4, text)
         self.assertIn("final parameters bitwise equal: True", text)
         self.assertIn("captures=1 replays=2", text)
+        self.assertIn("final parameters bitwise equal: True", text.split("transformer block")[1])
 
     def test_module_command(self):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
