@@ -182,7 +182,7 @@ def case_data_parallel(chk, rank, world):
         xn, dyn = draw(8, dims[0]), draw(8, dims[-1])
         ys = []
         for model in (graphed, eager):
-            model.clear_gradients(False)
+            [p.clear_gradient(False) for p in model.parameters()]
             y = model(T(xn))
             y.backward(T(dyn))
             for w in model.ws:
@@ -280,7 +280,7 @@ def case_timing(chk, rank, world):
     result, steps = {}, 50 if BACKEND == "cuda" else 3
     for name, model in (("eager", eager), ("graphed", graphed)):
         def step():
-            model.clear_gradients(False)
+            [p.clear_gradient(False) for p in model.parameters()]
             model(x).backward(dy)
             for w in model.ws:
                 all_reduce_sum(w.grad, calc_stream=False)
