@@ -622,6 +622,12 @@ class TestBackendChoice(unittest.TestCase):
             def __str__(self):
                 return "Place(gpu:0)"
 
+            def is_gpu_place(self):
+                return True
+
+            def gpu_device_id(self):
+                return 0
+
         t = paddle.randn([2, 3])
         self.assertEqual(tensor_meta(t, IdentityPlace()), tensor_meta(t, IdentityPlace()))
 
