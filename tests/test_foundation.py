@@ -529,6 +529,62 @@ class TestGradGroups(BackendCase):
             self.assertEqual(model.forward.stats()["replays"], 2)
 
 
+class RecomputedMLP(paddle.nn.Layer):
+    def __init__(self, dropout):
+        super().__init__()
+        self.fc1 = paddle.nn.Linear(8, 16)
+        self.fc2 = paddle.nn.Linear(16, 8)
+        self.drop = paddle.nn.Dropout(dropout)
+
+    def block(self, x):
+        return self.drop(self.fc2(paddle.nn.functional.gelu(self.fc1(x))))
+
+    def forward(self, x):
+        from paddle.distributed.fleet.utils import recompute
+
+        return recompute(self.block, x)
+
+
+class TestRecomputeUnderRecordingCapture(unittest.TestCase):
+    """NOTE [ Recompute under CUDA graphs ]: a capture that only records (cuda) refuses a backward
+    that rewinds the RNG and then draws; the simulated backend stands in for it here with
+    capture_executes=False."""
+
+    def setUp(self):
+        paddle.set_device("cpu")
+        paddle.seed(11)
+
+    def _run(self, dropout):
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        model, ref = twin_layers(lambda: RecomputedMLP(dropout))
+        autocudagraph(model, backend="simulate", warmup_steps=0)
+        x = paddle.randn([4, 8])
+        x.stop_gradient = False
+        with mock.patch.object(SimulatedBackend, "capture_executes", False), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paddle.seed(5)
+            y = model(x)
+        y.sum().backward()
+        paddle.seed(5)
+        y_e = ref(x)
+        y_e.sum().backward()
+        np.testing.assert_array_equal(y.numpy(), y_e.numpy(), strict=True)
+        for (name, p), p_e in zip(model.named_parameters(), ref.parameters()):
+            np.testing.assert_array_equal(p.grad.numpy(), p_e.grad.numpy(), err_msg=name, strict=True)
+        return model.forward.stats(), [str(c.message) for c in caught]
+
+    def test_recompute_with_dropout_is_refused_and_runs_eagerly(self):
+        stats, messages = self._run(dropout=0.5)
+        self.assertEqual((stats["captures"], stats["fallbacks"]), (0, 1))
+        self.assertTrue(any("rewinds the RNG" in m and "dropout" in m for m in messages), messages)
+
+    def test_recompute_without_random_ops_is_captured(self):
+        stats, messages = self._run(dropout=0.0)
+        self.assertEqual((stats["captures"], stats["fallbacks"]), (1, 0), messages)
+
+
 class TestBackendChoice(unittest.TestCase):
     def setUp(self):
         paddle.set_device("cpu")

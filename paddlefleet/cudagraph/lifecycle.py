@@ -28,6 +28,7 @@ wrapper's options afterwards never mixes policies within one graph.
 """
 
 import collections
+import contextlib
 import inspect
 import logging
 import warnings
@@ -35,12 +36,11 @@ import weakref
 
 import paddle
 
-from . import safety, state, verify
+from . import grad_groups, safety, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
-from . import grad_groups
 from .grads import GradSwap
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, leaf_names, tensor_meta, unflatten
@@ -545,12 +545,17 @@ class GraphedCallable:
             return list(grads) + grad_groups.stack_grads(grads, live["grad_groups"])
 
         entry.bwd_graph = entry.backend.new_graph(entry.pool)
+        # NOTE [ Recompute under CUDA graphs ] in state.py: only a recording capture needs it.
+        guard = state.RngRewindGuard() if not entry.backend.capture_executes else contextlib.nullcontext()
         try:
-            results = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
+            with guard:
+                results = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
         except Exception as err:
             if by_grad:
                 raise _GradBodyFailed(err) from err
             raise
+        if isinstance(guard, state.RngRewindGuard):
+            guard.check()
         entry.static_grads = results[: len(leaves)]
         entry.grad_groups = []
         for idxs, stack in zip(live["grad_groups"], results[len(leaves):]):

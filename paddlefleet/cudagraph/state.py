@@ -8,7 +8,7 @@ import contextlib
 
 import paddle
 
-__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "BufferSnapshot"]
+__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "BufferSnapshot", "RngRewindGuard"]
 
 
 def amp_state():
@@ -89,3 +89,88 @@ class BufferSnapshot:
             for buf, copy in self._saved.values():
                 paddle.assign(copy, output=buf)
         self._saved = {}
+
+
+# Random kernels whose seed and offset a CUDA graph bakes at capture (Paddle's _C_ops names).
+_RANDOM_OPS = ("dropout", "dropout_", "uniform", "uniform_inplace", "uniform_inplace_", "gaussian",
+               "gaussian_inplace", "gaussian_inplace_", "bernoulli", "randint", "randperm", "multinomial",
+               "truncated_gaussian_random", "exponential_", "fused_dropout_add", "rrelu")
+
+
+class RngRewindGuard:
+    """Refuses a backward capture that rewinds the RNG and then draws random numbers.
+
+    NOTE [ Recompute under CUDA graphs ]
+    Reentrant recompute restores the forward's RNG state in its backward and re-runs the block,
+    so its dropout draws the forward's masks again. A CUDA graph bakes each random kernel's seed
+    and offset at capture, and on every later replay Paddle advances the generator once per
+    captured random kernel: the recomputed dropout would no longer see the forward's masks,
+    and the grads would be silently wrong. So on a backend whose capture only records (cuda),
+    a backward capture that sets the RNG state and then launches a random kernel fails
+    (CaptureError; the key runs eagerly). Recompute without random ops is unaffected.
+    """
+
+    def __init__(self):
+        self.rewound = False
+        self.random_after_rewind = None
+        self._saved = []
+
+    def __enter__(self):
+        guard = self
+        tracker = _tracker()
+
+        def flag_rewind(owner, name):
+            original = getattr(owner, name)
+
+            def rewinding(*args, **kwargs):
+                guard.rewound = True
+                return original(*args, **kwargs)
+
+            self._saved.append((owner, name, original))
+            setattr(owner, name, rewinding)
+
+        def flag_random(name):
+            original = getattr(paddle._C_ops, name)
+
+            def drawing(*args, **kwargs):
+                if guard.rewound and guard.random_after_rewind is None:
+                    guard.random_after_rewind = name
+                return original(*args, **kwargs)
+
+            self._saved.append((paddle._C_ops, name, original))
+            setattr(paddle._C_ops, name, drawing)
+
+        try:
+            for name in ("set_rng_state", "set_cuda_rng_state"):
+                if hasattr(paddle, name):
+                    flag_rewind(paddle, name)
+            if tracker is not None and hasattr(tracker, "set_states_tracker"):
+                flag_rewind(tracker, "set_states_tracker")
+            for name in _RANDOM_OPS:
+                if hasattr(paddle._C_ops, name):
+                    flag_random(name)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _restore(self):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved = []
+
+    def __exit__(self, exc_type, exc, tb):
+        self._restore()
+        return False
+
+    def check(self):
+        """Raises CaptureError when the guarded block rewound the RNG and then drew from it."""
+        if self.random_after_rewind is not None:
+            from .errors import CaptureError
+
+            raise CaptureError(
+                f"autocudagraph: the backward rewinds the RNG state and then runs the random kernel "
+                f"'{self.random_after_rewind}' (reentrant recompute with dropout). A CUDA graph would "
+                "replay that kernel with a new offset instead of the forward's, giving wrong grads. "
+                "Graph the blocks inside the recompute instead of around it, or disable dropout there."
+            )
