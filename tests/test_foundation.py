@@ -215,6 +215,40 @@ class TestLayers(BackendCase):
         s = model.forward.stats()
         self.assertEqual((s["captures"], s["replays"]), (1, 3))
 
+    def test_deepcopy_of_a_graphed_layer_computes_with_its_own_parameters(self):
+        # NOTE [ Copies of a graphed Layer ]: the copy's wrapper is bound to the copy.
+        import copy
+
+        env = {ENV_BACKEND: self.backend} if self.backend == "simulate" else {}
+        with mock.patch.dict(os.environ, env):
+            for make in (lambda: self.graphed(FFN(), warmup_steps=0), DecoratedFFN):
+                model = make()
+                x = paddle.randn([4, 8])
+                model(x).sum().backward()
+                twin = copy.deepcopy(model)
+                for p in twin.parameters():
+                    p.set_value(p * 0.5)
+                ref = FFN()
+                ref.set_state_dict(twin.state_dict())
+                for step in range(3):
+                    y, y_e = twin(x), ref(x)
+                    self.assertBitwise(y, y_e, f"copy's output step {step}")
+                    y.sum().backward()
+                    y_e.sum().backward()
+                    self.assertBitwise(grads_of(twin), grads_of(ref), f"copy's grads step {step}")
+                self.assertIsNot(twin.forward, model.forward)
+                self.assertEqual(model.forward.stats()["captures"], 1 if make is not DecoratedFFN else 0)
+
+    def test_pickled_graphed_layer_keeps_its_binding(self):
+        import pickle
+
+        model = self.graphed(FFN(), warmup_steps=0)
+        x = paddle.randn([4, 8])
+        expected = model(x)
+        copy_ = pickle.loads(pickle.dumps(model))
+        self.assertBitwise(copy_(x), expected)
+        self.assertEqual(copy_.forward.options, model.forward.options)
+
     def test_layer_argument_parameters_get_grads(self):
         def apply(layer, x):
             return layer(x) * 2.0

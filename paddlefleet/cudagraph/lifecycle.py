@@ -179,6 +179,22 @@ class GraphedCallable:
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
+    # ------------------------------------------------------------------ copies
+    def __deepcopy__(self, memo):
+        # NOTE [ Copies of a graphed Layer ]: copy.deepcopy(layer) copies the wrapper that its
+        # __dict__ holds. A copy bound to the original Layer would silently compute with the
+        # original's parameters, so the copy is a fresh wrapper (no graphs, same options) bound
+        # to the Layer's copy.
+        owner = self._owner_ref() if self._owner_ref is not None else None
+        clone = GraphedCallable(self._fn, self._options, owner=memo.get(id(owner), owner))
+        memo[id(self)] = clone
+        return clone
+
+    def __reduce__(self):
+        # Pickling (e.g. paddle.save of a whole Layer) keeps the binding and drops the graphs.
+        owner = self._owner_ref() if self._owner_ref is not None else None
+        return (GraphedCallable, (self._fn, self._options, owner))
+
     # ------------------------------------------------------------------ public
     @property
     def options(self):
