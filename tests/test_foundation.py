@@ -362,6 +362,24 @@ class TestNestedIO(BackendCase):
         self.assertIsNotNone(w.grad)
         self.assertEqual(g.stats()["captures"], 0)
 
+    def test_an_output_returned_twice_gets_the_sum_of_its_grads(self):
+        def twice(x, w):
+            y = paddle.matmul(x, w)
+            return y, {"again": y}
+
+        g = self.graphed(twice, warmup_steps=1)
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+        w_e = clone_leaf(w)
+        for step in range(4):
+            x = paddle.randn([4, 8])
+            (a, b), (a_e, b_e) = (lambda o: (o[0], o[1]["again"]))(g(x, w)), (lambda o: (o[0], o[1]["again"]))(twice(x, w_e))
+            (a.sum() + (b * 3.0).sum()).backward()
+            (a_e.sum() + (b_e * 3.0).sum()).backward()
+            self.assertBitwise(a, a_e)
+            self.assertBitwise(w.grad, w_e.grad, f"w.grad step {step}")
+        self.assertEqual((g.stats()["captures"], g.stats()["replays"]), (1, 2))
+
     def test_slices_and_strided_views_as_inputs(self):
         w = paddle.randn([4, 8])
         w.stop_gradient = False

@@ -545,14 +545,27 @@ class GraphedCallable:
         first_param = len(leaves) - len(entry.params)
         grad_groups.probe(entry.params)
 
+        # An output returned more than once (``return y, y``) is differentiated once, with the sum
+        # of its grads, as eager's engine accumulates them: paddle.grad refuses duplicates.
+        firsts = {}
+        for k, i in enumerate(diff_index):
+            firsts.setdefault(id(outputs[i]), []).append(k)
+        unique = list(firsts.values())
+
         def backward_body():
-            current = [live["outputs"][i] for i in diff_index]
+            current = [live["outputs"][diff_index[ks[0]]] for ks in unique]
+            seeds = []
+            for ks in unique:
+                seed = grad_outputs[ks[0]]
+                for k in ks[1:]:
+                    seed = seed + grad_outputs[k]
+                seeds.append(seed)
             swap = GradSwap(leaves)
             with swap:
                 if by_grad:
-                    raw = paddle.grad(current, leaves, grad_outputs, retain_graph=True, allow_unused=True)
+                    raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
                 else:
-                    paddle.autograd.backward(current, grad_outputs, retain_graph=True)
+                    paddle.autograd.backward(current, seeds, retain_graph=True)
             grads = _merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
             # NOTE [ Grad groups ] in grad_groups.py: same-shape parameter grads are also
             # copied into one stack each, so that handing them out costs one copy per stack.
