@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import CaptureError, CudaGraphError, InputMismatchError, autocudagraph
+from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.options import ENV_BACKEND
 

@@ -147,7 +147,7 @@ class CaptureFailureTest(SafetyCase):
         self.assertEqual((stats["captures"], stats["replays"], stats["graphs"], stats["static_bytes"]), (0, 0, 0, 0))
         (row,) = f.report()
         self.assertEqual(row["phase"], "fallback")
-        self.assertIn(f"syncing_block", row["fallback_reason"])
+        self.assertIn("syncing_block", row["fallback_reason"])
         self.assertEqual(stats["eager_reasons"], {"capture failed": 1, "key fell back: " + row["fallback_reason"]: 2})
 
     @parameterized.expand([("forward",), ("backward",)])
@@ -635,7 +635,7 @@ class StaleOutputTest(SafetyCase):
 
     def test_outputs_of_other_keys_and_current_outputs_stay_valid(self):
         f = self._graphed()
-        xa, xb = data(2, 3), data(4, 3)
+        xa = data(2, 3)
         ya = f(xa)
         for i in range(3):
             yb = f(data(4, 3, seed=i))

@@ -29,7 +29,6 @@ wrapper's options afterwards never mixes policies within one graph.
 
 import collections
 import contextlib
-import inspect
 import logging
 import warnings
 import weakref
@@ -39,11 +38,12 @@ import paddle
 from . import grad_groups, safety, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
+from .dispatch import KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
 from .grads import GradSwap
 from .options import GraphOptions
-from .static_io import StaticInputs, flatten, leaf_names, tensor_meta, unflatten
+from .static_io import StaticInputs, flatten, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
 
 __all__ = ["GraphedCallable"]
@@ -172,8 +172,10 @@ class GraphedCallable:
         self._entries = collections.OrderedDict()
         self._warned = set()
         self._tick = 0
-        self._signature = None
-        self._tracked_layers = [owner] if isinstance(owner, paddle.nn.Layer) else []
+        self._keys = KeyMaker(
+            fn, options.dispatch_key_fn, bound=owner is not None,
+            layers=[owner] if isinstance(owner, paddle.nn.Layer) else [],
+        )
         self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -289,7 +291,7 @@ class GraphedCallable:
             return self._eager(args, kwargs, "called inside another capture")
         tensors, consts, spec = flatten((args, kwargs))
         safety.check_fresh(tensors)  # NOTE [ Stale outputs ] in safety.py
-        key = self._key(args, kwargs, tensors, spec)
+        key = self._keys.key(args, kwargs, tensors, spec)
         if key is None:
             return self._eager(args, kwargs, "dispatch_key_fn returned None")
         entry = self._entries.get(key)
@@ -318,45 +320,6 @@ class GraphedCallable:
         return self._eager(args, kwargs, f"key fell back: {entry.fallback_reason}")
 
     # ------------------------------------------------------------------ keys
-    def _bound_arguments(self, args, kwargs):
-        if self._signature is None:
-            sig = inspect.signature(self._fn)
-            if self._owner_ref is not None:
-                params = list(sig.parameters.values())[1:]
-                sig = sig.replace(parameters=params)
-            self._signature = sig
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return bound
-
-    def _state_key(self):
-        return (
-            paddle.is_grad_enabled(),
-            state.amp_state(),
-            tuple(layer.training for layer in self._tracked_layers),
-        )
-
-    def _key(self, args, kwargs, tensors, spec):
-        key_fn = self._options.dispatch_key_fn
-        if key_fn is None:
-            places = [t.place for t in tensors]
-            metas = tuple(tensor_meta(t, p) for t, p in zip(tensors, places))
-            host = safety.host_mask(tensors, places=places)
-            if host is not None:  # NOTE [ Host tensors ] in safety.py: keyed by value
-                metas = tuple(m + (safety.host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
-            return (spec, metas, self._state_key())
-        user_key = key_fn(self._bound_arguments(args, kwargs))
-        if user_key is None:
-            return None
-        try:
-            hash(user_key)
-        except TypeError as err:
-            raise CudaGraphError(
-                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
-                "Return a tuple, string or number (or None to run the call eagerly)."
-            ) from None
-        return ("user", user_key, self._state_key())
-
     def _budget_allows(self, entry):
         live = sum(1 for e in self._entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY))
         if live < self._options.max_graphs:
@@ -374,7 +337,7 @@ class GraphedCallable:
         if backend is None:
             self._last_refusal = reason
             return None
-        named = self._named_arguments(args, kwargs)
+        named = self._keys.named_arguments(args, kwargs)
         host = safety.host_mask(tensors)
         if host is not None:
             safety.check_host_inputs(tensors, host, leaf_names(named))
@@ -424,7 +387,7 @@ class GraphedCallable:
         opts = self._options
         backend = entry.backend
         owner = self._owner()
-        names = leaf_names(self._named_arguments(args, kwargs))
+        names = leaf_names(self._keys.named_arguments(args, kwargs))
         host = safety.host_mask(tensors, on_gpu=backend.name == "cuda")
         # NOTE [ Adopted inputs ] in static_io.py: the same tensor as in the previous call.
         last = entry.last_inputs or ()
@@ -491,7 +454,7 @@ class GraphedCallable:
             if opts.check_stale_outputs and not opts.clone_outputs:
                 entry.handed_out = safety.StaleOutputs()
             layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
-            self._track_layers(layers)
+            self._entries = self._keys.track(layers, self._entries)
             homes = _param_homes(layers)
             entry.layers = layers
             entry.param_homes = [(sub, name, p, p.stop_gradient) for sub, name, p in homes]
@@ -611,28 +574,6 @@ class GraphedCallable:
             leaf_i += 1
         entry.grad_slots = slots
         entry.hand_out_clone = clones
-
-    def _track_layers(self, layers):
-        """Adds Layers found during a capture to those whose training flag keys every call, and
-        extends the key of every existing entry with their current flags, so that keys made
-        before (other keys still in warmup included) keep matching."""
-        added = [l for l in layers if all(l is not t for t in self._tracked_layers)]
-        if not added:
-            return
-        self._tracked_layers.extend(added)
-        extra = tuple(layer.training for layer in added)
-        rebuilt = collections.OrderedDict()
-        for key, entry in self._entries.items():
-            grad_mode, amp, flags = key[2]
-            entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
-            rebuilt[entry.key] = entry
-        self._entries = rebuilt
-
-    def _named_arguments(self, args, kwargs):
-        try:
-            return list(self._bound_arguments(args, kwargs).arguments.items())
-        except TypeError:
-            return [("args", args), ("kwargs", kwargs)]
 
     # ------------------------------------------------------------------ replay
     def _params_moved(self, entry):
