@@ -101,7 +101,8 @@ class FootgunTest(BackendCase):
             x = data(2, 3, seed=i)
             self.assertBitwise(f(x), normalise(x))
         (message,) = self.our_warnings()
-        self.assertIn("capture failed and this key now runs eagerly", message)
+        self.assertIn("failed: CaptureError", message)
+        self.assertIn("The key runs eagerly from now on", message)
         self.assertIn(f"{THIS_FILE}:", message)
         self.assertEqual(f.stats()["captures"], 0)
 
@@ -159,6 +160,27 @@ class FootgunTest(BackendCase):
         self.assertEqual(outer.stats()["captures"], 1)
         self.assertEqual(inner.stats()["captures"], 0)
         self.assertIn("called inside another capture", inner.stats()["eager_reasons"])
+
+    def test_backward_that_paddle_grad_refuses_is_captured_with_backward(self):
+        from unittest import mock
+
+        model, ref = twin_layers(Net)
+        self.graphed(model, warmup_steps=0)
+        x = data(4, 4)
+        with mock.patch.object(paddle, "grad", side_effect=RuntimeError("refused")), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paddle.seed(7)
+            y = model(x)
+        y.sum().backward()
+        paddle.seed(7)
+        ref(x).sum().backward()
+        for (name, p), p_e in zip(model.named_parameters(), ref.parameters()):
+            self.assertBitwise(p.grad, p_e.grad, name)
+        self.assertEqual(model.forward.stats()["captures"], 1)
+        messages = [str(c.message) for c in caught]
+        self.assertTrue(any("captured with paddle.autograd.backward instead" in m and "hooks" in m for m in messages),
+                        messages)
 
     # ------------------------------------------------------------------ values frozen at capture
     def test_host_value_read_in_the_function_is_frozen_at_capture(self):

@@ -692,6 +692,51 @@ class TestBackendChoice(unittest.TestCase):
         with self.assertRaisesRegex(error, text):
             autocudagraph(mm, **options)
 
+    def test_method_whose_first_parameter_is_not_self_is_still_a_method(self):
+        class M(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.lin = paddle.nn.Linear(4, 4)
+
+            @autocudagraph(backend="simulate", warmup_steps=0)
+            def forward(layer, x):
+                return layer.lin(x)
+
+        m = M()
+        x = paddle.randn([2, 4])
+        self.assertBitwise_(m(x), m.lin(x))
+        self.assertEqual(m.forward.stats()["captures"], 1)
+
+    def test_wrapping_a_graphed_layer_again_is_refused(self):
+        layer = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate")
+        with self.assertRaisesRegex(TypeError, "already graphed"):
+            autocudagraph(layer, backend="simulate")
+        with self.assertRaisesRegex(TypeError, "already graphed"):
+            autocudagraph(DecoratedFFN())
+
+    def test_a_plain_wrapper_read_through_an_instance_says_how_to_graph_a_method(self):
+        class Holder:
+            fn = autocudagraph(mm, backend="simulate")
+
+        with self.assertRaisesRegex(TypeError, "called without the instance"):
+            Holder().fn
+
+    def test_a_partial_closing_over_a_grad_tensor_is_refused_by_name(self):
+        import functools
+
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+
+        def scaled(x, s):
+            return paddle.matmul(x, w) * s
+
+        g = autocudagraph(functools.partial(scaled, s=2.0), backend="simulate", warmup_steps=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            g(paddle.randn([2, 8]))
+        messages = [str(c.message) for c in caught]
+        self.assertTrue(any("would be lost" in m for m in messages), messages)
+
     def test_pool_sharing_is_detected_not_versioned(self):
         class Graph26:
             def __init__(self, place=None, mode="thread_local"):

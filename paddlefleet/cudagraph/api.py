@@ -55,6 +55,14 @@ def _wrap(target, options):
             "paddle.DataParallel(autocudagraph(model)) or fleet.distributed_model(...)."
         )
     if isinstance(target, paddle.nn.Layer):
+        if isinstance(target.__dict__.get("forward"), GraphedCallable) or isinstance(
+            type(target).__dict__.get("forward"), _GraphedMethod
+        ):
+            raise TypeError(
+                f"autocudagraph: the forward of {type(target).__name__} is already graphed. Wrapping it again "
+                "would nest one capture in another (or drop the first wrapper's graphs). Apply autocudagraph "
+                "once: either to the Layer instance or to its forward method."
+            )
         forward = type(target).forward
         wrapper = GraphedCallable(forward, options, owner=target)
         # An instance attribute: Layer.__call__ finds it before the class's forward, hooks still
@@ -71,10 +79,17 @@ def _wrap(target, options):
             f"autocudagraph: expected a function, a method or a paddle.nn.Layer, got {target!r} "
             f"({type(target).__name__})."
         )
-    params = getattr(getattr(target, "__code__", None), "co_varnames", ())
-    if params[:1] == ("self",) and "." in getattr(target, "__qualname__", ""):
+    if _defined_in_a_class_body(target):
         return _GraphedMethod(target, options)
     return GraphedCallable(target, options)
+
+
+def _defined_in_a_class_body(fn):
+    """True for a function written in a class body ("Class.method", not "outer.<locals>.f") that
+    takes at least one positional argument (the instance)."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    code = getattr(fn, "__code__", None)
+    return len(parts) >= 2 and parts[-2] != "<locals>" and code is not None and code.co_argcount >= 1
 
 
 def autocudagraph(target=None, **options):

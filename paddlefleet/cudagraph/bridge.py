@@ -13,7 +13,7 @@ import weakref
 import paddle
 from paddle.autograd import PyLayer
 
-from .errors import PendingBackwardError
+from .errors import CudaGraphError, PendingBackwardError
 from .grad_groups import unstack
 from .grads import alias, copy, hand_out, rescue_grad
 
@@ -90,6 +90,14 @@ class GraphedFunction(PyLayer):
     @staticmethod
     def backward(ctx, *grads):
         entry = ctx.entry
+        if paddle.is_grad_enabled():
+            # Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.
+            raise CudaGraphError(
+                "autocudagraph: a backward with create_graph=True (double backward, e.g. a gradient "
+                "penalty) reached a graphed call. The backward graph returns plain tensors, so second-order "
+                "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
+                "it, or call the function outside the wrapper (wrapped.__wrapped__)."
+            )
         if entry.bwd_graph is None or ctx.generation != entry.generation:
             raise PendingBackwardError(
                 f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "

@@ -77,6 +77,12 @@ class GraphEntry:
     # Stale-output detection (check_stale_outputs).
     handed_out: Any = None
 
+    def backward_pending(self):
+        """True while the autograd graph of this key's last forward replay still waits for its
+        backward (the graphs' saved activations must not be overwritten or freed)."""
+        token = self.inflight() if self.inflight is not None else None
+        return token is not None and not token.done
+
     @property
     def has_graphs(self):
         return self.fwd_graph is not None

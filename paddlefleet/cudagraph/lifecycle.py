@@ -43,7 +43,7 @@ from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
 from .grads import GradSwap
 from .options import GraphOptions
-from .static_io import StaticInputs, flatten, leaf_names, unflatten
+from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
 
 __all__ = ["GraphedCallable"]
@@ -62,10 +62,11 @@ class _GradBodyFailed(Exception):
 class _LayerRecorder:
     """While active, records every Layer called (and snapshots its buffers before it runs)."""
 
-    def __init__(self, snapshot):
+    def __init__(self, snapshot, watch):
         self.layers = []
         self._seen = set()
         self._snapshot = snapshot
+        self._watch = watch
         self._original = None
 
     def __enter__(self):
@@ -77,6 +78,7 @@ class _LayerRecorder:
                 recorder._seen.add(id(layer))
                 recorder.layers.append(layer)
                 recorder._snapshot.add(layer)
+                recorder._watch.add(layer)
             return original(layer, *args, **kwargs)
 
         self._original = original
@@ -122,7 +124,8 @@ def _name_unknown_leaves(fn, unknown_ptrs):
     """Best-effort names for leaf tensors found in ``fn``'s globals and closure."""
     candidates = {}
     scopes = dict(getattr(fn, "__globals__", {}))
-    for name, cell in zip(getattr(fn.__code__, "co_freevars", ()), fn.__closure__ or ()):
+    code = getattr(fn, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
         try:
             scopes[name] = cell.cell_contents
         except ValueError:
@@ -180,6 +183,17 @@ class GraphedCallable:
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __get__(self, obj, objtype=None):
+        # A wrapper stored as a class attribute and read through an instance would be called
+        # without the instance; say how to graph a method instead.
+        if obj is None:
+            return self
+        raise TypeError(
+            f"autocudagraph: {self.__name__} was wrapped as a plain function but is read as an attribute of "
+            f"{type(obj).__name__}, so it would be called without the instance. Decorate the method in the "
+            "class body (@autocudagraph above def), or apply autocudagraph to the Layer instance."
+        )
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
@@ -255,9 +269,11 @@ class GraphedCallable:
         return "\n".join(lines)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters."""
+        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
+        is still pending keeps its graphs until that backward has run (they go with it)."""
         for entry in self._entries.values():
-            entry.release()
+            if not entry.backward_pending():
+                entry.release()
         self._entries.clear()
         self._warned.clear()
         self.counters = Counters()
@@ -268,7 +284,11 @@ class GraphedCallable:
             return None
         owner = self._owner_ref()
         if owner is None:
-            raise CudaGraphError("autocudagraph: the Layer this wrapper was bound to no longer exists.")
+            raise CudaGraphError(
+                f"autocudagraph({self.__name__}): the Layer this wrapper was bound to was garbage-collected; "
+                "the wrapper holds it weakly so that it does not keep the Layer alive. Keep a reference to "
+                "the Layer, or apply autocudagraph to the Layer you call."
+            )
         return owner
 
     def _run(self, args, kwargs):
@@ -326,9 +346,9 @@ class GraphedCallable:
             return True
         self._warn_once(
             "max_graphs",
-            f"autocudagraph({self.__name__}): max_graphs={self._options.max_graphs} keys already hold "
-            "graphs; further keys run eagerly. Raise max_graphs, or return fewer distinct keys from "
-            "dispatch_key_fn (e.g. pad shapes to a few sizes).",
+            f"autocudagraph({self.__name__}): max_graphs={self._options.max_graphs} keys are already warming "
+            "up or holding graphs; further keys run eagerly (correct, without the speed-up). Raise "
+            "max_graphs, or return fewer distinct keys from dispatch_key_fn (e.g. pad shapes to a few sizes).",
         )
         return False
 
@@ -362,6 +382,14 @@ class GraphedCallable:
                 entry.release()
                 entry.last_inputs = last_inputs  # the retry is the same call, not a later one
                 self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=False)
+                self._warn_once(
+                    ("grad_fallback", id(entry)),
+                    f"autocudagraph({self.__name__}): paddle.grad could not differentiate key {entry.label} "
+                    f"({type(failed.error).__name__}: {failed.error}); it was captured with "
+                    "paddle.autograd.backward instead. Gradient hooks of its parameters now run inside the "
+                    "capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
+                    "DataParallel), return None from dispatch_key_fn for such calls.",
+                )
         except Exception as err:  # contained: this key runs eagerly from now on
             if isinstance(err, _GradBodyFailed):
                 err = err.error
@@ -372,9 +400,10 @@ class GraphedCallable:
             entry.fall_back(reason)
             logger.debug("capture of %s failed", self.__name__, exc_info=True)
             self._warn_once(
-                ("capture", entry.key),
-                f"autocudagraph({self.__name__}): capture failed and this key now runs eagerly. "
-                f"Reason: {reason}",
+                ("capture", id(entry)),
+                f"autocudagraph({self.__name__}): capture of key {entry.label} failed: {reason.rstrip('.')}. The key runs "
+                "eagerly from now on (results stay correct, without the speed-up). Fix the cause and call "
+                ".reset() to capture again, or return None from dispatch_key_fn for such calls.",
             )
             return self._eager(args, kwargs, "capture failed")
         entry.captures += 1
@@ -420,10 +449,13 @@ class GraphedCallable:
             return out_tensors
 
         snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
+        watch = state.SlotWatch()
         layer_args = [c for c in consts if isinstance(c, paddle.nn.Layer)]
         bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
         for layer in bound_layers:
             snapshot.add(layer)
+            for _, sub in layer.named_sublayers(include_self=True):
+                watch.add(sub)
         rng = state.rng_snapshot()
         captured = False
         entry.pool = backend.new_pool()
@@ -431,8 +463,17 @@ class GraphedCallable:
         entry.clone_param_grads = opts.clone_param_grads
         try:
             entry.fwd_graph = backend.new_graph(entry.pool)
-            with _LayerRecorder(snapshot) as recorder:
+            with _LayerRecorder(snapshot, watch) as recorder:
                 outputs = entry.fwd_graph.capture(forward_body, opts.capture_hooks)
+            watch.check()
+            for value in live["spec"][1]:
+                if holds_tensor(value):
+                    raise CaptureError(
+                        f"autocudagraph: the function returns a {type(value).__name__} object holding tensors. "
+                        "Only tensors returned directly or in list/tuple/dict nests are replayed; this object "
+                        "would be returned as captured, with frozen values and no grads. Return a tuple or a "
+                        "dict of tensors instead."
+                    )
             written = static.written()
             if written:
                 with paddle.no_grad():
@@ -543,7 +584,8 @@ class GraphedCallable:
             with guard:
                 results = list(entry.bwd_graph.capture(backward_body, opts.capture_hooks))
         except Exception as err:
-            if by_grad:
+            # Our own refusals (a host sync, say) would fail the same way with backward().
+            if by_grad and not isinstance(err, CudaGraphError):
                 raise _GradBodyFailed(err) from err
             raise
         if isinstance(guard, state.RngRewindGuard):
@@ -603,8 +645,7 @@ class GraphedCallable:
             self.counters.recaptures += 1
             _, consts, _ = flatten((args, kwargs))
             return self._capture_call(entry, args, kwargs, tensors, consts, spec)
-        inflight = entry.inflight() if entry.inflight is not None else None
-        if inflight is not None and not inflight.done:
+        if entry.backward_pending():
             self._warn_once(
                 "inflight",
                 f"autocudagraph({self.__name__}): called again with the same key before the backward of "
@@ -656,7 +697,7 @@ class GraphedCallable:
             reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
             entry.fall_back(reason)
             self._warn_once(
-                ("max_bytes", entry.key),
+                ("max_bytes", id(entry)),
                 f"autocudagraph({self.__name__}): key {entry.label} runs eagerly: {reason}. Raise max_bytes, "
                 "or split the function so each graph holds less.",
             )
@@ -666,7 +707,7 @@ class GraphedCallable:
         for victim in sorted(holders, key=lambda e: e.last_used):
             if total <= budget:
                 break
-            if victim is entry:
+            if victim is entry or victim.backward_pending():
                 continue
             total -= victim.nbytes()
             victim.release()

@@ -41,14 +41,15 @@ class GraphOptions:
 
     Attributes:
         warmup_steps: eager calls per key before the capture call (0 allowed).
-        max_graphs: keys that may hold graphs at once; further keys run eagerly.
+        max_graphs: keys that may be warming up or hold graphs at once; further keys run eagerly.
         dispatch_key_fn: ``fn(bound_arguments) -> hashable | None`` replacing the default key;
             None from it runs that call eagerly.
         backend: "cuda", "simulate", "eager" or None (cuda when the call's tensors are on a GPU
             of a CUDA build of Paddle, otherwise eager). The environment variable
             PADDLEFLEET_CUDAGRAPH_BACKEND overrides it.
         clone_outputs: return copies of the static output buffers (True) or the buffers themselves.
-        clone_param_grads: hand parameter grads back as copies (True) or as the static grad buffers.
+        clone_param_grads: hand parameter grads (and grads of inputs that are not leaves) back as
+            copies (True) or as the static grad buffers. Grads of leaf inputs are always copies.
         verify_replays: compare the first N replays of each key with an eager re-run.
         max_bytes: optional budget for the static buffers of all keys; least recently used keys
             are evicted beyond it.

@@ -21,7 +21,7 @@ import paddle
 
 from .errors import InputMismatchError
 
-__all__ = ["flatten", "unflatten", "leaf_names", "StaticInputs", "tensor_meta", "nbytes"]
+__all__ = ["flatten", "unflatten", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "nbytes"]
 
 _TENSOR = "T"
 _CONST = "C"
@@ -77,6 +77,24 @@ def _unflatten(spec, tensors, consts):
     if hasattr(tag, "_fields"):  # namedtuple
         return tag(*items)
     return tag(items)
+
+
+def holds_tensor(value, depth=2):
+    """True when a non-tensor leaf (an object flatten() keeps as a constant) holds a tensor in its
+    attributes or dataclass fields, looked for ``depth`` levels down. Such a tensor would be
+    neither a static input nor a replayed output: the graph would keep the capture-time one."""
+    if depth < 0 or isinstance(value, _SCALARS) or isinstance(value, paddle.nn.Layer):
+        return False
+    if isinstance(value, paddle.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_tensor(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(holds_tensor(v, depth - 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return any(holds_tensor(v, depth - 1) for v in fields.values())
+    return False
 
 
 def unflatten(spec, tensors, consts):
@@ -194,6 +212,14 @@ class StaticInputs:
                     f"{b.dtype} but got shape {list(t.shape)} and dtype {t.dtype}; shapes and dtypes "
                     "are fixed per graph. Include them in the key that dispatch_key_fn returns, or pad "
                     "to a captured size."
+                )
+            if t.stop_gradient != b.stop_gradient:
+                name = self.names[i] if i < len(self.names) else f"tensor #{i}"
+                raise InputMismatchError(
+                    f"autocudagraph: input '{name}' was captured with stop_gradient={b.stop_gradient} but got "
+                    f"stop_gradient={t.stop_gradient}; the backward graph fixes which inputs get grads, so "
+                    "this call would silently lose or invent a grad. Include stop_gradient in the key that "
+                    "dispatch_key_fn returns."
                 )
         if len(tensors) != len(self.buffers):
             raise InputMismatchError(

@@ -179,7 +179,7 @@ def verified_call(gc, entry, args, kwargs, tensors, copy_in):
     gc.counters.verify_mismatches += 1
     entry.fall_back(reason)
     gc._warn_once(
-        ("verify", entry.key),
+        ("verify", id(entry)),
         f"autocudagraph({gc.__name__}): the graph of key {entry.label} does not reproduce eager: {reason}. "
         "This key now runs eagerly. A graph repeats what capture saw: Python branches or values read "
         "from CPU tensors or Python state, and tensors rebound between calls, are frozen at capture. "

@@ -1,0 +1,145 @@
+"""Edge cases found by adversarial testing: each graphed result equals eager, or the call is refused
+with a clear reason instead of a silent wrong result."""
+
+import dataclasses
+import unittest
+import warnings
+
+import paddle
+
+from paddlefleet.cudagraph import CudaGraphError, InputMismatchError
+
+from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+
+
+@dataclasses.dataclass
+class Out:
+    y: paddle.Tensor
+
+
+class Counter(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(4, 4)
+        self.register_buffer("steps", paddle.zeros([1]))
+
+    def forward(self, x):
+        self.steps = self.steps + 1  # rebinds the buffer: a graph cannot follow
+        return self.lin(x)
+
+
+class SharedNorm(paddle.nn.Layer):
+    """A BatchNorm used eagerly before the graphed block that also contains it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = paddle.nn.BatchNorm1D(8)
+        self.block = paddle.nn.Sequential(paddle.nn.Linear(8, 8), self.bn)
+
+    def forward(self, x):
+        return self.block(self.bn(x))
+
+
+def caught_messages(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(c.message) for c in caught]
+
+
+@parameterized_class(backend_classes())
+class EdgeTest(BackendCase):
+    def test_an_output_object_holding_tensors_is_refused_not_frozen(self):
+        lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
+        g = self.graphed(lambda x: Out(lin(x)), warmup_steps=0)
+        for step in range(3):
+            x = paddle.randn([2, 4])
+            out, messages = caught_messages(lambda: g(x))
+            self.assertBitwise(out.y, ref(x), f"step {step}")
+            out.y.sum().backward()
+            ref(x).sum().backward()
+            self.assertBitwise(grads_of(lin), grads_of(ref))
+        self.assertEqual(g.stats()["captures"], 0)
+        self.assertEqual(g.stats()["eager_reasons"].get("capture failed"), 1)
+
+    def test_dispatch_key_fn_must_keep_stop_gradient_apart(self):
+        w = paddle.randn([4, 4])
+        g = self.graphed(lambda x, w: paddle.matmul(x, w), warmup_steps=0, dispatch_key_fn=lambda ba: "one")
+        g(paddle.randn([2, 4]), w)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        with self.assertRaisesRegex(InputMismatchError, "stop_gradient=True but got stop_gradient=False"):
+            g(x, w)
+
+    def test_a_rebound_buffer_is_refused_and_the_key_runs_eagerly(self):
+        model, ref = twin_layers(Counter)
+        self.graphed(model, warmup_steps=0)
+        for _ in range(4):
+            x = paddle.randn([2, 4])
+            _, messages = caught_messages(lambda: model(x).sum().backward())
+            ref(x).sum().backward()
+        self.assertBitwise(model.steps, ref.steps, "the buffer advanced once per call")
+        self.assertBitwise(grads_of(model), grads_of(ref))
+        self.assertIn("capture failed", model.forward.stats()["eager_reasons"])
+        self.assertIn("rebinds buffer 'steps' of Counter", model.forward.report()[0]["fallback_reason"])
+
+    def test_a_batchnorm_used_before_its_graphed_block_trains_like_eager(self):
+        # Restoring BatchNorm statistics after a simulated capture must not bump their inplace
+        # version: the eager use before the block saved them for its backward.
+        model, ref = twin_layers(SharedNorm)
+        self.graphed(model.block, warmup_steps=0)
+        for step in range(4):
+            x = paddle.randn([4, 8])
+            model(x).sum().backward()
+            ref(x).sum().backward()
+            self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step}")
+            self.assertBitwise(model.bn._mean, ref.bn._mean, f"running mean step {step}")
+            model.clear_gradients()
+            ref.clear_gradients()
+        self.assertEqual(model.block.forward.stats()["captures"], 1)
+
+    def test_create_graph_through_a_graphed_call_is_refused_clearly(self):
+        lin = paddle.nn.Linear(4, 4)
+        g = self.graphed(lambda x: paddle.tanh(lin(x)), warmup_steps=0)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        y = g(x)
+        # Paddle re-raises an error from a PyLayer backward as OSError carrying its message.
+        with self.assertRaisesRegex((CudaGraphError, OSError), "create_graph=True"):
+            paddle.grad(y.sum(), x, create_graph=True)
+
+    def test_reset_between_forward_and_backward_keeps_that_backward_working(self):
+        model, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
+        self.graphed(model, warmup_steps=0)
+        x = paddle.randn([2, 4])
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        y = model(x)
+        model.forward.reset()
+        y.sum().backward()
+        ref(x).sum().backward()
+        self.assertBitwise(grads_of(model), grads_of(ref))
+        self.assertEqual(model.forward.stats()["graphs"], 0)
+
+    def test_eviction_skips_a_key_whose_backward_is_pending(self):
+        def mm(x, w):
+            return paddle.matmul(x, w)
+
+        w = paddle.randn([4, 4])
+        w.stop_gradient = False
+        w_e = clone_leaf(w)
+        probe = self.graphed(mm, warmup_steps=0)
+        probe(paddle.randn([3, 4]), w).sum().backward()
+        one_key = probe.stats()["static_bytes"]
+        w.clear_gradient(False)
+        g = self.graphed(mm, warmup_steps=0, max_bytes=one_key + 8)
+        a, b = paddle.randn([2, 4]), paddle.randn([3, 4])
+        ya = g(a, w)  # key a captured; its backward is pending
+        yb = g(b, w)  # key b captured: over budget, but key a must not be evicted now
+        (ya.sum() + yb.sum()).backward()
+        (paddle.matmul(a, w_e).sum() + paddle.matmul(b, w_e).sum()).backward()
+        self.assertBitwise(w.grad, w_e.grad)
+        self.assertEqual(g.stats()["captures"], 2)
+
+if __name__ == "__main__":
+    unittest.main()
