@@ -62,6 +62,19 @@ class EdgeTest(BackendCase):
         self.assertEqual(g.stats()["captures"], 0)
         self.assertEqual(g.stats()["eager_reasons"].get("capture failed"), 1)
 
+    def test_a_hook_on_a_graphed_output_runs_as_in_eager(self):
+        lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
+        g = self.graphed(lambda x: lin(x), warmup_steps=0)
+        for step in range(3):
+            x = paddle.randn([2, 4])
+            y, y_e = g(x), ref(x)
+            y.register_hook(lambda grad: grad * 3.0)
+            y_e.register_hook(lambda grad: grad * 3.0)
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(grads_of(lin), grads_of(ref), f"grads step {step}")
+        self.assertEqual(g.stats()["captures"], 1)
+
     def test_dispatch_key_fn_must_keep_stop_gradient_apart(self):
         w = paddle.randn([4, 4])
         g = self.graphed(lambda x, w: paddle.matmul(x, w), warmup_steps=0, dispatch_key_fn=lambda ba: "one")

@@ -41,7 +41,7 @@ from .bridge import GraphedFunction, hand_out_outputs
 from .dispatch import KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
-from .grads import GradSwap
+from .grads import GradSwap, alias
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
@@ -675,6 +675,9 @@ class GraphedCallable:
             outputs = GraphedFunction.apply(entry, *tensors, *entry.params)
             if isinstance(outputs, paddle.Tensor):
                 outputs = [outputs]
+            # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
+            # view of each differentiable output so y.register_hook(...) works as in eager.
+            outputs = [alias(o) if d else o for o, d in zip(outputs, entry.out_differentiable)]
         else:
             entry.fwd_graph.replay()
             outputs = hand_out_outputs(entry)
