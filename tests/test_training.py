@@ -22,7 +22,7 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from paddle.distributed.fleet.utils import recompute
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import is_capturing, state
+from paddlefleet.cudagraph import state
 
 from .harness import (
     BackendCase,
@@ -315,10 +315,9 @@ class NoTraceTest(TrackerCase):
 @parameterized_class(backend_classes())
 class ClonePolicyTest(BackendCase):
     def _hooked(self, layer):
-        """Keeps every grad tensor that autograd hands fc1.weight's hook after a backward (the
-        capture's own backward also runs the hook: see test_param_hooks_do_not_run_during_capture)."""
+        """Keeps every grad tensor that autograd hands fc1.weight's hook after a backward."""
         seen = []
-        layer.fc1.weight.register_hook(lambda g: None if is_capturing() else seen.append(g))
+        layer.fc1.weight.register_hook(seen.append)
         return seen
 
     def test_param_grads_are_cloned_by_default(self):

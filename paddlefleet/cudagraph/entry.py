@@ -1,6 +1,7 @@
 r"""Per-key state: the Phase enum and the GraphEntry dataclass.
 
-The lifecycle of a key (transitions happen only through the methods here)::
+The lifecycle of a key (lifecycle.py moves it; a key that fails to capture or re-capture, or whose
+static buffers alone exceed max_bytes, goes to FALLBACK)::
 
     WARMUP --(warmup_steps eager calls)--> capture --ok--> REPLAY
                                               \--fails--> FALLBACK (eager from then on)
