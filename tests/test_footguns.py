@@ -15,7 +15,7 @@ import paddle
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
 from paddlefleet.cudagraph.safety import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, parameterized_class, twin_layers
+from .harness import BackendCase, backend_classes, clone_leaf, paddle_device, parameterized_class, twin_layers
 
 THIS_FILE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
@@ -344,7 +344,9 @@ class RecordingCaptureTest(unittest.TestCase):
 
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
-        paddle.set_device("cpu")
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
         model, ref = twin_layers(RecomputedDropout)
         autocudagraph(model, backend="simulate", warmup_steps=0)
         x = paddle.randn([4, 8])

@@ -78,7 +78,14 @@ def train(graphed, backend, steps=20, seed=7, batch=32, width=64, device="cpu"):
 
 def run_demo(steps=20, out=None):
     """Prints the side-by-side table and the stats; returns 0 when every step matched bitwise."""
-    out = out or sys.stdout
+    previous = paddle.get_device()
+    try:
+        return _run_demo(steps, out or sys.stdout)
+    finally:
+        paddle.set_device(previous)
+
+
+def _run_demo(steps, out):
     on_gpu = cuda_available() and paddle.device.cuda.device_count() > 0
     backend = "cuda" if on_gpu else "simulate"
     device = "gpu" if on_gpu else "cpu"

@@ -14,8 +14,6 @@ large grads outweighs the host time saved (measured on an H100: 8 grads of 64 Mi
 compute-bound step 2.2x the raw replay instead of 1.7x).
 """
 
-import functools
-
 from paddle import _C_ops
 
 from .static_io import nbytes
@@ -30,9 +28,19 @@ _UNBIND = getattr(_C_ops, "unbind", None)
 _EMPTY = getattr(_C_ops, "empty", None)
 
 
-@functools.lru_cache(maxsize=None)
+_VIEWS = {}
+
+
 def _unbind_views(place_str, dtype, place):
-    """True when unbind returns views (not copies) for this place and dtype."""
+    """True when unbind returns views (not copies) for this place and dtype; cached by the place's
+    string (Paddle 2.6's Place objects compare by identity, so they cannot be the cache key)."""
+    key = (place_str, dtype)
+    if key not in _VIEWS:
+        _VIEWS[key] = _probe_unbind(dtype, place)
+    return _VIEWS[key]
+
+
+def _probe_unbind(dtype, place):
     if _UNBIND is None or _EMPTY is None:
         return False
     try:

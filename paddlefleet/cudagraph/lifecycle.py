@@ -30,6 +30,7 @@ wrapper's options afterwards never mixes policies within one graph.
 import collections
 import contextlib
 import logging
+import threading
 import warnings
 import weakref
 
@@ -49,6 +50,8 @@ from .stats import Counters, describe_call, describe_entries
 __all__ = ["GraphedCallable"]
 
 logger = logging.getLogger(__name__)
+
+_CAPTURE_LOCK = threading.RLock()
 
 
 class _GradBodyFailed(Exception):
@@ -174,6 +177,7 @@ class GraphedCallable:
         self._options = options
         self._entries = collections.OrderedDict()
         self._warned = set()
+        self._last_refusal = None
         self._tick = 0
         self._keys = KeyMaker(
             fn, options.dispatch_key_fn, bound=owner is not None,
@@ -245,6 +249,9 @@ class GraphedCallable:
             f"autocudagraph({self.__name__}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
             f"{stats['static_bytes']} static bytes"
         ]
+        backends = {e.backend.describe() for e in self._entries.values() if e.backend is not None}
+        if backends:
+            lines.append(f"  backend: {'; '.join(sorted(backends))}")
         for row in self.report():
             line = (
                 f"  key {row['label'] or repr(row['key'])[:80]}: {row['phase']} on {row['backend']}; "
@@ -372,6 +379,12 @@ class GraphedCallable:
 
     # ------------------------------------------------------------------ capture
     def _capture_call(self, entry, args, kwargs, tensors, consts, spec):
+        # Capture patches process-wide entry points (Layer.__call__, host-sync methods, random
+        # ops) for its duration: one capture at a time across threads.
+        with _CAPTURE_LOCK:
+            return self._capture_call_locked(entry, args, kwargs, tensors, consts, spec)
+
+    def _capture_call_locked(self, entry, args, kwargs, tensors, consts, spec):
         last_inputs = entry.last_inputs
         try:
             try:
@@ -510,6 +523,9 @@ class GraphedCallable:
                 self._capture_backward(entry, live, static, needs_grad, tensors, opts, by_grad)
             else:
                 entry.out_differentiable = [False] * len(outputs)
+            # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
+            # as long as the graphs: a CUDA graph keeps writing and reading those addresses, so the
+            # allocator must never hand them to another tensor.
             entry.live = live
             captured = True
         finally:
