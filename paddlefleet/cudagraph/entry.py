@@ -112,6 +112,12 @@ class GraphEntry:
         self.inflight = None
         self.handed_out = None
 
+    def to_recapture(self):
+        """Drops the graphs; the next call of this key captures again (no warmup)."""
+        self.release()
+        self.phase = Phase.RECAPTURE
+        self.fallback_reason = None
+
     def fall_back(self, reason):
         """Moves this key to eager for good."""
         self.release()

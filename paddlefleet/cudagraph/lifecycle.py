@@ -42,7 +42,7 @@ from .bridge import GraphedFunction, hand_out_outputs
 from .dispatch import KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
-from .grads import GradSwap, alias
+from .grads import GradSwap, alias, merge_leaf_grads
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
@@ -148,15 +148,6 @@ def _name_unknown_leaves(fn, unknown_ptrs):
     if missing > 0:
         names.append(f"{missing} unnamed tensor(s)")
     return names
-
-
-def _merge_leaf_grads(raw, collected):
-    """Per leaf: the grad paddle.grad returned plus any grad an inner backward (reentrant
-    recompute) accumulated into ``.grad``."""
-    merged = []
-    for r, c in zip(raw, collected):
-        merged.append(c if r is None else (r if c is None else c + r))
-    return merged
 
 
 class GraphedCallable:
@@ -331,7 +322,7 @@ class GraphedCallable:
         self._entries.move_to_end(key)
         phase = entry.phase
         if phase is Phase.REPLAY:
-            return self._replay(entry, args, kwargs, tensors, spec)
+            return self._replay(entry, args, kwargs, tensors, consts, spec)
         if phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps:
                 entry.warmup_calls += 1
@@ -586,7 +577,7 @@ class GraphedCallable:
                     raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
                 else:
                     paddle.autograd.backward(current, seeds, retain_graph=True)
-            grads = _merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
+            grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
             # NOTE [ Grad groups ] in grad_groups.py: same-shape parameter grads are also
             # copied into one stack each, so that handing them out costs one copy per stack.
             if "grad_groups" not in live:
@@ -640,7 +631,7 @@ class GraphedCallable:
                 return f"parameter '{name}' of {type(sub).__name__} was replaced, moved or (un)frozen"
         return None
 
-    def _replay(self, entry, args, kwargs, tensors, spec):
+    def _replay(self, entry, args, kwargs, tensors, consts, spec):
         if self._options.dispatch_key_fn is not None:
             if spec != entry.in_spec:
                 raise InputMismatchError(
@@ -654,12 +645,9 @@ class GraphedCallable:
             if moved is not None:  # NOTE [ Adopted inputs ] in static_io.py
                 moved = f"input '{moved}' is another tensor than the one the graph reads in place"
         if moved is not None:
-            entry.release()
-            entry.phase = Phase.RECAPTURE
-            entry.fallback_reason = None
+            entry.to_recapture()
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, moved)
             self.counters.recaptures += 1
-            _, consts, _ = flatten((args, kwargs))
             return self._capture_call(entry, args, kwargs, tensors, consts, spec)
         if entry.backward_pending():
             self._warn_once(
@@ -729,8 +717,7 @@ class GraphedCallable:
             if victim is entry or victim.backward_pending():
                 continue
             total -= victim.nbytes()
-            victim.release()
-            victim.phase = Phase.RECAPTURE
+            victim.to_recapture()
             victim.evictions += 1
             self.counters.evictions += 1
             logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)

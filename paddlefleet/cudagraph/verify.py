@@ -31,7 +31,7 @@ import numpy as np
 import paddle
 
 from . import state
-from .grads import GradSwap, copy
+from .grads import GradSwap, copy, merge_leaf_grads
 from .static_io import flatten, unflatten
 
 __all__ = ["verified_call"]
@@ -121,10 +121,7 @@ def _eager_grads(outputs, leaves, grad_outputs):
     swap = GradSwap(leaves)
     with swap:
         raw = paddle.grad(outputs, leaves, grad_outputs, retain_graph=False, allow_unused=True)
-    merged = []
-    for r, c in zip(raw, swap.collected):
-        merged.append(c if r is None else (r if c is None else r + c))
-    return merged
+    return merge_leaf_grads(raw, swap.collected)
 
 
 def _grad_names(entry, needs_grad):

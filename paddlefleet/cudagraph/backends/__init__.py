@@ -39,7 +39,8 @@ def resolve_backend(option, tensors):
     name = os.environ.get(ENV_BACKEND) or option
     if name is not None and name not in BACKEND_NAMES:
         raise CudaGraphError(
-            f"autocudagraph: {ENV_BACKEND}={name!r} is not a backend; use one of {BACKEND_NAMES}."
+            f"autocudagraph: {ENV_BACKEND}={name!r} is not a backend. An unknown name would silently run "
+            f"eagerly. Set it to one of {BACKEND_NAMES}, or unset it."
         )
     if name == "simulate":
         return _SIMULATED, "simulate"

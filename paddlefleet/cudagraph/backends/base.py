@@ -8,7 +8,14 @@ graph's static buffers, and every replay writes its results into those same tens
 import contextlib
 import threading
 
-__all__ = ["Backend", "Graph", "is_capturing", "capturing"]
+__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing"]
+
+#: Raised by Graph.replay() on a graph without a capture.
+NOT_CAPTURED = (
+    "autocudagraph: replay of a graph that was never captured or was reset. Its static buffers were "
+    "released (reset(), eviction or a failed capture); call the wrapper, which captures again, instead "
+    "of replaying the graph directly."
+)
 
 _state = threading.local()
 

@@ -13,7 +13,7 @@ import gc
 import paddle
 
 from ..errors import CaptureError
-from .base import Backend, Graph, capturing
+from .base import NOT_CAPTURED, Backend, Graph, capturing
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
 
@@ -89,7 +89,7 @@ class _CudaGraph(Graph):
 
     def replay(self):
         if self._graph is None:
-            raise CaptureError("autocudagraph: replay of a graph that was never captured or was reset.")
+            raise CaptureError(NOT_CAPTURED)
         self._graph.replay()
 
     def reset(self):

@@ -20,7 +20,7 @@ import paddle
 
 from ..errors import CaptureError
 from ..safety import is_marked_host
-from .base import Backend, Graph, capturing
+from .base import NOT_CAPTURED, Backend, Graph, capturing
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -128,7 +128,7 @@ class _SimulatedGraph(Graph):
 
     def replay(self):
         if self._body is None:
-            raise CaptureError("autocudagraph: replay of a graph that was never captured or was reset.")
+            raise CaptureError(NOT_CAPTURED)
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
         # the body re-runs in the capture context (is_capturing() True, hooks entered), and
         # reads of host tensors return what they returned at capture.
