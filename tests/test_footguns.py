@@ -182,6 +182,40 @@ class FootgunTest(BackendCase):
         self.assertTrue(any("captured with paddle.autograd.backward instead" in m and "hooks" in m for m in messages),
                         messages)
 
+    def test_an_error_raised_during_capture_makes_that_key_eager(self):
+        calls = {"n": 0}
+
+        def flaky(x):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the capture call's capture run
+                raise RuntimeError("a bad batch")
+            return x * 2.0
+
+        f = self.graphed(flaky, warmup_steps=1)
+        x = data(2, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                self.assertBitwise(f(x), double(x))
+        self.assertEqual(calls["n"], 4, "warmup, failed capture, eager retry of that call, one eager call")
+        self.assertEqual(f.stats()["captures"], 0)
+        self.assertTrue(any("a bad batch" in str(c.message) for c in caught))
+
+    def test_in_place_updates_outside_the_graphed_layers_apply_twice_at_a_simulated_capture(self):
+        total = paddle.zeros([2])
+
+        def accumulate(x):
+            with paddle.no_grad():
+                total.add_(x.sum(0))
+            return x * 2.0
+
+        f = self.graphed(accumulate, warmup_steps=0)
+        x = data(3, 2)
+        f(x)  # the capture call
+        once = x.sum(0)
+        expected = once * 2.0 if self.backend == "simulate" else once
+        self.assertBitwise(total, expected, "capture run + replay on the simulated backend; once on cuda")
+
     # ------------------------------------------------------------------ values frozen at capture
     def test_host_value_read_in_the_function_is_frozen_at_capture(self):
         scale = {"t": self.host(2.0)}
