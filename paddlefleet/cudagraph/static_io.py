@@ -203,10 +203,11 @@ class StaticInputs:
         return None
 
     def check(self, tensors):
-        """Raises InputMismatchError when a tensor's shape or dtype differs from its buffer."""
+        """Raises InputMismatchError when a tensor's shape, dtype or stop_gradient differs from its
+        buffer (or a host tensor's value from the captured one)."""
         for i, (t, b) in enumerate(zip(tensors, self.buffers)):
             if t.shape != b.shape or t.dtype != b.dtype:
-                name = self.names[i] if i < len(self.names) else f"tensor #{i}"
+                name = self.name(i)
                 raise InputMismatchError(
                     f"autocudagraph: input '{name}' was captured with shape {list(b.shape)} and dtype "
                     f"{b.dtype} but got shape {list(t.shape)} and dtype {t.dtype}; shapes and dtypes "
@@ -214,7 +215,7 @@ class StaticInputs:
                     "to a captured size."
                 )
             if t.stop_gradient != b.stop_gradient:
-                name = self.names[i] if i < len(self.names) else f"tensor #{i}"
+                name = self.name(i)
                 raise InputMismatchError(
                     f"autocudagraph: input '{name}' was captured with stop_gradient={b.stop_gradient} but got "
                     f"stop_gradient={t.stop_gradient}; the backward graph fixes which inputs get grads, so "
