@@ -42,7 +42,7 @@ from .bridge import GraphedFunction, hand_out_outputs
 from .dispatch import KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
-from .grads import GradSwap, alias, merge_leaf_grads
+from .grads import GradSwap, hookable, merge_leaf_grads
 from .options import GraphOptions
 from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
@@ -681,7 +681,7 @@ class GraphedCallable:
                 outputs = [outputs]
             # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
             # view of each differentiable output so y.register_hook(...) works as in eager.
-            outputs = [alias(o) if d else o for o, d in zip(outputs, entry.out_differentiable)]
+            outputs = [hookable(o) if d else o for o, d in zip(outputs, entry.out_differentiable)]
         else:
             entry.fwd_graph.replay()
             outputs = hand_out_outputs(entry)
