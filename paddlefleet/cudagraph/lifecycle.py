@@ -30,7 +30,6 @@ wrapper's options afterwards never mixes policies within one graph.
 import collections
 import contextlib
 import logging
-import threading
 import warnings
 import weakref
 
@@ -39,6 +38,14 @@ import paddle
 from . import grad_groups, safety, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
+from .capture import (
+    CAPTURE_LOCK,
+    GradBodyFailed,
+    LayerRecorder,
+    accumulation_nodes,
+    name_unknown_leaves,
+    param_homes,
+)
 from .dispatch import KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
@@ -50,105 +57,6 @@ from .stats import Counters, describe_call, describe_entries
 __all__ = ["GraphedCallable"]
 
 logger = logging.getLogger(__name__)
-
-_CAPTURE_LOCK = threading.RLock()
-
-
-class _GradBodyFailed(Exception):
-    """The paddle.grad backward body failed; the capture is retried with backward()."""
-
-    def __init__(self, error):
-        super().__init__(str(error))
-        self.error = error
-
-
-class _LayerRecorder:
-    """While active, records every Layer called (and snapshots its buffers before it runs)."""
-
-    def __init__(self, snapshot, watch):
-        self.layers = []
-        self._seen = set()
-        self._snapshot = snapshot
-        self._watch = watch
-        self._original = None
-
-    def __enter__(self):
-        original = paddle.nn.Layer.__call__
-        recorder = self
-
-        def recording_call(layer, *args, **kwargs):
-            if id(layer) not in recorder._seen:
-                recorder._seen.add(id(layer))
-                recorder.layers.append(layer)
-                recorder._snapshot.add(layer)
-                recorder._watch.add(layer)
-            return original(layer, *args, **kwargs)
-
-        self._original = original
-        paddle.nn.Layer.__call__ = recording_call
-        return self
-
-    def __exit__(self, *exc):
-        paddle.nn.Layer.__call__ = self._original
-        return False
-
-
-def _param_homes(layers):
-    """``[(sublayer, name, param)]`` for every parameter of ``layers``, each parameter once."""
-    homes, seen = [], set()
-    for layer in layers:
-        for _, sub in layer.named_sublayers(include_self=True):
-            for name, p in sub._parameters.items():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    homes.append((sub, name, p))
-    return homes
-
-
-def _accumulation_nodes(outputs):
-    """node_ptr -> node of every leaf accumulation node reachable from ``outputs``."""
-    found, seen = {}, set()
-    stack = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
-    while stack:
-        node = stack.pop()
-        if node is None:
-            continue
-        ptr = node.node_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        if node.name() == "GradNodeAccumulation":
-            found[ptr] = node
-        stack.extend(node.next_functions)
-    return found
-
-
-def _name_unknown_leaves(fn, unknown_ptrs):
-    """Best-effort names for leaf tensors found in ``fn``'s globals and closure."""
-    candidates = {}
-    scopes = dict(getattr(fn, "__globals__", {}))
-    code = getattr(fn, "__code__", None)
-    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
-        try:
-            scopes[name] = cell.cell_contents
-        except ValueError:
-            pass
-    for name, value in scopes.items():
-        if isinstance(value, paddle.Tensor) and not value.stop_gradient:
-            candidates[name] = value
-        elif isinstance(value, paddle.nn.Layer):
-            for pname, p in value.named_parameters():
-                candidates[f"{name}.{pname}"] = p
-    names = []
-    for name, t in candidates.items():
-        node = getattr(t, "grad_fn", None)
-        if node is not None and node.node_ptr() in unknown_ptrs:
-            names.append(name)
-    missing = len(unknown_ptrs) - len(names)
-    if missing > 0:
-        names.append(f"{missing} unnamed tensor(s)")
-    return names
-
 
 class GraphedCallable:
     """A callable with per-key CUDA graphs. Made by autocudagraph(); see its docstring.
@@ -370,9 +278,7 @@ class GraphedCallable:
 
     # ------------------------------------------------------------------ capture
     def _capture_call(self, entry, args, kwargs, tensors, consts, spec):
-        # Capture patches process-wide entry points (Layer.__call__, host-sync methods, random
-        # ops) for its duration: one capture at a time across threads.
-        with _CAPTURE_LOCK:
+        with CAPTURE_LOCK:
             return self._capture_call_locked(entry, args, kwargs, tensors, consts, spec)
 
     def _capture_call_locked(self, entry, args, kwargs, tensors, consts, spec):
@@ -380,7 +286,7 @@ class GraphedCallable:
         try:
             try:
                 self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=True)
-            except _GradBodyFailed as failed:
+            except GradBodyFailed as failed:
                 # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
                 logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", self.__name__, failed.error)
                 entry.release()
@@ -395,7 +301,7 @@ class GraphedCallable:
                     "DataParallel), return None from dispatch_key_fn for such calls.",
                 )
         except Exception as err:  # contained: this key runs eagerly from now on
-            if isinstance(err, _GradBodyFailed):
+            if isinstance(err, GradBodyFailed):
                 err = err.error
             reason = f"{type(err).__name__}: {err}"
             where = safety.user_location(err.__traceback__)
@@ -467,7 +373,7 @@ class GraphedCallable:
         entry.clone_param_grads = opts.clone_param_grads
         try:
             entry.fwd_graph = backend.new_graph(entry.pool)
-            with _LayerRecorder(snapshot, watch) as recorder:
+            with LayerRecorder(snapshot, watch) as recorder:
                 outputs = entry.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
             for value in live["spec"][1]:
@@ -500,7 +406,7 @@ class GraphedCallable:
                 entry.handed_out = safety.StaleOutputs()
             layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
             self._entries = self._keys.track(layers, self._entries)
-            homes = _param_homes(layers)
+            homes = param_homes(layers)
             entry.layers = layers
             entry.param_homes = [(sub, name, p, p.stop_gradient) for sub, name, p in homes]
             entry.param_ptrs = [p.data_ptr() for _, _, p in homes]
@@ -533,9 +439,9 @@ class GraphedCallable:
         outputs = [o for o, d in zip(entry.static_outputs, entry.out_differentiable) if d]
         leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
         known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
-        unknown = set(_accumulation_nodes(outputs)) - known
+        unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
-            names = _name_unknown_leaves(self._fn, unknown)
+            names = name_unknown_leaves(self._fn, unknown)
             raise CaptureError(
                 f"autocudagraph: the function uses tensors that require grad but are neither arguments "
                 f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
@@ -593,7 +499,7 @@ class GraphedCallable:
         except Exception as err:
             # Our own refusals (a host sync, say) would fail the same way with backward().
             if by_grad and not isinstance(err, CudaGraphError):
-                raise _GradBodyFailed(err) from err
+                raise GradBodyFailed(err) from err
             raise
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
