@@ -97,6 +97,32 @@ class EdgeTest(BackendCase):
             self.assertEqual(set(grads._HOOKABLE.values()), {False})
         self.assertEqual(g.stats()["captures"], 1)
 
+    def test_negative_zero_and_nan_are_keys_of_their_own(self):
+        g = self.graphed(lambda x, s: x / s, warmup_steps=0)
+        x = paddle.ones([2])
+        for s in (0.0, -0.0, float("nan"), 0.0, -0.0, float("nan")):
+            self.assertBitwise(g(x, s), x / s, f"s={s!r}")
+        self.assertEqual((g.stats()["captures"], g.stats()["replays"]), (3, 3))
+
+    def test_grad_passed_through_to_a_parameter_outside_the_call_is_a_copy(self):
+        # x = P + t passes the block's input grad through unchanged to P, an outside parameter:
+        # with clone_param_grads=False it must still not be the static buffer, or the next replay
+        # overwrites P.grad during gradient accumulation.
+        lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
+        outside = paddle.create_parameter([2, 4], "float32")
+        outside_e = paddle.create_parameter([2, 4], "float32")
+        outside_e.set_value(outside)
+        g = self.graphed(lambda x: paddle.tanh(lin(x)), warmup_steps=0, clone_param_grads=False)
+        for step in range(3):
+            for micro in range(2):
+                t = paddle.randn([2, 4])
+                g(outside + t).sum().backward()
+                paddle.tanh(ref(outside_e + t)).sum().backward()
+            self.assertBitwise(outside.grad, outside_e.grad, f"outside grad step {step}")
+            self.assertBitwise(grads_of(lin), grads_of(ref), f"grads step {step}")
+            for p in [outside, outside_e] + list(lin.parameters()) + list(ref.parameters()):
+                p.clear_gradient(False)
+
     def test_dispatch_key_fn_must_keep_stop_gradient_apart(self):
         w = paddle.randn([4, 4])
         g = self.graphed(lambda x, w: paddle.matmul(x, w), warmup_steps=0, dispatch_key_fn=lambda ba: "one")

@@ -517,8 +517,10 @@ class GraphedCallable:
         for t, n in zip(tensors, needs_grad):
             if n:
                 slots.append(leaf_i if entry.static_grads[leaf_i] is not None else None)
-                # A leaf would keep the returned tensor as its .grad: never hand it a buffer.
-                clones.append(True if getattr(t, "is_leaf", True) else entry.clone_param_grads)
+                # Always a copy: a leaf keeps the returned tensor as its .grad, and a non-leaf's
+                # grad can reach a parameter outside the call unchanged (x = P + t passes it
+                # through), where autograd adopts it as P.grad and the next replay overwrites it.
+                clones.append(True)
                 leaf_i += 1
             else:
                 slots.append(None)

@@ -17,6 +17,7 @@ captured again with an ordinary static buffer for that argument. Host (CPU) inpu
 value (NOTE [ Host tensors ] in safety.py) and never copied.
 """
 
+import numpy as np
 import paddle
 
 from .errors import InputMismatchError
@@ -29,6 +30,10 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
 def _const_key(value):
+    if isinstance(value, (float, complex, np.floating, np.complexfloating)):
+        # By bits, not by ==: 0.0 == -0.0 (1/x differs) and nan != nan (a new key every call).
+        c = complex(value)
+        return (type(value), c.real.hex(), c.imag.hex())
     if isinstance(value, _SCALARS):
         return (type(value), value)
     if isinstance(value, paddle.nn.Layer):
