@@ -29,7 +29,10 @@ stale and releases their storage handle (the static buffer itself is untouched).
   reading the new values: this also covers autograd, e.g. ``loss = (y * w).sum()`` whose
   backward would otherwise use the overwritten ``y``;
 * not detected: ``y.numpy()`` returns an empty array and ``print(y)`` shows "Not
-  initialized" (Paddle's behaviour for a tensor without storage); ``y.shape`` still reads.
+  initialized" (Paddle's behaviour for a tensor without storage); ``y.shape`` still reads;
+  views taken from ``y`` before the overwrite (``y[0]``, ``y.reshape(...)``, ``y.T``) share the
+  static buffer's storage through their own handle and silently read the new values, in
+  autograd too. Clone an output before taking views you keep across calls.
 """
 
 import os
