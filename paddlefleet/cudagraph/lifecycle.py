@@ -588,7 +588,7 @@ class GraphedCallable:
             if isinstance(outputs, paddle.Tensor):
                 outputs = [outputs]
             # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
-            # view of each differentiable output so y.register_hook(...) works as in eager.
+            # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
             outputs = [hookable(o) if d else o for o, d in zip(outputs, entry.out_differentiable)]
         else:
             entry.fwd_graph.replay()
