@@ -123,6 +123,17 @@ class EdgeTest(BackendCase):
             for p in [outside, outside_e] + list(lin.parameters()) + list(ref.parameters()):
                 p.clear_gradient(False)
 
+    def test_dispatch_key_fn_calls_spelled_differently_share_a_graph(self):
+        def scaled(x, w, flag=True):
+            return paddle.matmul(x, w) * (2.0 if flag else 3.0)
+
+        g = self.graphed(scaled, warmup_steps=0, dispatch_key_fn=lambda ba: ba.arguments["flag"])
+        x, w = paddle.randn([2, 4]), paddle.randn([4, 4])
+        for call in (lambda: g(x, w, True), lambda: g(x, w, flag=True), lambda: g(x, w), lambda: g(x=x, w=w)):
+            self.assertBitwise(call(), scaled(x, w))
+        self.assertBitwise(g(x, w, flag=False), scaled(x, w, False))
+        self.assertEqual((g.stats()["captures"], g.stats()["replays"]), (2, 3))
+
     def test_dispatch_key_fn_must_keep_stop_gradient_apart(self):
         w = paddle.randn([4, 4])
         g = self.graphed(lambda x, w: paddle.matmul(x, w), warmup_steps=0, dispatch_key_fn=lambda ba: "one")

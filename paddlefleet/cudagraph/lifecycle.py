@@ -215,6 +215,11 @@ class GraphedCallable:
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(args, kwargs, "called inside another capture")
+        if self._options.dispatch_key_fn is not None:
+            # One canonical form per call (defaults applied, positional where possible), so that
+            # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
+            bound = self._keys.bound_arguments(args, kwargs)
+            args, kwargs = bound.args, bound.kwargs
         tensors, consts, spec = flatten((args, kwargs))
         safety.check_fresh(tensors)  # NOTE [ Stale outputs ] in safety.py
         key = self._keys.key(args, kwargs, tensors, spec)
