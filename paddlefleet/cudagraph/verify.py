@@ -38,11 +38,12 @@ __all__ = ["verified_call"]
 
 
 def _pattern_like(t):
-    """Fixed, varied grad_outputs for ``t`` (1/8 ... 7/8), made on t's device, no RNG."""
-    with paddle.no_grad():
-        ramp = paddle.ones_like(t, dtype="float32").flatten().cumsum()
-        g = (ramp % 7 + 1) * 0.125
-        return g.reshape(t.shape).astype(t.dtype)
+    """Fixed, varied grad_outputs for ``t`` (1/8 ... 7/8), made on the host and copied to t's
+    place: no RNG, and no arithmetic kernel (a GPU that Paddle has no kernels for still copies)."""
+    n = int(np.prod(t.shape)) if t.shape else 1
+    values = ((np.arange(1, n + 1) % 7 + 1) * 0.125).astype("float32").reshape(t.shape)
+    g = paddle.to_tensor(values, place=t.place)
+    return g if g.dtype == t.dtype else g.astype(t.dtype)
 
 
 def _layer_buffers(layers):
