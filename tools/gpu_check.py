@@ -442,6 +442,28 @@ def case_no_clone(chk):
     chk.stats(g.forward, captures=1, replays=steps - 2, fallbacks=0)
 
 
+@case("verify_replays=3: every verified call matches eager, nothing disabled")
+def case_verify(chk):
+    dims = [32, 32, 32]
+    g, e = twins(lambda: MLP(dims), 95)
+    autocudagraph(g, backend=BACKEND, verify_replays=3)
+    rng = Rng(11)
+    steps = 6
+    for k in range(steps):
+        xn, dyn = rng(8, dims[0]), rng(8, dims[-1])
+        ya = g(T(xn))
+        ya.backward(T(dyn))
+        yb = e(T(xn))
+        yb.backward(T(dyn))
+        chk.bitwise(f"step {k} y", ya, yb)
+        for (name, pa), pb in zip(g.named_parameters(), e.parameters()):
+            chk.bitwise(f"step {k} {name}.grad", pa.grad, pb.grad)
+        clear_grads(g, e)
+    stats = chk.stats(g.forward, captures=1, replays=steps - 2, fallbacks=0)
+    chk.expect(f"verified_replays {stats.get('verified_replays')} == 3, mismatches {stats.get('verify_mismatches')} == 0",
+               stats.get("verified_replays") == 3 and stats.get("verify_mismatches") == 0)
+
+
 # ----------------------------------------------------------------------------- runner
 def run_case(title, fn):
     chk = Check()

@@ -73,10 +73,12 @@ def _put(buffers, saved):
 
 
 def _host(t):
-    """A float64 (floating types) or native numpy copy of ``t``."""
-    if t.is_floating_point():
-        t = t.astype("float64")
-    return t.numpy()
+    """A float64 (floating types) or native numpy copy of ``t``. Copied to the host first and
+    widened there, except bfloat16, which numpy cannot hold (widened on the device)."""
+    if t.dtype == paddle.bfloat16:
+        return t.astype("float64").numpy()
+    a = t.numpy()
+    return a.astype(np.float64) if t.is_floating_point() else a
 
 
 def _difference(a, b):
