@@ -418,11 +418,13 @@ class GraphedCallable:
             input_ids = {id(t) for t in tensors}
             entry.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
             needs_grad = [not b.stop_gradient for b in static.buffers]
+            # The tensors whose grads the bridge returns: inputs that need grad, then parameters.
+            leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
             if grad_enabled and any(entry.out_differentiable):
-                self._refuse_unknown_leaves(entry, static, needs_grad)
+                self._refuse_unknown_leaves(entry, leaves)
             wants_backward = grad_enabled and any(entry.out_differentiable) and (any(needs_grad) or entry.params)
             if wants_backward:
-                self._capture_backward(entry, live, static, needs_grad, tensors, opts, by_grad)
+                self._capture_backward(entry, live, leaves, needs_grad, tensors, opts, by_grad)
             else:
                 entry.out_differentiable = [False] * len(outputs)
             # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
@@ -438,11 +440,10 @@ class GraphedCallable:
         entry.phase = Phase.REPLAY
         entry.verify_left = opts.verify_replays
 
-    def _refuse_unknown_leaves(self, entry, static, needs_grad):
+    def _refuse_unknown_leaves(self, entry, leaves):
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
         it: neither call arguments nor parameters of the Layers the call uses."""
         outputs = [o for o, d in zip(entry.static_outputs, entry.out_differentiable) if d]
-        leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
         known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
@@ -453,10 +454,9 @@ class GraphedCallable:
                 "would be lost. Pass them as arguments, or use them through a Layer."
             )
 
-    def _capture_backward(self, entry, live, static, needs_grad, tensors, opts, by_grad):
+    def _capture_backward(self, entry, live, leaves, needs_grad, tensors, opts, by_grad):
         outputs = entry.static_outputs
         diff_index = [i for i, d in enumerate(entry.out_differentiable) if d]
-        leaves = [b for b, n in zip(static.buffers, needs_grad) if n] + entry.params
         with paddle.no_grad():
             grad_outputs = []
             for i in diff_index:

@@ -42,6 +42,7 @@ import weakref
 import paddle
 
 from .errors import CudaGraphError, StaleOutputError
+from .static_io import numel
 
 __all__ = [
     "MAX_HOST_KEY_ELEMENTS",
@@ -162,16 +163,9 @@ def host_mask(tensors, on_gpu=None, places=None):
     return mask
 
 
-def _numel(t):
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n
-
-
 def host_key(t):
     """The by-value key part of a host tensor, or ``("too large", numel)``."""
-    n = _numel(t)
+    n = numel(t)
     if n > MAX_HOST_KEY_ELEMENTS:
         return ("too large", n)
     return ("value", t.numpy().tobytes())
@@ -180,10 +174,10 @@ def host_key(t):
 def check_host_inputs(tensors, mask, names):
     """Raises CudaGraphError for a host input too large to be keyed by value."""
     for i, (t, is_host) in enumerate(zip(tensors, mask)):
-        if is_host and _numel(t) > MAX_HOST_KEY_ELEMENTS:
+        if is_host and numel(t) > MAX_HOST_KEY_ELEMENTS:
             name = names[i] if i < len(names) else f"tensor #{i}"
             raise CudaGraphError(
-                f"autocudagraph: input '{name}' is a CPU tensor with {_numel(t)} elements, more than the "
+                f"autocudagraph: input '{name}' is a CPU tensor with {numel(t)} elements, more than the "
                 f"{MAX_HOST_KEY_ELEMENTS} a key can hold by value. A graph bakes in what the host read at "
                 "capture, so CPU inputs select the graph by value. Move it to the GPU, pass a Python "
                 "value, or return None from dispatch_key_fn for such calls."

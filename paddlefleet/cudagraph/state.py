@@ -8,7 +8,7 @@ import contextlib
 
 import paddle
 
-__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "BufferSnapshot", "SlotWatch",
+__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
            "RngRewindGuard"]
 
 
@@ -60,6 +60,14 @@ def preserved_rng():
         restore_rng(snapshot)
 
 
+def written_in_place(layer):
+    """``[(name, tensor)]`` of what a forward may write in place: the initialised buffers and the
+    non-trainable parameters (BatchNorm keeps its running statistics in stop_gradient parameters,
+    not in buffers) of ``layer`` and its sublayers."""
+    frozen = [(n, p) for n, p in layer.named_parameters() if p.stop_gradient]
+    return [(n, t) for n, t in list(layer.named_buffers()) + frozen if t._is_initialized()]
+
+
 class BufferSnapshot:
     """Copies of what a forward may write in place - the buffers and the non-trainable
     parameters of some Layers (BatchNorm keeps its running statistics in parameters with
@@ -80,9 +88,8 @@ class BufferSnapshot:
         if not self._enabled:
             return
         with paddle.no_grad():
-            frozen = [p for p in layer.parameters() if p.stop_gradient]
-            for buf in list(layer.buffers()) + frozen:
-                if id(buf) not in self._saved and buf._is_initialized():
+            for _, buf in written_in_place(layer):
+                if id(buf) not in self._saved:
                     self._saved[id(buf)] = (buf, buf.clone())
 
     def restore(self):

@@ -22,7 +22,7 @@ import paddle
 
 from .errors import InputMismatchError
 
-__all__ = ["flatten", "unflatten", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "nbytes"]
+__all__ = ["flatten", "unflatten", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes"]
 
 _TENSOR = "T"
 _CONST = "C"
@@ -143,12 +143,17 @@ def tensor_meta(t, place=None):
     return (tuple(t.shape), t.dtype, place_key(t.place if place is None else place), t.stop_gradient)
 
 
-def nbytes(t):
-    """Bytes of a tensor's elements."""
+def numel(t):
+    """Number of elements, from the shape (Tensor.numel() is a device op)."""
     size = 1
     for d in t.shape:
         size *= d
-    return size * t.element_size()
+    return size
+
+
+def nbytes(t):
+    """Bytes of a tensor's elements."""
+    return numel(t) * t.element_size()
 
 
 def _alloc(t):

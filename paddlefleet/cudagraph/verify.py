@@ -51,9 +51,8 @@ def _layer_buffers(layers):
     non-trainable parameter (BatchNorm's running statistics) of ``layers``, each once."""
     found, seen = [], set()
     for layer in layers:
-        frozen = [(n, p) for n, p in layer.named_parameters() if p.stop_gradient]
-        for name, buf in list(layer.named_buffers()) + frozen:
-            if id(buf) not in seen and buf._is_initialized():
+        for name, buf in state.written_in_place(layer):
+            if id(buf) not in seen:
                 seen.add(id(buf))
                 found.append((f"buffer '{name}' of {type(layer).__name__}", buf))
     return found
