@@ -28,7 +28,7 @@ class TransformerEndToEndTest(BackendCase):
         stats = result.graphed.stats
         micro_batches = STEPS * ACCUMULATE
         self.assertEqual(
-            (stats["warmup_calls"], stats["captures"], stats["replays"], stats["fallbacks"], stats["recaptures"]),
+            (stats["warmup_calls"], stats["captures"], stats["replays"], stats["eager_calls"], stats["recaptures"]),
             (1, 1, micro_batches - 2, 0, 0),
         )
         # It trained: parameters moved and the loss went down.

@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
-from paddlefleet.cudagraph.safety import MAX_HOST_KEY_ELEMENTS, mark_host
+from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
 from .harness import BackendCase, backend_classes, clone_leaf, paddle_device, parameterized_class, twin_layers
 
@@ -117,7 +117,7 @@ class FootgunTest(BackendCase):
         f = self.graphed(block, warmup_steps=0)
         f(data(2, 2))
         state["sync"] = False
-        with f.counters.expect(captures=0, fallbacks=2):
+        with f.counters.expect(captures=0, eager_calls=2):
             f(data(2, 2))
             f(data(2, 2))
         f.reset()
@@ -302,7 +302,7 @@ class FootgunTest(BackendCase):
         f = self.graphed(mm, warmup_steps=0)
         w = data(3, 3, grad=True)
         y1 = f(data(2, 3), w)
-        with f.counters.expect(replays=0, fallbacks=1):
+        with f.counters.expect(replays=0, eager_calls=1):
             y2 = f(data(2, 3, seed=1), w)
         (y1.sum() + y2.sum()).backward()
         self.assertIn("before the backward of the previous call ran", self.our_warnings()[0])

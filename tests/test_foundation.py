@@ -102,7 +102,7 @@ class TestPureFunctions(BackendCase):
             self.assertBitwise(w.grad, w_e.grad, f"w.grad step {i} (accumulated)")
         s = g.stats()
         self.assertEqual((s["warmup_calls"], s["captures"], s["replays"]), (warmup, 1, steps - warmup - 1))
-        self.assertEqual((s["graphs"], s["fallbacks"]), (1, 0))
+        self.assertEqual((s["graphs"], s["eager_calls"]), (1, 0))
 
     @parameterized.expand(
         [
@@ -157,7 +157,7 @@ class TestPureFunctions(BackendCase):
         x = paddle.randn([4, 8])
         g(x, w)
         entry = next(iter(g._entries.values()))
-        static_x, static_w = entry.static_inputs.buffers
+        static_x, static_w = entry.graphs.static_inputs.buffers
         paddle.assign(paddle.randn([4, 8]), output=static_x)
         expected = mm(static_x.clone(), w)
         with g.counters.expect(replays=1, input_copies=0, input_copies_skipped=2):
@@ -411,7 +411,7 @@ class TestNestedIO(BackendCase):
             self.assertTrue(y.stop_gradient)
             self.assertBitwise(y, y_e)
         entry = next(iter(model.forward._entries.values()))
-        self.assertIsNone(entry.bwd_graph)
+        self.assertIsNone(entry.graphs.bwd_graph)
         # Grad mode is part of the key: a call with grad captures its own graph with a backward.
         y = model(paddle.randn([4, 8]))
         self.assertFalse(y.stop_gradient)
@@ -427,7 +427,7 @@ class TestDispatch(BackendCase):
             x = paddle.randn([rows, 8])
             self.assertBitwise(g(x, w), mm(x, w))
         s = g.stats()
-        self.assertEqual((s["captures"], s["replays"], s["fallbacks"]), (1, 1, 2))
+        self.assertEqual((s["captures"], s["replays"], s["eager_calls"]), (1, 1, 2))
         self.assertEqual(s["eager_reasons"], {"dispatch_key_fn returned None": 2})
 
     def test_max_graphs_fallback_warns_once_and_counts(self):
@@ -441,7 +441,7 @@ class TestDispatch(BackendCase):
         max_warnings = [c for c in caught if "max_graphs" in str(c.message)]
         self.assertEqual(len(max_warnings), 1)
         s = g.stats()
-        self.assertEqual((s["graphs"], s["captures"], s["replays"], s["fallbacks"]), (2, 2, 2, 3))
+        self.assertEqual((s["graphs"], s["captures"], s["replays"], s["eager_calls"]), (2, 2, 2, 3))
         self.assertEqual(s["eager_reasons"], {"max_graphs reached": 3})
 
     def test_keys_in_warmup_survive_another_keys_capture(self):
@@ -542,7 +542,7 @@ class TestBackwardBody(BackendCase):
             self.assertBitwise(y, y_e)
             self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step}")
         s = model.forward.stats()
-        self.assertEqual((s["captures"], s["replays"], s["fallbacks"]), (1, 2, 0))
+        self.assertEqual((s["captures"], s["replays"], s["eager_calls"]), (1, 2, 0))
 
 
 class TwoSizes(paddle.nn.Layer):
@@ -579,7 +579,7 @@ class TestGradGroups(BackendCase):
                     self.assertBitwise(y, y_e)
                     self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
             entry = next(iter(model.forward._entries.values()))
-            self.assertEqual(sorted(len(positions) for _, positions in entry.grad_groups), sizes)
+            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.grad_plan.groups), sizes)
             self.assertEqual(model.forward.stats()["replays"], 2)
 
 
@@ -633,7 +633,7 @@ class TestRecomputeUnderRecordingCapture(unittest.TestCase):
 
     def test_recompute_without_random_ops_is_captured(self):
         stats, messages = self._run(dropout=0.0)
-        self.assertEqual((stats["captures"], stats["fallbacks"]), (1, 0), messages)
+        self.assertEqual((stats["captures"], stats["eager_calls"]), (1, 0), messages)
 
 
 class TestBackendChoice(unittest.TestCase):
@@ -650,7 +650,7 @@ class TestBackendChoice(unittest.TestCase):
         for _ in range(3):
             self.assertBitwise_(g(x, w), mm(x, w))
         s = g.stats()
-        self.assertEqual((s["captures"], s["graphs"], s["fallbacks"]), (0, 0, 3))
+        self.assertEqual((s["captures"], s["graphs"], s["eager_calls"]), (0, 0, 3))
         self.assertEqual(list(s["eager_reasons"]), ["no GPU tensors or no CUDA build (backend=None runs eagerly)"])
 
     def test_environment_overrides_every_wrapper(self):
@@ -815,3 +815,25 @@ class TestBackendChoice(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestCounterNames(unittest.TestCase):
+    def test_old_counter_name_fallbacks_still_reads_eager_calls_with_a_deprecation_warning(self):
+        g = autocudagraph(mm, backend="simulate", dispatch_key_fn=lambda bound: None)
+        x, w = paddle.randn([2, 2]), paddle.randn([2, 2])
+        for _ in range(3):
+            g(x, w)
+        stats = g.stats()
+        self.assertEqual(stats["eager_calls"], 3)
+        self.assertNotIn("fallbacks", stats, "the old name is not listed, only answered")
+        for read in (lambda: stats["fallbacks"], lambda: stats.get("fallbacks"), lambda: g.counters.fallbacks):
+            with self.assertWarnsRegex(DeprecationWarning, "'fallbacks' is now called 'eager_calls'"):
+                self.assertEqual(read(), 3)
+        with self.assertWarns(DeprecationWarning):
+            with g.counters.expect(fallbacks=1):
+                g(x, w)
+        with self.assertRaises(AssertionError):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                with g.counters.expect(fallbacks=2):
+                    g(x, w)

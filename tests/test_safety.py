@@ -14,8 +14,8 @@ import paddle
 from paddle.autograd import PyLayer
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, is_capturing, safety
-from paddlefleet.cudagraph.safety import MAX_HOST_KEY_ELEMENTS, mark_host
+from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, host, is_capturing
+from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
 from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
 
@@ -470,14 +470,14 @@ class HostMaskTest(unittest.TestCase):
     def test_cpu_tensors_are_host_only_next_to_gpu_tensors(self):
         ts = [paddle.ones([1]) for _ in range(3)]
         gpu, cpu = self.Place(True), self.Place(False)
-        with mock.patch.object(safety, "_CUDA_BUILD", True):
-            self.assertEqual(safety.host_mask(ts, places=[gpu, cpu, gpu]), [False, True, False])
-            self.assertIsNone(safety.host_mask(ts, places=[cpu, cpu, cpu]), "an all-CPU call has no host tensors")
-            self.assertIsNone(safety.host_mask(ts, places=[gpu, gpu, gpu]))
-            self.assertEqual(safety.host_mask(ts, on_gpu=True, places=[cpu, gpu, gpu]), [True, False, False])
-        with mock.patch.object(safety, "_CUDA_BUILD", False):
-            self.assertIsNone(safety.host_mask(ts, places=[gpu, cpu, gpu]))
-            self.assertEqual(safety.host_mask([ts[0], mark_host(ts[1])]), [False, True])
+        with mock.patch.object(host, "_CUDA_BUILD", True):
+            self.assertEqual(host.host_mask(ts, places=[gpu, cpu, gpu]), [False, True, False])
+            self.assertIsNone(host.host_mask(ts, places=[cpu, cpu, cpu]), "an all-CPU call has no host tensors")
+            self.assertIsNone(host.host_mask(ts, places=[gpu, gpu, gpu]))
+            self.assertEqual(host.host_mask(ts, on_gpu=True, places=[cpu, gpu, gpu]), [True, False, False])
+        with mock.patch.object(host, "_CUDA_BUILD", False):
+            self.assertIsNone(host.host_mask(ts, places=[gpu, cpu, gpu]))
+            self.assertEqual(host.host_mask([ts[0], mark_host(ts[1])]), [False, True])
 
 
 # ---------------------------------------------------------------------------- 5. input copies

@@ -765,7 +765,7 @@ class ParameterChangeTest(BackendCase):
 
         self.assertBitwise(run(graphed), run(eager))
         stats = graphed.forward.stats()
-        self.assertEqual((stats["recaptures"], stats["graphs"], stats["fallbacks"]), (4, 1, 0))
+        self.assertEqual((stats["recaptures"], stats["graphs"], stats["eager_calls"]), (4, 1, 0))
 
 
 # ---------------------------------------------------------------------------- item 9

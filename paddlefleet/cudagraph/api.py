@@ -4,7 +4,7 @@ import functools
 
 import paddle
 
-from .lifecycle import GraphedCallable
+from .block import GraphedCallable
 from .options import GraphOptions
 
 __all__ = ["autocudagraph"]

@@ -1,25 +1,51 @@
-"""Helpers of a capture: what it records about the Layers a call uses, and how it finds the
-tensors that need grad but would not get it through the bridge."""
+"""Capture of a block: static inputs, the forward graph, the backward graph and the grad plan of
+one key, refused (CaptureError) where a graph would not reproduce eager.
 
-import threading
+NOTE [ RNG across capture ]
+Warmup calls are ordinary eager calls: they consume random numbers exactly as eager does.
+The simulated backend *executes* the body while capturing, so it restores every RNG state
+after capture; the capture call then replays, consuming what the eager call would. A CUDA
+capture only records: Paddle's random kernels read the generator when captured and advance it
+on every later replay, so the generator is left as the capture moved it.
+
+NOTE [ Backward body ]
+The backward graph is captured from ``paddle.grad(outputs, leaves, grad_outputs)`` run under a
+GradSwap: paddle.grad runs no accumulation node of the leaves, so no gradient hook of a
+parameter (a main_grad hook, DataParallel's reducer, a user hook) runs inside the capture,
+where its kernels would be recorded and applied a second time by every replay; those hooks run
+once, in the caller's backward, when the bridge hands the grads to autograd. What an inner
+backward (reentrant recompute) accumulated into ``.grad`` is collected by the GradSwap and added
+to what paddle.grad returned. The simulated backend re-runs the same body on replay. Where
+paddle.grad refuses the graph (some PyLayers), the key is captured again with
+``paddle.autograd.backward``, and parameter hooks then also run at capture (docs/limitations.md).
+
+NOTE [ Policies fixed at capture ]
+clone_outputs and clone_param_grads are read from the options once, at capture, into the
+BlockGraphs and its GradPlan. Changing the wrapper's options afterwards never mixes policies
+within one graph.
+"""
+
+import contextlib
+import logging
 
 import paddle
 
-__all__ = [
-    "CAPTURE_LOCK",
-    "GradBodyFailed",
-    "LayerRecorder",
-    "param_homes",
-    "accumulation_nodes",
-    "name_unknown_leaves",
-]
+from . import grad_groups, state
+from .captured import BlockGraphs
+from .errors import CaptureError, CudaGraphError
+from .grad_plan import GradPlan
+from .grads import GradSwap, merge_leaf_grads
+from .host import host_mask, is_marked_host, mark_host
+from .layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
+from .stale import StaleOutputs
+from .static_io import StaticInputs, flatten, holds_tensor
 
-#: Capture patches process-wide entry points (Layer.__call__, host-sync methods, random ops)
-#: for its duration: one capture at a time across threads.
-CAPTURE_LOCK = threading.RLock()
+__all__ = ["capture_block"]
+
+logger = logging.getLogger(__name__)
 
 
-class GradBodyFailed(Exception):
+class _GradBodyFailed(Exception):
     """The paddle.grad backward body failed; the capture is retried with backward()."""
 
     def __init__(self, error):
@@ -27,89 +53,243 @@ class GradBodyFailed(Exception):
         self.error = error
 
 
-class LayerRecorder:
-    """While active, records every Layer called (and snapshots its buffers before it runs)."""
+def capture_block(fn, owner, options, backend, call, names, last_inputs, warn_once, label):
+    """Captures one key of a block and returns its BlockGraphs; raises when it cannot.
 
-    def __init__(self, snapshot, watch):
-        self.layers = []
-        self._seen = set()
-        self._snapshot = snapshot
-        self._watch = watch
-        self._original = None
-
-    def __enter__(self):
-        original = paddle.nn.Layer.__call__
-        recorder = self
-
-        def recording_call(layer, *args, **kwargs):
-            if id(layer) not in recorder._seen:
-                recorder._seen.add(id(layer))
-                recorder.layers.append(layer)
-                recorder._snapshot.add(layer)
-                recorder._watch.add(layer)
-            return original(layer, *args, **kwargs)
-
-        self._original = original
-        paddle.nn.Layer.__call__ = recording_call
-        return self
-
-    def __exit__(self, *exc):
-        paddle.nn.Layer.__call__ = self._original
-        return False
-
-
-def param_homes(layers):
-    """``[(sublayer, name, param)]`` for every parameter of ``layers``, each parameter once."""
-    homes, seen = [], set()
-    for layer in layers:
-        for _, sub in layer.named_sublayers(include_self=True):
-            for name, p in sub._parameters.items():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    homes.append((sub, name, p))
-    return homes
-
-
-def accumulation_nodes(outputs):
-    """node_ptr -> node of every leaf accumulation node reachable from ``outputs``."""
-    found, seen = {}, set()
-    stack = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
-    while stack:
-        node = stack.pop()
-        if node is None:
-            continue
-        ptr = node.node_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        if node.name() == "GradNodeAccumulation":
-            found[ptr] = node
-        stack.extend(node.next_functions)
-    return found
-
-
-def name_unknown_leaves(fn, unknown_ptrs):
-    """Best-effort names for leaf tensors found in ``fn``'s globals and closure."""
-    candidates = {}
-    scopes = dict(getattr(fn, "__globals__", {}))
-    code = getattr(fn, "__code__", None)
-    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+    Args:
+        fn, owner: the function and the Layer it is bound to (or None).
+        options: GraphOptions; backend: the key's backend.
+        call: the capture call; names: the argument name of each of its tensors.
+        last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
+        warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
+        label: the key's readable label, for messages.
+    """
+    with CAPTURE_LOCK:
         try:
-            scopes[name] = cell.cell_contents
-        except ValueError:
-            pass
-    for name, value in scopes.items():
-        if isinstance(value, paddle.Tensor) and not value.stop_gradient:
-            candidates[name] = value
-        elif isinstance(value, paddle.nn.Layer):
-            for pname, p in value.named_parameters():
-                candidates[f"{name}.{pname}"] = p
-    names = []
-    for name, t in candidates.items():
-        node = getattr(t, "grad_fn", None)
-        if node is not None and node.node_ptr() in unknown_ptrs:
-            names.append(name)
-    missing = len(unknown_ptrs) - len(names)
-    if missing > 0:
-        names.append(f"{missing} unnamed tensor(s)")
-    return names
+            return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
+        except _GradBodyFailed as failed:
+            # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
+            logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
+            graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
+            warn_once(
+                ("grad_fallback", label),
+                f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
+                "it was captured with paddle.autograd.backward instead. Gradient hooks of its parameters now run "
+                "inside the capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
+                "DataParallel), return None from dispatch_key_fn for such calls.",
+            )
+            return graphs
+
+
+class _BlockCapture:
+    """One attempt at capturing a key (the retry with backward() is a second attempt)."""
+
+    def __init__(self, fn, owner, options, backend, call, names, last_inputs, by_grad):
+        self.fn = fn
+        self.owner = owner
+        self.opts = options
+        self.backend = backend
+        self.call = call
+        self.names = names
+        self.last_inputs = last_inputs or ()
+        self.by_grad = by_grad
+
+    def run(self):
+        graphs = BlockGraphs(backend=self.backend, pool=self.backend.new_pool(), clone_outputs=self.opts.clone_outputs)
+        try:
+            self._capture(graphs)
+        except BaseException:
+            graphs.release()
+            raise
+        return graphs
+
+    # ------------------------------------------------------------------ static inputs
+    def _static_inputs(self):
+        tensors = self.call.tensors
+        host = host_mask(tensors, on_gpu=self.backend.name == "cuda")
+        # NOTE [ Adopted inputs ] in static_io.py: the same tensor as in the previous call.
+        last = self.last_inputs
+        adopt = [
+            len(last) == len(tensors) and last[i]() is t and t.is_contiguous() and not (host and host[i])
+            for i, t in enumerate(tensors)
+        ]
+        static = StaticInputs(tensors, self.names, adopt=adopt, host=host)
+        for i in static.host:
+            if is_marked_host(tensors[i]):
+                mark_host(static.buffers[i])
+        return static
+
+    # ------------------------------------------------------------------ forward
+    def _capture(self, graphs):
+        backend, opts, call = self.backend, self.opts, self.call
+        static = self._static_inputs()
+        # A capture that runs the body must not leave its in-place writes in the caller's tensors.
+        adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
+            backend.capture_executes) else []
+        static_args, static_kwargs = call.rebuild(static.buffers)
+        grad_enabled = paddle.is_grad_enabled()
+        fn, owner, live = self.fn, self.owner, {}
+
+        def forward_body():
+            with paddle.set_grad_enabled(grad_enabled):
+                out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
+            out_tensors, out_consts, out_spec = flatten(out)
+            live["outputs"] = out_tensors
+            live["spec"] = (out_spec, out_consts)
+            return out_tensors
+
+        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
+        watch = state.SlotWatch()
+        layer_args = [c for c in call.consts if isinstance(c, paddle.nn.Layer)]
+        bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
+        for layer in bound_layers:
+            snapshot.add(layer)
+            for _, sub in layer.named_sublayers(include_self=True):
+                watch.add(sub)
+        rng = state.rng_snapshot()
+        captured = False
+        try:
+            graphs.fwd_graph = backend.new_graph(graphs.pool)
+            with LayerRecorder(snapshot, watch) as recorder:
+                outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
+            watch.check()
+            _refuse_objects_holding_tensors(live["spec"][1])
+            _refuse_written_inputs(static, adopted_values)
+            graphs.static_inputs, graphs.in_spec = static, call.spec
+            graphs.static_outputs = list(outputs)
+            graphs.out_spec, graphs.out_consts = live["spec"]
+            graphs.out_differentiable = [not o.stop_gradient for o in outputs]
+            out_host = host_mask(outputs, on_gpu=backend.name == "cuda") if outputs else None
+            graphs.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
+            if opts.check_stale_outputs and not opts.clone_outputs:
+                graphs.handed_out = StaleOutputs()
+            graphs.layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
+            graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
+            self._backward(graphs, live, grad_enabled)
+            # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
+            # as long as the graphs: a CUDA graph keeps writing and reading those addresses, so the
+            # allocator must never hand them to another tensor.
+            graphs.live = live
+            captured = True
+        finally:
+            snapshot.restore()
+            # A failed capture leaves RNG as the eager re-run that replaces it expects.
+            if backend.capture_executes or not captured:
+                state.restore_rng(rng)
+
+    # ------------------------------------------------------------------ backward
+    def _backward(self, graphs, live, grad_enabled):
+        needs_grad = [not b.stop_gradient for b in graphs.static_inputs.buffers]
+        params = graphs.params.params
+        # The tensors whose grads the bridge returns: inputs that need grad, then parameters.
+        leaves = [b for b, n in zip(graphs.static_inputs.buffers, needs_grad) if n] + params
+        differentiable = grad_enabled and any(graphs.out_differentiable)
+        if differentiable:
+            self._refuse_unknown_leaves(graphs, leaves)
+        if not (differentiable and (any(needs_grad) or params)):
+            graphs.out_differentiable = [False] * len(graphs.static_outputs)
+            return
+        outputs = graphs.static_outputs
+        diff_index = [i for i, d in enumerate(graphs.out_differentiable) if d]
+        with paddle.no_grad():
+            grad_outputs = []
+            for i in diff_index:
+                buf = outputs[i].detach().clone()
+                buf.stop_gradient = True
+                grad_outputs.append(buf)
+        first_param = len(leaves) - len(params)
+        grad_groups.probe(params)
+        # An output returned more than once (``return y, y``) is differentiated once, with the sum
+        # of its grads, as eager's engine accumulates them: paddle.grad refuses duplicates.
+        firsts = {}
+        for k, i in enumerate(diff_index):
+            firsts.setdefault(id(outputs[i]), []).append(k)
+        unique = list(firsts.values())
+        by_grad = self.by_grad
+
+        def backward_body():
+            current = [live["outputs"][diff_index[ks[0]]] for ks in unique]
+            seeds = []
+            for ks in unique:
+                seed = grad_outputs[ks[0]]
+                for k in ks[1:]:
+                    seed = seed + grad_outputs[k]
+                seeds.append(seed)
+            swap = GradSwap(leaves)
+            with swap:
+                if by_grad:
+                    raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
+                else:
+                    paddle.autograd.backward(current, seeds, retain_graph=True)
+            grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
+            # NOTE [ Grad groups ] in grad_groups.py: same-shape parameter grads are also
+            # copied into one stack each, so that handing them out costs one copy per stack.
+            if "grad_groups" not in live:
+                live["grad_groups"] = grad_groups.plan_groups(grads, range(first_param, len(leaves)))
+            return list(grads) + grad_groups.stack_grads(grads, live["grad_groups"])
+
+        results = self._capture_backward(graphs, backward_body)
+        static_grads = results[: len(leaves)]
+        stacks = []
+        for idxs, stack in zip(live["grad_groups"], results[len(leaves):]):
+            for i, view in zip(idxs, grad_groups.unstack(stack)):
+                static_grads[i] = view
+            stacks.append((stack, idxs))
+        graphs.static_grad_outputs = grad_outputs
+        graphs.grad_plan = GradPlan(static_grads, needs_grad, params, self.opts.clone_param_grads, stacks)
+
+    def _capture_backward(self, graphs, backward_body):
+        graphs.bwd_graph = self.backend.new_graph(graphs.pool)
+        # NOTE [ Recompute under CUDA graphs ] in state.py: only a recording capture needs it.
+        guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
+        try:
+            with guard:
+                results = list(graphs.bwd_graph.capture(backward_body, self.opts.capture_hooks))
+        except Exception as err:
+            # Our own refusals (a host sync, say) would fail the same way with backward().
+            if self.by_grad and not isinstance(err, CudaGraphError):
+                raise _GradBodyFailed(err) from err
+            raise
+        if isinstance(guard, state.RngRewindGuard):
+            guard.check()
+        return results
+
+    def _refuse_unknown_leaves(self, graphs, leaves):
+        """Raises CaptureError when the outputs depend on leaves that need grad but would not get
+        it: neither call arguments nor parameters of the Layers the call uses."""
+        outputs = [o for o, d in zip(graphs.static_outputs, graphs.out_differentiable) if d]
+        known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
+        unknown = set(accumulation_nodes(outputs)) - known
+        if unknown:
+            names = name_unknown_leaves(self.fn, unknown)
+            raise CaptureError(
+                f"autocudagraph: the function uses tensors that require grad but are neither arguments "
+                f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
+                "would be lost. Pass them as arguments, or use them through a Layer."
+            )
+
+
+def _refuse_objects_holding_tensors(out_consts):
+    for value in out_consts:
+        if holds_tensor(value):
+            raise CaptureError(
+                f"autocudagraph: the function returns a {type(value).__name__} object holding tensors. "
+                "Only tensors returned directly or in list/tuple/dict nests are replayed; this object "
+                "would be returned as captured, with frozen values and no grads. Return a tuple or a "
+                "dict of tensors instead."
+            )
+
+
+def _refuse_written_inputs(static, adopted_values):
+    written = static.written()
+    if not written:
+        return
+    with paddle.no_grad():
+        for buf, value in adopted_values:
+            paddle.assign(value, output=buf)
+    raise CaptureError(
+        f"autocudagraph: the function writes its input(s) {', '.join(map(repr, written))} in place. "
+        "A graph writes into its own copy of an input, so the caller's tensor would not change "
+        "(and the capture run would apply the write twice). Return the new value instead of "
+        "writing the argument, or write it after the call."
+    )

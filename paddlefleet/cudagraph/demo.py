@@ -113,7 +113,7 @@ def _run_demo(steps, out):
         s = block.forward.stats()
         out.write(
             f"block {i}: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
-            f"fallbacks={s['fallbacks']} graphs={s['graphs']}\n"
+            f"eager_calls={s['eager_calls']} graphs={s['graphs']}\n"
         )
     all_equal &= _transformer_section(backend, device, steps, out)
     out.write("RESULT: " + ("every step bitwise equal to eager\n" if all_equal else "MISMATCH against eager\n"))
@@ -132,6 +132,6 @@ def _transformer_section(backend, device, steps, out):
         f"{len(result.eager.params)} final parameters bitwise equal: {result.equal}"
         + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
         + f"\n  graphed block: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
-        f"fallbacks={s['fallbacks']}\n"
+        f"eager_calls={s['eager_calls']}\n"
     )
     return result.equal

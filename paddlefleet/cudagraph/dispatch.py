@@ -11,9 +11,11 @@ import inspect
 
 import paddle
 
-from . import safety, state
+from . import state
+from .host import check_host_inputs, host_key, host_mask
 from .errors import CudaGraphError
-from .static_io import tensor_meta
+from .static_io import leaf_names, tensor_meta
+from .stats import describe_call
 
 __all__ = ["KeyMaker"]
 
@@ -53,6 +55,23 @@ class KeyMaker:
         except TypeError:
             return [("args", args), ("kwargs", kwargs)]
 
+    def leaf_names(self, call):
+        """The argument name of each of the call's tensors (e.g. ``x``, ``batch['ids']``)."""
+        return leaf_names(self.named_arguments(call.args, call.kwargs))
+
+    def label(self, key, call):
+        """A readable label for a new key (explain() and messages).
+
+        Raises:
+            CudaGraphError: for a host input too large to be keyed by value.
+        """
+        named = self.named_arguments(call.args, call.kwargs)
+        host = host_mask(call.tensors)
+        if host is not None:
+            check_host_inputs(call.tensors, host, leaf_names(named))
+        host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
+        return describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
+
     def state_key(self):
         return (
             paddle.is_grad_enabled(),
@@ -65,9 +84,9 @@ class KeyMaker:
         if self._key_fn is None:
             places = [t.place for t in tensors]
             metas = tuple(tensor_meta(t, p) for t, p in zip(tensors, places))
-            host = safety.host_mask(tensors, places=places)
-            if host is not None:  # NOTE [ Host tensors ] in safety.py: keyed by value
-                metas = tuple(m + (safety.host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
+            host = host_mask(tensors, places=places)
+            if host is not None:  # NOTE [ Host tensors ] in host.py: keyed by value
+                metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
             return (spec, metas, self.state_key())
         user_key = self._key_fn(self.bound_arguments(args, kwargs))
         if user_key is None:

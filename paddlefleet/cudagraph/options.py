@@ -3,12 +3,9 @@
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-__all__ = ["GraphOptions", "BACKEND_NAMES", "ENV_BACKEND"]
+from .backends import BACKEND_NAMES, ENV_BACKEND
 
-#: Names accepted by ``backend=`` and by the environment override.
-BACKEND_NAMES = ("cuda", "simulate", "eager")
-#: Environment variable that overrides the backend of every wrapper.
-ENV_BACKEND = "PADDLEFLEET_CUDAGRAPH_BACKEND"
+__all__ = ["GraphOptions", "BACKEND_NAMES", "ENV_BACKEND"]
 
 
 def _is_int(value):

@@ -14,7 +14,7 @@ own storage is the static buffer, as a parameter's is, so calls that pass it aga
 and see its in-place updates. A graph never copies another tensor into an adopted one (that
 would overwrite the caller's tensor): when a call passes a different tensor there, the key is
 captured again with an ordinary static buffer for that argument. Host (CPU) inputs are keyed by
-value (NOTE [ Host tensors ] in safety.py) and never copied.
+value (NOTE [ Host tensors ] in host.py) and never copied.
 """
 
 import numpy as np

@@ -1,23 +1,29 @@
-"""Counters a wrapper keeps, and the per-key report behind explain().
+"""Counters a wrapper keeps, the per-key report and explain().
 
 Tests pin phase behaviour with them::
 
     with wrapped.counters.expect(captures=1, replays=3):
         ...
+
+``eager_calls`` counts every call that ran eagerly for a reason other than warmup (a key that
+fell back, dispatch_key_fn returning None, a pending backward, ...); ``explain()`` lists the
+reasons. It was called ``fallbacks`` before; that name still works for one release, with a
+DeprecationWarning (it clashed with Phase.FALLBACK, which is one of those reasons).
 """
 
 import collections
 import contextlib
 import dataclasses
+import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call"]
+__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
 
 _FIELDS = (
     "captures",
     "replays",
-    "fallbacks",
+    "eager_calls",
     "warmup_calls",
     "recaptures",
     "evictions",
@@ -28,13 +34,44 @@ _FIELDS = (
 )
 
 
+_OLD_NAMES = {"fallbacks": "eager_calls"}
+
+
+def _renamed(name):
+    new = _OLD_NAMES.get(name)
+    if new is not None:
+        warnings.warn(
+            f"autocudagraph: the counter '{name}' is now called '{new}' (it counts every eager call, not "
+            f"only keys that fell back); '{name}' will be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return new
+
+
+class Snapshot(dict):
+    """A dict of counter values that still answers to a counter's old name, with a warning."""
+
+    def __missing__(self, key):
+        new = _renamed(key)
+        if new is None:
+            raise KeyError(key)
+        return self[new]
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        new = _renamed(key)
+        return self[new] if new is not None and new in self else default
+
+
 @dataclasses.dataclass
 class Counters:
     """Cumulative counts for one wrapper (all keys together)."""
 
     captures: int = 0
     replays: int = 0
-    fallbacks: int = 0
+    eager_calls: int = 0
     warmup_calls: int = 0
     recaptures: int = 0
     evictions: int = 0
@@ -45,17 +82,23 @@ class Counters:
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):
-        self.fallbacks += 1
+        self.eager_calls += 1
         self.eager_reasons[reason] += 1
 
+    @property
+    def fallbacks(self):
+        """Deprecated name of eager_calls."""
+        return getattr(self, _renamed("fallbacks"))
+
     def snapshot(self):
-        out = {name: getattr(self, name) for name in _FIELDS}
+        out = Snapshot((name, getattr(self, name)) for name in _FIELDS)
         out["eager_reasons"] = dict(self.eager_reasons)
         return out
 
     @contextlib.contextmanager
     def expect(self, **deltas):
         """Asserts that the block changes each named counter by exactly the given amount."""
+        deltas = {(_renamed(name) if name in _OLD_NAMES else name): n for name, n in deltas.items()}
         unknown = set(deltas) - set(_FIELDS)
         if unknown:
             raise ValueError(f"Counters.expect: unknown counters {sorted(unknown)}; known: {_FIELDS}")
@@ -122,3 +165,48 @@ def describe_entries(entries):
             }
         )
     return rows
+
+
+def explain(name, stats, entries, counters):
+    """A readable report of one wrapper: every key's phase and counts, and a reason for every
+    eager call.
+
+    Example::
+
+        autocudagraph(block): 2 key(s), 1 holding graphs, 4096 static bytes
+          key (x: float32[8, 16], w: float32[16, 16] grad): replay on simulate; 1 warmup, 1 capture(s), 5 replays; ...
+          key (x: float32[4, 16], ...): fallback on simulate; ...; fell back: CaptureError: ... (at model.py:12 in block)
+          eager calls: 3
+            2 x warmup (before the capture of their key)
+            1 x capture failed
+    """
+    entries = list(entries)
+    lines = [
+        f"autocudagraph({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+        f"{stats['static_bytes']} static bytes"
+    ]
+    backends = {e.backend.describe() for e in entries if e.backend is not None}
+    if backends:
+        lines.append(f"  backend: {'; '.join(sorted(backends))}")
+    for row in describe_entries(entries):
+        line = (
+            f"  key {row['label'] or repr(row['key'])[:80]}: {row['phase']} on {row['backend']}; "
+            f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays; "
+            f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
+            f"{row['input_copies_skipped']} skipped"
+        )
+        if row["evictions"]:
+            line += f"; evicted {row['evictions']} time(s) (max_bytes)"
+        if row["verified_replays"]:
+            line += f"; {row['verified_replays']} call(s) verified against eager"
+        if row["fallback_reason"]:
+            line += f"; fell back: {row['fallback_reason']}"
+        lines.append(line)
+    reasons = collections.Counter(counters.eager_reasons)
+    if counters.warmup_calls:
+        reasons["warmup (before the capture of their key)"] = counters.warmup_calls
+    if reasons:
+        lines.append(f"  eager calls: {sum(reasons.values())}")
+        for reason, count in reasons.most_common():
+            lines.append(f"    {count} x {reason}")
+    return "\n".join(lines)

@@ -32,9 +32,9 @@ import paddle
 
 from . import state
 from .grads import GradSwap, copy, merge_leaf_grads
-from .static_io import flatten, unflatten
+from .static_io import flatten
 
-__all__ = ["verified_call"]
+__all__ = ["verified_run"]
 
 
 def _pattern_like(t):
@@ -98,21 +98,22 @@ def _difference(a, b):
     return float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
 
 
-def _graph_grads(entry, grad_outputs):
+def _graph_grads(graphs, grad_outputs):
     """Replays the backward graph with ``grad_outputs``; returns copies of its grads and puts
     every static grad buffer and grad-output buffer back as it was."""
+    static_grads = graphs.grad_plan.static_grads
     with paddle.no_grad():
-        saved_grads = [None if g is None else copy(g) for g in entry.static_grads]
-        saved_outs = [copy(b) for b in entry.static_grad_outputs]
-        for buf, g in zip(entry.static_grad_outputs, grad_outputs):
+        saved_grads = [None if g is None else copy(g) for g in static_grads]
+        saved_outs = [copy(b) for b in graphs.static_grad_outputs]
+        for buf, g in zip(graphs.static_grad_outputs, grad_outputs):
             buf.copy_(g, False)
-    entry.bwd_graph.replay()
+    graphs.bwd_graph.replay()
     with paddle.no_grad():
-        grads = [None if g is None else copy(g) for g in entry.static_grads]
-        for buf, value in zip(entry.static_grads, saved_grads):
+        grads = [None if g is None else copy(g) for g in static_grads]
+        for buf, value in zip(static_grads, saved_grads):
             if buf is not None:
                 buf.copy_(value, False)
-        for buf, value in zip(entry.static_grad_outputs, saved_outs):
+        for buf, value in zip(graphs.static_grad_outputs, saved_outs):
             buf.copy_(value, False)
     return grads
 
@@ -126,13 +127,11 @@ def _eager_grads(outputs, leaves, grad_outputs):
     return merge_leaf_grads(raw, swap.collected)
 
 
-def _grad_names(entry, needs_grad):
-    names = [f"grad of input '{n}'" for n, need in zip(entry.static_inputs.names, needs_grad) if need]
-    homes = {id(p): (sub, name) for sub, name, p, _ in entry.param_homes}
-    for p in entry.params:
-        sub, name = homes.get(id(p), (None, p.name))
-        owner = f" of {type(sub).__name__}" if sub is not None else ""
-        names.append(f"grad of parameter '{name}'{owner}")
+def _grad_names(graphs, needs_grad):
+    names = [f"grad of input '{n}'" for n, need in zip(graphs.static_inputs.names, needs_grad) if need]
+    homes = graphs.params.names()
+    for p in graphs.params.params:
+        names.append(f"grad of parameter {homes.get(id(p), repr(p.name))}")
     return names
 
 
@@ -152,22 +151,24 @@ def _compare(pairs):
     return first, largest
 
 
-def verified_call(gc, entry, args, kwargs, tensors, copy_in):
-    """Runs the graphs of ``entry`` for this call (GraphedCallable._run_graphs) and checks them
-    against an eager re-run (NOTE [ Verifying a replay ]). Returns what the call returns."""
-    entry.verify_left -= 1
-    buffers = _layer_buffers(entry.layers)
+def verified_run(graphs, call, run_graphs, run_eager):
+    """Runs the graphs for ``call`` (``run_graphs()`` returns what the call returns) and checks
+    them against an eager re-run (``run_eager(args, kwargs)``), NOTE [ Verifying a replay ].
+
+    Returns:
+        ``(result, None)`` when they agree; ``(None, reason)`` when they do not, with RNG states
+        and the Layers' buffers put back as they were before the graphs ran.
+    """
+    buffers = _layer_buffers(graphs.layers)
     rng_before = state.rng_snapshot()
     buffers_before = _save(buffers)
-    result = gc._run_graphs(entry, tensors, copy_in)
+    result = run_graphs()
     try:
-        mismatch = _check(gc, entry, args, kwargs, tensors, result, buffers, rng_before, buffers_before)
+        mismatch = _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
     except Exception as err:  # the eager re-run or the check itself failed: trust neither
         mismatch = (("the eager re-run", f"raised {type(err).__name__}: {err}"), None)
-    gc.counters.verified_replays += 1
-    entry.verified += 1
     if mismatch is None:
-        return result
+        return result, None
     state.restore_rng(rng_before)
     _put(buffers, buffers_before)
     (what, diff), largest = mismatch
@@ -175,54 +176,42 @@ def verified_call(gc, entry, args, kwargs, tensors, copy_in):
     reason = f"verify_replays: {what} differs from an eager re-run ({detail})"
     if largest is not None and largest != diff:
         reason += f"; largest difference {largest:.6g}"
-    gc.counters.verify_mismatches += 1
-    entry.fall_back(reason)
-    gc._warn_once(
-        ("verify", id(entry)),
-        f"autocudagraph({gc.__name__}): the graph of key {entry.label} does not reproduce eager: {reason}. "
-        "This key now runs eagerly. A graph repeats what capture saw: Python branches or values read "
-        "from CPU tensors or Python state, and tensors rebound between calls, are frozen at capture. "
-        "Make the function depend only on its tensor arguments and Layers, or return None from "
-        "dispatch_key_fn for such calls.",
-    )
-    return gc._eager(args, kwargs, "verification found a mismatch")
+    return None, reason
 
 
-def _check(gc, entry, args, kwargs, tensors, result, buffers, rng_before, buffers_before):
+def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before):
     graph_outputs, _, graph_spec = flatten(result)
     graph_outputs = [copy(t) for t in graph_outputs]
-    diff_index = [i for i, d in enumerate(entry.out_differentiable or ()) if d]
-    with_grads = entry.bwd_graph is not None and paddle.is_grad_enabled() and bool(diff_index)
-    needs_grad = [not b.stop_gradient for b in entry.static_inputs.buffers]
+    diff_index = [i for i, d in enumerate(graphs.out_differentiable) if d]
+    with_grads = graphs.bwd_graph is not None and paddle.is_grad_enabled() and bool(diff_index)
+    needs_grad = [not b.stop_gradient for b in graphs.static_inputs.buffers]
     grad_outputs, graph_grads = None, None
     if with_grads:
-        grad_outputs = [_pattern_like(entry.static_outputs[i]) for i in diff_index]
+        grad_outputs = [_pattern_like(graphs.static_outputs[i]) for i in diff_index]
         with state.preserved_rng():
-            graph_grads = _graph_grads(entry, grad_outputs)
+            graph_grads = _graph_grads(graphs, grad_outputs)
     rng_after = state.rng_snapshot()
     buffers_after = _save(buffers)
 
     # The eager re-run, from the state the graphs started from.
     state.restore_rng(rng_before)
     _put(buffers, buffers_before)
-    _, consts, spec = flatten((args, kwargs))
     with paddle.no_grad():
-        clones = [copy(t) for t in tensors]
-    for c, t in zip(clones, tensors):
+        clones = [copy(t) for t in call.tensors]
+    for c, t in zip(clones, call.tensors):
         c.stop_gradient = t.stop_gradient
-    eager_args, eager_kwargs = unflatten(spec, clones, consts)
-    eager_result = gc._run(eager_args, eager_kwargs)
+    eager_result = run_eager(*call.rebuild(clones))
     eager_outputs, _, eager_spec = flatten(eager_result)
     if eager_spec != graph_spec or len(eager_outputs) != len(graph_outputs):
         return ("the output structure", "eager returned a different structure or non-tensor values"), None
     pairs = [(f"output {i}", g, e.detach()) for i, (g, e) in enumerate(zip(graph_outputs, eager_outputs))]
     if with_grads:
-        leaves = [c for c, need in zip(clones, needs_grad) if need] + list(entry.params)
+        leaves = [c for c, need in zip(clones, needs_grad) if need] + list(graphs.params.params)
         diff_outputs = [eager_outputs[i] for i in diff_index]
         if any(o.stop_gradient for o in diff_outputs):
             return ("an output", "it requires grad in the graph but not in eager"), None
         eager_grads = _eager_grads(diff_outputs, leaves, grad_outputs)
-        pairs.extend(zip(_grad_names(entry, needs_grad), graph_grads, eager_grads))
+        pairs.extend(zip(_grad_names(graphs, needs_grad), graph_grads, eager_grads))
     eager_buffers = _save(buffers)
     pairs.extend((name, g, e) for (name, _), g, e in zip(buffers, buffers_after, eager_buffers))
     mismatch = _compare(pairs)

@@ -161,7 +161,7 @@ def compare_runs(eager, graphed):
 
 
 def expect_stats(stats, captures, replays):
-    got = [(s["captures"], s["replays"], s["fallbacks"]) for s in stats]
+    got = [(s["captures"], s["replays"], s["eager_calls"]) for s in stats]
     want = [(captures, replays, 0)] * len(stats)
     if got != want:
         raise AssertionError(f"(captures, replays, fallbacks) per graphed block {got} != {want}: {stats}")
@@ -266,7 +266,7 @@ def case_all_reduce_in_graphed_function():
         check_same(f"shard grads step {step}", [w.grad.numpy() for w in shards], [w.grad.numpy() for w in ref])
         outs += [y.numpy(), x.grad.numpy()]
     s = graphed.stats()
-    if (s["captures"], s["replays"], s["fallbacks"]) != (1, STEPS - 2, 0):
+    if (s["captures"], s["replays"], s["eager_calls"]) != (1, STEPS - 2, 0):
         raise AssertionError(f"unexpected phases: {s}")
     # The all-reduced output and input grad are replicated: the test checks both ranks agree.
     return {"replicated": digest(outs)}
@@ -373,7 +373,7 @@ def case_tensor_parallel_layers():
     check_same("final params", a["params"], e["params"])
     check_same("next draws of the default and model_parallel_rng generators", a["rng"], e["rng"])
     s = graphed.forward.stats()
-    if (s["captures"], s["replays"], s["fallbacks"]) != (1, STEPS - 2, 0):
+    if (s["captures"], s["replays"], s["eager_calls"]) != (1, STEPS - 2, 0):
         raise AssertionError(f"unexpected phases: {s}")
     return {"replicated": digest(o for step in a["outs"] for o in step), "shard": digest([a["params"]["up.weight"]])}
 

@@ -5,12 +5,13 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from ..options import BACKEND_NAMES, ENV_BACKEND
 from .base import Backend, Graph, capturing, is_capturing
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
 __all__ = [
+    "BACKEND_NAMES",
+    "ENV_BACKEND",
     "Backend",
     "Graph",
     "capturing",
@@ -19,6 +20,11 @@ __all__ = [
     "cuda_available",
     "pool_sharing_supported",
 ]
+
+#: Names accepted by ``backend=`` and by the environment override.
+BACKEND_NAMES = ("cuda", "simulate", "eager")
+#: Environment variable that overrides the backend of every wrapper.
+ENV_BACKEND = "PADDLEFLEET_CUDAGRAPH_BACKEND"
 
 _SIMULATED = SimulatedBackend()
 

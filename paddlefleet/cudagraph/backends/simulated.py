@@ -10,7 +10,7 @@ stream refuses them (CUDA error 900).
 
 Unlike a GPU graph, replay re-runs the body's Python: Python values it reads (globals,
 attributes, a branch on them) are read afresh on every replay, where a GPU graph repeats what
-capture saw. Reads of host tensors (``safety.mark_host``) are frozen as on a GPU: replay hands
+capture saw. Reads of host tensors (``host_marks.mark_host``) are frozen as on a GPU: replay hands
 back the values read at capture, and host results keep their capture-time values.
 """
 
@@ -19,8 +19,8 @@ import contextlib
 import paddle
 
 from ..errors import CaptureError
-from ..safety import is_marked_host
 from .base import NOT_CAPTURED, Backend, Graph, capturing
+from .host_marks import is_marked_host
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -39,7 +39,7 @@ _HOST_SYNC = (
 
 class _HostReads:
     """Values the body read from host tensors (mark_host) at capture, handed back in the same
-    order on replay: a GPU graph does not re-run host code (NOTE [ Host tensors ] in safety.py)."""
+    order on replay: a GPU graph does not re-run host code (NOTE [ Host tensors ] in host.py)."""
 
     def __init__(self):
         self.values = []

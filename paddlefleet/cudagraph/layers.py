@@ -1,0 +1,132 @@
+"""The Layers a capture sees: which are called, where their parameters live (and whether they
+moved since), and the tensors that need grad but would not get it through the bridge."""
+
+import threading
+
+import paddle
+
+__all__ = [
+    "CAPTURE_LOCK",
+    "LayerRecorder",
+    "ParamSet",
+    "param_homes",
+    "accumulation_nodes",
+    "name_unknown_leaves",
+]
+
+#: Capture patches process-wide entry points (Layer.__call__, host-sync methods, random ops)
+#: for its duration: one capture at a time across threads.
+CAPTURE_LOCK = threading.RLock()
+
+
+class LayerRecorder:
+    """While active, records every Layer called (and snapshots its buffers before it runs)."""
+
+    def __init__(self, snapshot, watch):
+        self.layers = []
+        self._seen = set()
+        self._snapshot = snapshot
+        self._watch = watch
+        self._original = None
+
+    def __enter__(self):
+        original = paddle.nn.Layer.__call__
+        recorder = self
+
+        def recording_call(layer, *args, **kwargs):
+            if id(layer) not in recorder._seen:
+                recorder._seen.add(id(layer))
+                recorder.layers.append(layer)
+                recorder._snapshot.add(layer)
+                recorder._watch.add(layer)
+            return original(layer, *args, **kwargs)
+
+        self._original = original
+        paddle.nn.Layer.__call__ = recording_call
+        return self
+
+    def __exit__(self, *exc):
+        paddle.nn.Layer.__call__ = self._original
+        return False
+
+
+def param_homes(layers):
+    """``[(sublayer, name, param)]`` for every parameter of ``layers``, each parameter once."""
+    homes, seen = [], set()
+    for layer in layers:
+        for _, sub in layer.named_sublayers(include_self=True):
+            for name, p in sub._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    homes.append((sub, name, p))
+    return homes
+
+
+class ParamSet:
+    """The parameters of the Layers one capture used, and where each lives.
+
+    Attributes:
+        params: the parameters handed through the bridge (trainable, not call arguments).
+    """
+
+    def __init__(self, layers, input_ids):
+        homes = param_homes(layers)
+        self._homes = [(sub._parameters, name, p, p.stop_gradient, p.data_ptr()) for sub, name, p in homes]
+        self._owners = [type(sub).__name__ for sub, _, _ in homes]
+        self.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
+
+    def moved(self):
+        """Why the graphs no longer fit the parameters (replaced, moved or (un)frozen), or None."""
+        for (slots, name, p, frozen, ptr), owner in zip(self._homes, self._owners):
+            if slots.get(name) is not p or p.stop_gradient != frozen or p.data_ptr() != ptr:
+                return f"parameter '{name}' of {owner} was replaced, moved or (un)frozen"
+        return None
+
+    def names(self):
+        """``{id(param): "'name' of Owner"}`` for messages."""
+        return {id(p): f"'{name}' of {owner}" for (_, name, p, _, _), owner in zip(self._homes, self._owners)}
+
+
+def accumulation_nodes(outputs):
+    """node_ptr -> node of every leaf accumulation node reachable from ``outputs``."""
+    found, seen = {}, set()
+    stack = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        ptr = node.node_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if node.name() == "GradNodeAccumulation":
+            found[ptr] = node
+        stack.extend(node.next_functions)
+    return found
+
+
+def name_unknown_leaves(fn, unknown_ptrs):
+    """Best-effort names for leaf tensors found in ``fn``'s globals and closure."""
+    candidates = {}
+    scopes = dict(getattr(fn, "__globals__", {}))
+    code = getattr(fn, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            scopes[name] = cell.cell_contents
+        except ValueError:
+            pass
+    for name, value in scopes.items():
+        if isinstance(value, paddle.Tensor) and not value.stop_gradient:
+            candidates[name] = value
+        elif isinstance(value, paddle.nn.Layer):
+            for pname, p in value.named_parameters():
+                candidates[f"{name}.{pname}"] = p
+    names = []
+    for name, t in candidates.items():
+        node = getattr(t, "grad_fn", None)
+        if node is not None and node.node_ptr() in unknown_ptrs:
+            names.append(name)
+    missing = len(unknown_ptrs) - len(names)
+    if missing > 0:
+        names.append(f"{missing} unnamed tensor(s)")
+    return names
