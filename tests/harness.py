@@ -112,6 +112,8 @@ def assert_bitwise(actual, expected, what="value"):
         if a.dtype != e.dtype or a.shape != e.shape:
             raise AssertionError(f"{what}: {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}")
         np.testing.assert_array_equal(a, e, err_msg=what, strict=True)
+        if a.tobytes() != e.tobytes():  # equal values, other bits: -0.0 vs 0.0, NaN payloads
+            raise AssertionError(f"{what}: equal values but different bits (signed zeros or NaN payloads)")
         return
     if actual != expected:
         raise AssertionError(f"{what}: {actual!r} != {expected!r}")

@@ -17,11 +17,11 @@ STEPS, ACCUMULATE = 20, 2
 
 @parameterized_class(backend_classes())
 class TransformerEndToEndTest(BackendCase):
-    @parameterized.expand([("clone_param_grads", True), ("no_clone_param_grads", False)])
+    @parameterized.expand([("clone_param_grads", True), ("no_clone_param_grads", False), ("auto", "auto"),
+                           ("accumulate_in_graph", "in_graph")])
     def test_twenty_adamw_steps_bitwise_equal_eager(self, _, clone):
-        result = examples.compare_transformer(
-            steps=STEPS, accumulate=ACCUMULATE, backend=self.backend, clone_param_grads=clone
-        )
+        options = {"accumulate_in_graph": True} if clone == "in_graph" else {"clone_param_grads": clone}
+        result = examples.compare_transformer(steps=STEPS, accumulate=ACCUMULATE, backend=self.backend, **options)
         self.assertBitwise(result.graphed.losses, result.eager.losses, "losses")
         self.assertBitwise(result.graphed.params, result.eager.params, "final parameters")
         self.assertTrue(result.equal, result.first_mismatch)

@@ -567,7 +567,7 @@ class TestGradGroups(BackendCase):
         # NOTE [ Grad groups ]: one stack per shape for grads up to GROUP_MAX_BYTES.
         from paddlefleet.cudagraph import grad_groups
 
-        for clone in (True, False):
+        for clone in (True, False, "auto"):
             model, ref = twin_layers(TwoSizes)
             self.graphed(model, warmup_steps=0, clone_param_grads=clone)
             with mock.patch.object(grad_groups, "GROUP_MAX_BYTES", limit):
@@ -682,7 +682,7 @@ class TestBackendChoice(unittest.TestCase):
             ("warmup_bool", {"warmup_steps": True}, TypeError, "warmup_steps must be an int"),
             ("backend", {"backend": "tpu"}, ValueError, "backend must be one of"),
             ("key_fn", {"dispatch_key_fn": 3}, TypeError, "dispatch_key_fn must be callable"),
-            ("clone", {"clone_param_grads": "yes"}, TypeError, "clone_param_grads must be True or False"),
+            ("clone", {"clone_param_grads": "yes"}, TypeError, "clone_param_grads must be True, False or .auto., got .yes."),
             ("hooks", {"capture_hooks": lambda: None}, TypeError, "capture_hooks must be a list"),
             ("unknown", {"warmup": 1}, TypeError, "warmup"),
         ]

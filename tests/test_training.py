@@ -186,7 +186,7 @@ class GradAccumulationTest(BackendCase):
             (f"{micro}_micro_from_{start}_clone_{clone}", micro, start, clone)
             for micro in (1, 2, 3, 4)
             for start in ("zero", "none")
-            for clone in (True, False)
+            for clone in (True, False, "auto")
         ]
     )
     def test_accumulation_matches_eager(self, _, micro, start, clone):
@@ -204,7 +204,7 @@ class GradAccumulationTest(BackendCase):
         stats = graphed.forward.stats()
         self.assertEqual((stats["captures"], stats["replays"]), (1, steps * micro - 2))
 
-    @parameterized.expand([("clone", True), ("no_clone", False)])
+    @parameterized.expand([("clone", True), ("no_clone", False), ("auto", "auto")])
     def test_first_micro_batch_from_none_grad_survives_next_replay(self, _, clone):
         # The first micro-batch after clear_grad(set_to_zero=False) fills p.grad from None; a
         # second micro-batch with zero loss must leave it unchanged. If p.grad aliased the
@@ -346,20 +346,28 @@ class ClonePolicyTest(BackendCase):
             mse(graphed(x)).backward()
         self.assertEqual(calls["graphed"], calls["eager"])
 
-    def test_no_clone_param_grads_are_overwritten_by_the_next_backward_replay(self):
-        # The documented cost of clone_param_grads=False: a grad kept past the next backward
-        # replay (here by a hook) shows that replay's values. p.grad itself stays correct.
+    def test_no_clone_param_grads_are_overwritten_by_a_later_backward_replay(self):
+        # The documented cost of clone_param_grads=False: a grad kept past later backward replays
+        # (here by a hook) shows a later replay's values once its buffer set is written again
+        # (NOTE [ Two grad buffer sets ]). p.grad itself stays correct.
         eager, graphed = twin_layers(MLP)
         self.graphed(graphed, warmup_steps=0, clone_param_grads=False)
-        x1, x2, x3 = batches(3)
+        xs = batches(5)
         kept_e, kept_g = self._hooked(eager), self._hooked(graphed)
         for model in (eager, graphed):
-            mse(model(x1)).backward()  # graphed: the capture call
-            mse(model(x2)).backward()  # replay 1
-            mse(model(x3)).backward()  # replay 2 overwrites what replay 1 handed out
-        self.assertBitwise(kept_g[1].numpy(), kept_e[2].numpy(), "replay 1's grad after replay 2")
-        self.assertFalse(np.array_equal(kept_e[1].numpy(), kept_e[2].numpy()))
+            for x in xs:  # the graphed model: the capture call, then 4 replays
+                mse(model(x)).backward()
+        kept_g = [g.numpy() for g in kept_g]
+        kept_e = [g.numpy() for g in kept_e]
+        overwritten = [(i, j) for i in range(1, 5) for j in range(i + 1, 5)
+                       if np.array_equal(kept_g[i], kept_e[j]) and not np.array_equal(kept_e[i], kept_e[j])]
+        self.assertTrue(overwritten, "no kept grad shows a later replay's values")
         self.assertBitwise(grads_of(graphed), grads_of(eager), "p.grad")
+
+    def _aliases_static_buffer(self, wrapper, t):
+        ptrs = {g.data_ptr() for e in wrapper._entries.values() if e.graphs
+                for plan in e.graphs.plans() for g in plan.static_grads if g is not None}
+        return t.data_ptr() in ptrs
 
     def test_clone_param_grads_is_fixed_at_capture(self):
         layer = MLP()
@@ -369,18 +377,14 @@ class ClonePolicyTest(BackendCase):
         mse(layer(x1)).backward()  # captured with clone_param_grads=False
         wrapper = layer.forward
         wrapper._options = dataclasses.replace(wrapper.options, clone_param_grads=True)
-        mse(layer(x2)).backward()
-        first = kept[-1].numpy()
-        mse(layer(x3)).backward()
-        # Still the capture-time policy: the grad handed out by the previous replay was a
-        # static buffer, and this replay overwrote it.
-        self.assertBitwise(kept[-2].numpy(), kept[-1].numpy())
-        self.assertFalse(np.array_equal(first, kept[-1].numpy()))
-        # A key captured after the change gets the new policy: its grads are copies.
-        y = batches(3, shape=(6, 8), seed=9)
-        for x in y:
+        for x in (x2, x3):
             mse(layer(x)).backward()
-        self.assertFalse(np.array_equal(kept[-2].numpy(), kept[-1].numpy()))
+            # Still the capture-time policy: what the replay handed out is a static buffer.
+            self.assertTrue(self._aliases_static_buffer(wrapper, kept[-1]))
+        # A key captured after the change gets the new policy: its grads are copies.
+        for x in batches(3, shape=(6, 8), seed=9):
+            mse(layer(x)).backward()
+            self.assertFalse(self._aliases_static_buffer(wrapper, kept[-1]))
         self.assertEqual(wrapper.stats()["captures"], 2)
 
     def test_outputs_are_cloned_by_default(self):
@@ -428,9 +432,9 @@ class ClonePolicyTest(BackendCase):
 
     @parameterized.expand(
         [
-            ("clone_param_grads_int", {"clone_param_grads": 1}, TypeError, "clone_param_grads=False is safe only"),
+            ("clone_param_grads_int", {"clone_param_grads": 1}, TypeError, "clone_param_grads must be True, False or .auto., got 1 .int."),
             ("clone_outputs_str", {"clone_outputs": "no"}, TypeError, "clone_outputs=False returns static buffers"),
-            ("clone_param_grads_none", {"clone_param_grads": None}, TypeError, "must be True or False"),
+            ("clone_param_grads_none", {"clone_param_grads": None}, TypeError, "clone_param_grads must be True, False or .auto., got None"),
         ]
     )
     def test_bad_clone_options_fail_at_decoration(self, _, options, error, text):
@@ -553,7 +557,7 @@ class AmpTest(BackendCase):
         stats = graphed.stats()
         self.assertEqual((stats["captures"], stats["replays"], stats["keys"]), (2, 1, 2))
 
-    @parameterized.expand([("clone", True), ("no_clone", False)])
+    @parameterized.expand([("clone", True), ("no_clone", False), ("auto", "auto")])
     def test_grad_scaler_scaled_loss_trains_like_eager(self, _, clone):
         eager, graphed = twin_layers(lambda: MLP(p=0.2))
         self.graphed(graphed, clone_param_grads=clone)

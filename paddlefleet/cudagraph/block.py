@@ -12,7 +12,7 @@ import weakref
 
 import paddle
 
-from .capture import capture_block
+from .capture import capture_block, capture_second_backward
 from .errors import CudaGraphError
 from .lifecycle import Lifecycle
 from .options import GraphOptions
@@ -76,6 +76,8 @@ class BlockBody:
 
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
+        if entry.graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grad_plan.py
+            capture_second_backward(entry.graphs)
         return run_graphs(entry.graphs, call, copy, self.name, entry.label)
 
     def verified_replay(self, entry, call, run_graphs):

@@ -45,7 +45,8 @@ def hand_out_outputs(graphs):
 
 
 class GraphedFunction(PyLayer):
-    """``apply(graphs, *tensors, *params)``: static inputs must already hold the call's values."""
+    """``apply(graphs, *tensors, *bridged params[, anchor])``: static inputs must already hold the
+    call's values."""
 
     @staticmethod
     def forward(ctx, graphs, *inputs):
@@ -90,8 +91,14 @@ class GraphedFunction(PyLayer):
                     buf.zero_()
                 elif grad is not buf:
                     buf.copy_(grad, False)
-        plan = graphs.grad_plan
-        plan.before_replay()
-        graphs.bwd_graph.replay()
+        acc = graphs.accumulators
+        if acc is not None:
+            acc.check_before_backward()
+        graph, plan, adopted = graphs.backward_set()
+        plan.before_replay(adopted)
+        graph.replay()
         ctx.token.done = True
-        return plan.hand_out()
+        if acc is not None:
+            acc.after_backward()
+        grads = plan.hand_out()
+        return grads if graphs.anchor is None else grads + (None,)

@@ -31,6 +31,7 @@ import logging
 import paddle
 
 from . import grad_groups, state
+from .accumulate import Accumulators
 from .captured import BlockGraphs
 from .errors import CaptureError, CudaGraphError
 from .grad_plan import GradPlan
@@ -40,7 +41,7 @@ from .layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, n
 from .stale import StaleOutputs
 from .static_io import StaticInputs, flatten, holds_tensor
 
-__all__ = ["capture_block"]
+__all__ = ["capture_block", "capture_second_backward"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class _BlockCapture:
     def _backward(self, graphs, live, grad_enabled):
         needs_grad = [not b.stop_gradient for b in graphs.static_inputs.buffers]
         params = graphs.params.params
-        # The tensors whose grads the bridge returns: inputs that need grad, then parameters.
+        # The tensors whose grads the backward body computes: inputs that need grad, then parameters.
         leaves = [b for b, n in zip(graphs.static_inputs.buffers, needs_grad) if n] + params
         differentiable = grad_enabled and any(graphs.out_differentiable)
         if differentiable:
@@ -189,54 +190,39 @@ class _BlockCapture:
         if not (differentiable and (any(needs_grad) or params)):
             graphs.out_differentiable = [False] * len(graphs.static_outputs)
             return
-        outputs = graphs.static_outputs
-        diff_index = [i for i, d in enumerate(graphs.out_differentiable) if d]
+        # NOTE [ Accumulation inside the graph ] in accumulate.py: made before the capture.
+        acc = Accumulators(params) if self.opts.accumulate_in_graph and params else None
+        graphs.accumulators = acc
+        graphs.bridged = [] if acc is not None else params
+        if acc is not None and not any(needs_grad):
+            graphs.anchor = _anchor(params[0].place)
         with paddle.no_grad():
             grad_outputs = []
-            for i in diff_index:
-                buf = outputs[i].detach().clone()
-                buf.stop_gradient = True
-                grad_outputs.append(buf)
+            for i, d in enumerate(graphs.out_differentiable):
+                if d:
+                    buf = graphs.static_outputs[i].detach().clone()
+                    buf.stop_gradient = True
+                    grad_outputs.append(buf)
         first_param = len(leaves) - len(params)
-        grad_groups.probe(params)
-        # An output returned more than once (``return y, y``) is differentiated once, with the sum
-        # of its grads, as eager's engine accumulates them: paddle.grad refuses duplicates.
-        firsts = {}
-        for k, i in enumerate(diff_index):
-            firsts.setdefault(id(outputs[i]), []).append(k)
-        unique = list(firsts.values())
-        by_grad = self.by_grad
-
-        def backward_body():
-            current = [live["outputs"][diff_index[ks[0]]] for ks in unique]
-            seeds = []
-            for ks in unique:
-                seed = grad_outputs[ks[0]]
-                for k in ks[1:]:
-                    seed = seed + grad_outputs[k]
-                seeds.append(seed)
-            swap = GradSwap(leaves)
-            with swap:
-                if by_grad:
-                    raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
-                else:
-                    paddle.autograd.backward(current, seeds, retain_graph=True)
-            grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
-            # NOTE [ Grad groups ] in grad_groups.py: same-shape parameter grads are also
-            # copied into one stack each, so that handing them out costs one copy per stack.
-            if "grad_groups" not in live:
-                live["grad_groups"] = grad_groups.plan_groups(grads, range(first_param, len(leaves)))
-            return list(grads) + grad_groups.stack_grads(grads, live["grad_groups"])
-
-        results = self._capture_backward(graphs, backward_body)
-        static_grads = results[: len(leaves)]
-        stacks = []
-        for idxs, stack in zip(live["grad_groups"], results[len(leaves):]):
-            for i, view in zip(idxs, grad_groups.unstack(stack)):
-                static_grads[i] = view
-            stacks.append((stack, idxs))
+        if acc is None:
+            grad_groups.probe(params)
+        body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first_param, acc, self.by_grad)
+        saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
+        try:
+            results = self._capture_backward(graphs, body)
+        except BaseException:
+            if acc is not None:
+                acc.undo()
+            raise
+        finally:
+            if saved is not None:  # a capture that runs the body must not accumulate
+                acc.restore(saved)
         graphs.static_grad_outputs = grad_outputs
-        graphs.grad_plan = GradPlan(static_grads, needs_grad, params, self.opts.clone_param_grads, stacks)
+        recipe = _Recipe(body, self.opts.capture_hooks, len(leaves), live, needs_grad, graphs.bridged,
+                         self.opts.clone_param_grads)
+        graphs.grad_plan = recipe.plan(results)
+        if graphs.bridged and self.opts.clone_param_grads is not True:
+            graphs.recipe = recipe  # NOTE [ Two grad buffer sets ] in grad_plan.py
 
     def _capture_backward(self, graphs, backward_body):
         graphs.bwd_graph = self.backend.new_graph(graphs.pool)
@@ -267,6 +253,91 @@ class _BlockCapture:
                 f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
                 "would be lost. Pass them as arguments, or use them through a Layer."
             )
+
+
+class _Recipe:
+    """What a backward graph is captured from, kept to capture a second one later."""
+
+    def __init__(self, body, hooks, n_leaves, live, needs_grad, bridged, policy):
+        self.body, self.hooks, self.n_leaves, self.live = body, hooks, n_leaves, live
+        self.needs_grad, self.bridged, self.policy = needs_grad, bridged, policy
+
+    def plan(self, results):
+        """The GradPlan of a backward graph's results (grads, then same-shape stacks)."""
+        static_grads = results[: self.n_leaves]
+        stacks = []
+        for idxs, stack in zip(self.live["grad_groups"], results[self.n_leaves:]):
+            for i, view in zip(idxs, grad_groups.unstack(stack)):
+                static_grads[i] = view
+            stacks.append((stack, idxs))
+        return GradPlan(static_grads, self.needs_grad, self.bridged, self.policy, stacks)
+
+
+def capture_second_backward(graphs):
+    """Captures the second backward graph of a key, outside any backward pass (NOTE [ Two grad
+    buffer sets ] in grad_plan.py). A failure only leaves the key with one set (copies instead)."""
+    recipe, graphs.recipe, graphs.second_wanted = graphs.recipe, None, False
+    backend = graphs.backend
+    with CAPTURE_LOCK:
+        rng = state.rng_snapshot()
+        graph = backend.new_graph(graphs.pool)
+        try:
+            results = list(graph.capture(recipe.body, recipe.hooks))
+        except Exception:  # contained: the first set keeps serving, with copies where adopted
+            logger.debug("second backward capture failed", exc_info=True)
+            graph.reset()
+            return
+        finally:
+            if backend.capture_executes:  # NOTE [ RNG across capture ]
+                state.restore_rng(rng)
+    graphs.second = (graph, recipe.plan(results))
+
+
+def _backward_body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad):
+    """The body the backward graph captures: grads of the differentiable outputs with respect to
+    ``leaves`` (NOTE [ Backward body ]), then either added into the accumulators (``acc``) or
+    also copied into same-shape stacks (NOTE [ Grad groups ] in grad_groups.py)."""
+    outputs = live["outputs"]
+    diff_index = [i for i, d in enumerate(differentiable) if d]
+    # An output returned more than once (``return y, y``) is differentiated once, with the sum
+    # of its grads, as eager's engine accumulates them: paddle.grad refuses duplicates.
+    firsts = {}
+    for k, i in enumerate(diff_index):
+        firsts.setdefault(id(outputs[i]), []).append(k)
+    unique = list(firsts.values())
+
+    def backward_body():
+        current = [live["outputs"][diff_index[ks[0]]] for ks in unique]
+        seeds = []
+        for ks in unique:
+            seed = grad_outputs[ks[0]]
+            for k in ks[1:]:
+                seed = seed + grad_outputs[k]
+            seeds.append(seed)
+        swap = GradSwap(leaves)
+        with swap:
+            if by_grad:
+                raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
+            else:
+                paddle.autograd.backward(current, seeds, retain_graph=True)
+        grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
+        if acc is not None:
+            acc.add(grads[first_param:])
+            live["grad_groups"] = []
+            return list(grads)
+        if "grad_groups" not in live:
+            live["grad_groups"] = grad_groups.plan_groups(grads, range(first_param, len(leaves)))
+        return list(grads) + grad_groups.stack_grads(grads, live["grad_groups"])
+
+    return backward_body
+
+
+def _anchor(place):
+    """A one-element leaf that needs grad: it makes autograd run the bridge's backward when no
+    other input of the bridge needs grad (every parameter accumulates inside the graph)."""
+    anchor = paddle.to_tensor([0.0], place=place)
+    anchor.stop_gradient = False
+    return anchor
 
 
 def _refuse_objects_holding_tensors(out_consts):

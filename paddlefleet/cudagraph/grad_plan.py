@@ -8,15 +8,24 @@ For each it returns a grad read from a static grad buffer of the backward graph,
 * inputs that need grad always get a copy: a leaf keeps the returned tensor as its ``.grad``,
   and a non-leaf's grad can reach a parameter outside the call unchanged (``x = P + t`` passes
   it through), where autograd adopts it as ``P.grad`` and the next replay would overwrite it;
-* parameters get a copy with clone_param_grads=True, else an alias of the static buffer
-  (NOTE [ Paddle .grad handles ] in grads.py says what autograd then does with it);
+* parameters, by ``clone_param_grads``: True, a copy; False, an alias of the static buffer;
+  "auto" (the default), an alias unless a gradient hook of the parameter may keep the grad
+  (NOTE [ Grad consumers ] in grad_consumers.py), checked at every backward;
+* an aliased grad that autograd adopted as ``p.grad`` must not be overwritten by the next backward
+  replay while ``p.grad`` lives in it: that replay writes into a second set of static grad buffers
+  (a second backward graph, captured the first time it is needed, NOTE [ Two grad buffer sets ]);
+  only where ``p.grad`` lives in both sets is it moved out with a copy (``before_replay``);
 * same-shape parameter grads come out of one stack (NOTE [ Grad groups ] in grad_groups.py).
 """
 
+from . import grad_consumers
 from .grad_groups import unstack
-from .grads import copy, hand_out, rescue_grad
+from .grads import alias, copy, rescue_grad
 
-__all__ = ["GradPlan"]
+__all__ = ["GradPlan", "POLICIES", "choose"]
+
+#: Values of clone_param_grads.
+POLICIES = (True, False, "auto")
 
 
 class GradPlan:
@@ -27,60 +36,105 @@ class GradPlan:
             need grad, then the parameters; grouped ones are views of their stack.
         input_needs_grad: per call tensor, whether it is such a leaf.
         params: the parameters whose grads follow the inputs'.
-        clone_param_grads: the policy fixed at capture (NOTE [ Policies fixed at capture ]).
+        policy: clone_param_grads, fixed at capture (NOTE [ Policies fixed at capture ]).
         groups: ``(stack, leaf indices)`` per stack of same-shape parameter grads.
     """
 
-    def __init__(self, static_grads, input_needs_grad, params, clone_param_grads, groups=()):
+    def __init__(self, static_grads, input_needs_grad, params, policy, groups=()):
         self.static_grads = list(static_grads)
         self.params = list(params)
-        self.clone_param_grads = clone_param_grads
-        slots, clones, leaf = [], [], 0
+        self.policy = policy
+        slots, leaf = [], 0
         for needs in input_needs_grad:
             slots.append(leaf if needs and self.static_grads[leaf] is not None else None)
-            clones.append(needs)
             leaf += needs
-        self._first_param = len(slots)
+        self._inputs = len(slots)
         first_param_leaf = leaf
         for _ in self.params:
             slots.append(leaf if self.static_grads[leaf] is not None else None)
-            clones.append(clone_param_grads)
             leaf += 1
         self.slots = slots
-        self.clones = clones
-        # (stack, bridge positions) per stack; positions follow the call's tensors.
-        self.groups = [(stack, [self._first_param + i - first_param_leaf for i in idxs]) for stack, idxs in groups]
-        self.grouped = frozenset(pos for _, positions in self.groups for pos in positions)
+        # (stack, parameter indices) per stack.
+        self.groups = [(stack, [i - first_param_leaf for i in idxs]) for stack, idxs in groups]
+        grouped = {i for _, idxs in self.groups for i in idxs}
+        self._single = [i for i in range(len(self.params)) if i not in grouped and self.slots[self._inputs + i] is not None]
+        self._copies = None
+        self._generation = None
+        #: Copies of parameter grads made: handed out, and rescued (adopted grads moved out
+        #: before a replay). Input grads are always copies and not counted.
+        self.copies = 0
+        self.rescues = 0
 
-    def before_replay(self):
-        """Moves a parameter's ``.grad`` out of a static buffer before the replay writes it.
+    def param_copies(self):
+        """Per parameter, whether its handed-out grad is a copy (NOTE [ Grad hand-out ])."""
+        if self.policy != "auto":
+            return [bool(self.policy)] * len(self.params)
+        if self._generation != grad_consumers.generation():
+            self._copies = [grad_consumers.may_keep(p) for p in self.params]
+            self._generation = grad_consumers.generation()
+        return self._copies
 
-        With clone_param_grads=False, autograd adopts the handed-out buffer itself as p.grad when
-        p.grad is None or was zeroed by ``clear_grad()`` (set_to_zero=True marks it "fake empty":
-        the next accumulation assigns instead of adding, and Python cannot see that flag). The
-        next replay would then overwrite p.grad, corrupting gradient accumulation (measured,
-        Paddle 3.3.1).
-        """
-        if self.clone_param_grads or not self.params:
-            return
-        for p, slot in zip(self.params, self.slots[self._first_param:]):
-            if slot is not None:
-                rescue_grad(p, self.static_grads[slot])
+    def adopted(self):
+        """Indices of the parameters whose ``p.grad`` lives in this plan's static buffers."""
+        if self.policy is True or not self.params:
+            return []
+        found, slots, n = [], self.slots, self._inputs
+        for i, (p, copied) in enumerate(zip(self.params, self.param_copies())):
+            slot = slots[n + i]
+            if not copied and slot is not None:
+                g = p.grad
+                if g is not None and g.data_ptr() == self.static_grads[slot].data_ptr():
+                    found.append(i)
+        return found
+
+    def before_replay(self, adopted):
+        """Moves the adopted ``p.grad`` of parameters ``adopted`` out of the static buffers (one
+        copy each) before the replay writes them."""
+        for i in adopted:
+            rescue_grad(self.params[i], self.static_grads[self.slots[self._inputs + i]])
+        self.rescues += len(adopted)
 
     def hand_out(self):
         """The grads to return from the bridge's backward, one per bridge input."""
-        static = self.static_grads
-        if not self.groups:
-            return tuple(None if slot is None else hand_out(static[slot], clone)
-                         for slot, clone in zip(self.slots, self.clones))
+        static, slots, n = self.static_grads, self.slots, self._inputs
+        grads = [None if slot is None else copy(static[slot]) for slot in slots[:n]]
+        copied = 0
+        param_grads = [None] * len(self.params)
+        copies = self.param_copies()
+        for i in self._single:
+            g = static[slots[n + i]]
+            param_grads[i] = copy(g) if copies[i] else alias(g)
+            copied += copies[i]
         # Stacks: one copy (or none) and one unbind per stack instead of one call per parameter.
-        grads = [None] * len(self.slots)
-        for pos, (slot, clone) in enumerate(zip(self.slots, self.clones)):
-            if slot is not None and pos not in self.grouped:
-                grads[pos] = hand_out(static[slot], clone)
-        for stack, positions in self.groups:
-            source = copy(stack) if self.clone_param_grads else stack
-            for pos, view in zip(positions, unstack(source)):
-                if self.slots[pos] is not None:
-                    grads[pos] = view
-        return tuple(grads)
+        for stack, idxs in self.groups:
+            wanted = [copies[i] for i in idxs]
+            views = unstack(copy(stack) if all(wanted) else stack)
+            for i, view, want in zip(idxs, views, wanted):
+                if slots[n + i] is not None:
+                    param_grads[i] = copy(view) if want and not all(wanted) else view
+            copied += sum(wanted)
+        self.copies += copied
+        return tuple(grads + param_grads)
+
+
+def choose(plans, last):
+    """The buffer set the next backward replay writes: ``(index, adopted)``.
+
+    NOTE [ Two grad buffer sets ]
+    A grad autograd adopted as ``p.grad`` lives in a static buffer until ``p.grad`` is freed
+    (``clear_grad(set_to_zero=False)``) or re-pointed. Paddle does not tell whether such a
+    ``p.grad`` still holds live values (gradient accumulation) or was zeroed by
+    ``clear_grad()`` ("fake empty": the next accumulation assigns), so the next replay must not
+    write into it either way. With two buffer sets, the replay alternates: it writes the set
+    after the one used last, unless a ``p.grad`` lives there, then the other one. ``adopted`` lists
+    the parameters whose ``p.grad`` lives in the chosen set anyway (both sets taken, or only one
+    set captured so far): they are moved out with a copy. Training loops that free grads never
+    adopt, and keep one set.
+    """
+    order = [(last + 1) % len(plans), last % len(plans)] if len(plans) > 1 else [0]
+    adopted = None
+    for k in order:
+        adopted = plans[k].adopted()
+        if not adopted:
+            return k, adopted
+    return order[-1], adopted

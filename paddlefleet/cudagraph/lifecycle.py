@@ -59,12 +59,14 @@ class Lifecycle:
         self._body.options = options
 
     def stats(self):
-        """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys`` and
-        ``static_bytes``."""
+        """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
+        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
         out = self.counters.snapshot()
         out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
         out["keys"] = len(self._entries)
         out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
+        # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+        out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
         return out
 
     def report(self):
@@ -174,6 +176,8 @@ class Lifecycle:
     def _replay(self, entry, call):
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.action == "recapture":
+            if blocked.warning is not None:
+                self._warn_once(("recapture", blocked.warning), blocked.warning)
             entry.to_recapture()
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
             self.counters.recaptures += 1

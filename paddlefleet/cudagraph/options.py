@@ -45,8 +45,16 @@ class GraphOptions:
             of a CUDA build of Paddle, otherwise eager). The environment variable
             PADDLEFLEET_CUDAGRAPH_BACKEND overrides it.
         clone_outputs: return copies of the static output buffers (True) or the buffers themselves.
-        clone_param_grads: hand parameter grads (and grads of inputs that are not leaves) back as
-            copies (True) or as the static grad buffers. Grads of leaf inputs are always copies.
+        clone_param_grads: "auto" (default): hand parameter grads back as aliases of the static
+            grad buffers, copying only where a later replay could overwrite a tensor someone
+            still holds (a grad autograd adopted as ``p.grad``, a parameter whose gradient hooks
+            may keep the grad: NOTE [ Grad hand-out ] in grad_plan.py); True: always copies;
+            False: always aliases (a hook that keeps a grad sees the next replay's values).
+            Grads of inputs are always copies.
+        accumulate_in_graph: the backward graph adds each parameter's grad into a persistent
+            accumulator (``p.main_grad`` where Fleet keeps one, else ``p.grad``) and parameters
+            leave the autograd bridge: the fastest path; their gradient hooks no longer run
+            (NOTE [ Accumulation inside the graph ] in accumulate.py says what to keep).
         verify_replays: compare the first N replays of each key with an eager re-run.
         max_bytes: optional budget for the static buffers of all keys; least recently used keys
             are evicted beyond it.
@@ -60,7 +68,8 @@ class GraphOptions:
     dispatch_key_fn: Optional[Callable[[Any], Any]] = None
     backend: Optional[str] = None
     clone_outputs: bool = True
-    clone_param_grads: bool = True
+    clone_param_grads: Any = "auto"
+    accumulate_in_graph: bool = False
     verify_replays: int = 0
     max_bytes: Optional[int] = None
     capture_hooks: Tuple[Callable[[], Any], ...] = ()
@@ -83,8 +92,15 @@ class GraphOptions:
             )
         _check_bool("clone_outputs", self.clone_outputs,
                     "clone_outputs=False returns static buffers that the next replay overwrites.")
-        _check_bool("clone_param_grads", self.clone_param_grads,
-                    "clone_param_grads=False is safe only when grads are consumed before the next backward replay.")
+        if not (self.clone_param_grads is True or self.clone_param_grads is False or self.clone_param_grads == "auto"):
+            raise TypeError(
+                f"autocudagraph: clone_param_grads must be True, False or 'auto', got {self.clone_param_grads!r} "
+                f"({type(self.clone_param_grads).__name__}). 'auto' (the default) copies a parameter grad only "
+                "where a later replay could overwrite a tensor someone still holds; False is safe only when "
+                "grads are consumed before the next backward replay."
+            )
+        _check_bool("accumulate_in_graph", self.accumulate_in_graph,
+                    "accumulate_in_graph=True adds grads into p.main_grad / p.grad inside the graph.")
         _check_bool("check_stale_outputs", self.check_stale_outputs,
                     "Pass check_stale_outputs=True to detect reads of overwritten outputs.")
         _check_int("verify_replays", self.verify_replays, 0,

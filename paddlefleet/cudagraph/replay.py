@@ -23,8 +23,9 @@ from .static_io import unflatten
 
 __all__ = ["Blocked", "replay_blocker", "run_graphs"]
 
-#: Why a call cannot replay now: ``action`` "recapture" or "eager", and the reason.
-Blocked = collections.namedtuple("Blocked", "action reason")
+#: Why a call cannot replay now: ``action`` "recapture" or "eager", the reason, and a warning to
+#: give once (or None).
+Blocked = collections.namedtuple("Blocked", "action reason warning", defaults=(None,))
 
 
 def replay_blocker(graphs, call, check_inputs):
@@ -47,6 +48,13 @@ def replay_blocker(graphs, call, check_inputs):
             moved = f"input '{name}' is another tensor than the one the graph reads in place"
     if moved is not None:
         return Blocked("recapture", moved)
+    if graphs.accumulators is not None:
+        moved = graphs.accumulators.moved()
+        if moved is not None:  # NOTE [ Accumulation inside the graph ] in accumulate.py
+            return Blocked("recapture", moved, (
+                f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (an "
+                "eager-equivalent result, at the cost of a capture per step). Zero accumulators in place instead: "
+                "optimizer.clear_grad() with set_to_zero=True, main_grad.zero_()."))
     if graphs.backward_pending():
         return Blocked("eager", "previous replay's backward still pending")
     return None
@@ -59,7 +67,8 @@ def run_graphs(graphs, call, copy, name, label):
     tensors = call.tensors
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     if graphs.bwd_graph is not None and paddle.is_grad_enabled():
-        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.params.params)
+        anchor = () if graphs.anchor is None else (graphs.anchor,)
+        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridged, *anchor)
         if isinstance(outputs, paddle.Tensor):
             outputs = [outputs]
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a

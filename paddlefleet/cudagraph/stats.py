@@ -162,6 +162,7 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
+                "grads": entry.graphs.describe() if entry.graphs is not None else "",
             }
         )
     return rows
@@ -195,6 +196,8 @@ def explain(name, stats, entries, counters):
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        if row["grads"]:
+            line += f"; {row['grads']}"
         if row["evictions"]:
             line += f"; evicted {row['evictions']} time(s) (max_bytes)"
         if row["verified_replays"]:

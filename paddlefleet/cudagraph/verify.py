@@ -102,12 +102,16 @@ def _graph_grads(graphs, grad_outputs):
     """Replays the backward graph with ``grad_outputs``; returns copies of its grads and puts
     every static grad buffer and grad-output buffer back as it was."""
     static_grads = graphs.grad_plan.static_grads
+    acc = graphs.accumulators
+    saved_acc = acc.snapshot() if acc is not None else None  # the replay adds into them
     with paddle.no_grad():
         saved_grads = [None if g is None else copy(g) for g in static_grads]
         saved_outs = [copy(b) for b in graphs.static_grad_outputs]
         for buf, g in zip(graphs.static_grad_outputs, grad_outputs):
             buf.copy_(g, False)
     graphs.bwd_graph.replay()
+    if acc is not None:
+        acc.restore(saved_acc)
     with paddle.no_grad():
         grads = [None if g is None else copy(g) for g in static_grads]
         for buf, value in zip(static_grads, saved_grads):
