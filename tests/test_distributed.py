@@ -28,6 +28,8 @@ WORKER = ROOT / "tests" / "dist_scripts" / "fleet_worker.py"
 TIMEOUT_S = 240  # the job takes ~8 s; a hang must not block CI
 CASES = (
     "dp_paddle",
+    "dp_accumulation_default_grad_policy",
+    "dp_refuses_accumulation_in_graph",
     "dp_fleet_decorated_method_with_dropout",
     "dp_unused_block",
     "all_reduce_in_graphed_function",
@@ -116,6 +118,12 @@ class TestFleetTwoProcesses(unittest.TestCase):
 
     def test_fleet_distributed_model_dp2_decorated_method_with_dropout(self):
         self._check_data_parallel("dp_fleet_decorated_method_with_dropout")
+
+    def test_data_parallel_accumulation_with_the_default_grad_policy(self):
+        self._check_data_parallel("dp_accumulation_default_grad_policy")
+
+    def test_data_parallel_refuses_accumulation_in_graph(self):
+        self._check_data_parallel("dp_refuses_accumulation_in_graph")
 
     def test_data_parallel_find_unused_parameters_with_a_skipped_graphed_block(self):
         self._check_data_parallel("dp_unused_block")

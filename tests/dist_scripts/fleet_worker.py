@@ -11,6 +11,7 @@ Fleet is initialised once (data parallel degree 2). The tensor-parallel case han
 group to the layers as their model-parallel group, so all cases share one launch.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -97,7 +98,7 @@ class GraphedMethodBlock(Block):
 
 
 class Net(paddle.nn.Layer):
-    def __init__(self, block_cls=Block, graph_blocks=False, dropout=0.0):
+    def __init__(self, block_cls=Block, graph_blocks=False, dropout=0.0, **graph_options):
         super().__init__()
         self.embed = paddle.nn.Linear(8, 16)
         self.blocks = paddle.nn.LayerList([block_cls(dropout=dropout) for _ in range(2)])
@@ -105,7 +106,7 @@ class Net(paddle.nn.Layer):
         self.head = paddle.nn.Linear(16, 1)
         if graph_blocks:
             for block in self.blocks:
-                autocudagraph(block, backend="simulate", warmup_steps=1)
+                autocudagraph(block, backend="simulate", warmup_steps=1, **graph_options)
 
     def forward(self, x, skip=()):
         x = self.embed(x)
@@ -115,18 +116,21 @@ class Net(paddle.nn.Layer):
         return self.head(self.norm(x))
 
 
-def train_dp(make_model, wrap, steps=STEPS, skip_at=lambda step: ()):
-    """Trains wrap(model) with AdamW on this rank's data; returns per-step values and the model."""
+def train_dp(make_model, wrap, steps=STEPS, skip_at=lambda step: (), micro=1):
+    """Trains wrap(model) with AdamW on this rank's data, ``micro`` micro-batches per step (all
+    but the last under ``no_sync()``); returns per-step values and the model."""
     paddle.seed(1234 + RANK)  # different init per rank: the wrapper must broadcast rank 0's
     model = make_model()
     dp, opt = wrap(model)
     losses, step_grads = [], []
     for step in range(steps):
-        x = paddle.to_tensor(rank_data(step, [4, 8]))
-        target = paddle.to_tensor(rank_data(100 + step, [4, 1]))
-        loss = paddle.nn.functional.mse_loss(dp(x, skip=skip_at(step)), target)
-        loss.backward()
-        losses.append(loss.numpy())
+        for k in range(micro):
+            x = paddle.to_tensor(rank_data(10 * step + k, [4, 8]))
+            target = paddle.to_tensor(rank_data(100 + 10 * step + k, [4, 1]))
+            with dp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                loss = paddle.nn.functional.mse_loss(dp(x, skip=skip_at(step)), target)
+                loss.backward()
+            losses.append(loss.numpy())
         step_grads.append(grads(model))
         opt.step()
         opt.clear_grad()
@@ -240,6 +244,31 @@ def parallel_mlp(x, w1_shard, w2_shard):
     """A Megatron MLP from plain tensors: column-parallel w1, row-parallel w2."""
     h = paddle.nn.functional.gelu(paddle.matmul(CopyToParallel.apply(x), w1_shard))
     return ReduceFromParallel.apply(paddle.matmul(h, w2_shard))
+
+
+def case_dp_accumulation_default_grad_policy():
+    # Two micro-batches per step (the first under no_sync): the default clone_param_grads="auto"
+    # hands out aliases, p.grad adopts them, the reducer reads p.grad (NOTE [ Grad consumers ]).
+    eager, _ = train_dp(lambda: Net(), paddle_dp(), micro=2)
+    graphed, model = train_dp(lambda: Net(graph_blocks=True), paddle_dp(), micro=2)
+    compare_runs(eager, graphed)
+    expect_stats(graph_stats(model), captures=1, replays=2 * STEPS - 2)
+    copies = [s["grad_copies"] for s in graph_stats(model)]
+    if any(c > 4 for c in copies):  # at most the one-time moves of each block's 4 parameters
+        raise AssertionError(f"needless grad copies under DataParallel: {copies}")
+    return summary(graphed)
+
+
+def case_dp_refuses_accumulation_in_graph():
+    # accumulate_in_graph would skip the reducer's hooks: refused at capture, eager and correct.
+    eager, _ = train_dp(lambda: Net(), paddle_dp())
+    graphed, model = train_dp(lambda: Net(graph_blocks=True, accumulate_in_graph=True), paddle_dp())
+    compare_runs(eager, graphed)
+    for block in model.blocks:
+        stats = block.forward.stats()
+        if stats["captures"] != 0 or "would not be all-reduced" not in block.forward.explain():
+            raise AssertionError(f"accumulate_in_graph under DataParallel was not refused: {stats}")
+    return summary(graphed)
 
 
 def case_all_reduce_in_graphed_function():
@@ -380,6 +409,8 @@ def case_tensor_parallel_layers():
 
 CASES = [
     case_dp_paddle,
+    case_dp_accumulation_default_grad_policy,
+    case_dp_refuses_accumulation_in_graph,
     case_dp_fleet_decorated_method_with_dropout,
     case_dp_unused_block,
     case_all_reduce_in_graphed_function,
