@@ -1,8 +1,13 @@
 """One call of a wrapped callable: its arguments and their flattened tensors."""
 
+import paddle
+
 from .static_io import flatten, unflatten
 
 __all__ = ["Call"]
+
+# Number of positional tensor arguments -> their spec.
+_POSITIONAL = {}
 
 
 class Call:
@@ -20,7 +25,14 @@ class Call:
     def __init__(self, args, kwargs):
         self.args = args
         self.kwargs = kwargs
-        self.tensors, self.consts, self.spec = flatten((args, kwargs))
+        if not kwargs and all(isinstance(a, paddle.Tensor) for a in args):
+            # The common call, f(x, ...) with tensors only: the spec flatten() would make, cached.
+            spec = _POSITIONAL.get(len(args))
+            if spec is None:
+                spec = _POSITIONAL[len(args)] = flatten((args, {}))[2]
+            self.tensors, self.consts, self.spec = list(args), [], spec
+        else:
+            self.tensors, self.consts, self.spec = flatten((args, kwargs))
 
     def rebuild(self, tensors):
         """``(args, kwargs)`` with ``tensors`` in place of this call's tensors."""

@@ -35,7 +35,7 @@ from .accumulate import Accumulators
 from .captured import BlockGraphs
 from .errors import CaptureError, CudaGraphError
 from .grad_plan import GradPlan
-from .grads import GradSwap, merge_leaf_grads
+from .grads import GradSwap, can_hook, merge_leaf_grads
 from .host import host_mask, is_marked_host, mark_host
 from .layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from .stale import StaleOutputs
@@ -170,6 +170,7 @@ class _BlockCapture:
             # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
             # as long as the graphs: a CUDA graph keeps writing and reading those addresses, so the
             # allocator must never hand them to another tensor.
+            graphs.out_hookable = [d and can_hook(o) for o, d in zip(graphs.static_outputs, graphs.out_differentiable)]
             graphs.live = live
             captured = True
         finally:

@@ -22,7 +22,8 @@ class BlockGraphs:
             no backward: no grad mode, or nothing needs grad).
         static_inputs: StaticInputs of the call's tensors; in_spec: the call's structure.
         static_outputs, out_spec, out_consts: the outputs and how to rebuild the result.
-        out_differentiable: per output, whether it carries grad.
+        out_differentiable: per output, whether it carries grad; out_hookable: per output,
+            whether it is handed out through a hookable alias (grads.can_hook).
         host_outputs: indices of host (CPU) outputs (NOTE [ Host tensors ] in host.py).
         clone_outputs: the output policy fixed at capture (NOTE [ Policies fixed at capture ]).
         params: ParamSet of the Layers the call used (layers: those Layers).
@@ -51,6 +52,7 @@ class BlockGraphs:
     out_spec: Any = None
     out_consts: Optional[list] = None
     out_differentiable: List[bool] = dataclasses.field(default_factory=list)
+    out_hookable: List[bool] = dataclasses.field(default_factory=list)
     host_outputs: List[int] = dataclasses.field(default_factory=list)
     clone_outputs: bool = True
     params: Any = None

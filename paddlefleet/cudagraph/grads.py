@@ -19,7 +19,7 @@ from paddle import _C_ops
 
 from .static_io import place_key
 
-__all__ = ["alias", "copy", "GradSwap", "hand_out", "hookable", "merge_leaf_grads", "rescue_grad"]
+__all__ = ["alias", "can_hook", "copy", "GradSwap", "hand_out", "hookable", "merge_leaf_grads", "rescue_grad"]
 
 # The C++ entry points skip Paddle's Python wrappers (measured: view 9.7 us -> 4.6 us,
 # clone 9.2 us -> 6.9 us per call on the host); both are copies/views, no arithmetic kernel.
@@ -168,9 +168,14 @@ def _reshape_passes_grads(t):
     return ok
 
 
+def can_hook(t):
+    """Whether hookable() can alias tensors like ``t``: Paddle ignores hooks registered on a
+    PyLayer's outputs, so a differentiable alias (a reshape to its own shape, no copy) is handed
+    out instead, where such an alias passes grads through unchanged on ``t``'s place (Paddle 2.6
+    on a GPU has no view_shape grad kernel; reshape is checked by value once per place)."""
+    return _reshape_passes_grads(t)
+
+
 def hookable(t):
-    """``t`` as a differentiable alias (a reshape to its own shape, no copy), so that hooks the
-    caller registers on it run: Paddle ignores hooks registered on a PyLayer's outputs. Returns
-    ``t`` itself where such an alias cannot be made (Paddle 2.6 on a GPU has no view_shape grad
-    kernel; reshape is checked by value once per place)."""
-    return _RESHAPE(t, t.shape) if _reshape_passes_grads(t) else t
+    """``t`` as a differentiable alias whose hooks run (see can_hook(), checked by the caller)."""
+    return _RESHAPE(t, t.shape)

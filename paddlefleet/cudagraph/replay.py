@@ -73,7 +73,7 @@ def run_graphs(graphs, call, copy, name, label):
             outputs = [outputs]
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
         # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
-        outputs = [hookable(o) if d else o for o, d in zip(outputs, graphs.out_differentiable)]
+        outputs = [hookable(o) if h else o for o, h in zip(outputs, graphs.out_hookable)]
     else:
         graphs.fwd_graph.replay()
         outputs = hand_out_outputs(graphs)

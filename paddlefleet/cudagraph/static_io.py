@@ -135,6 +135,8 @@ def place_key(place):
     """
     if place.is_gpu_place():
         return place.gpu_device_id()
+    if place.is_cpu_place():
+        return "cpu"
     return str(place)
 
 
