@@ -47,6 +47,7 @@ class GraphEntry:
     verify_left: int = 0
     warmup_calls: int = 0
     captures: int = 0
+    recaptures: int = 0
     replays: int = 0
     input_copies: int = 0
     input_copies_skipped: int = 0

@@ -121,8 +121,7 @@ class Lifecycle:
         if entry.phase is Phase.RECAPTURE:
             if not self._budget_allows(entry):
                 return self._eager(call, "max_graphs reached")
-            self.counters.recaptures += 1
-            return self._capture(entry, call)
+            return self._recapture(entry, call)
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
 
     def _eager(self, call, reason):
@@ -175,13 +174,15 @@ class Lifecycle:
 
     def _replay(self, entry, call):
         blocked = self._body.blocker(entry, call)
-        if blocked is not None and blocked.action == "recapture":
-            if blocked.warning is not None:
-                self._warn_once(("recapture", blocked.warning), blocked.warning)
+        if blocked is not None and blocked.warning is not None:
+            self._warn_once(("blocked", blocked.reason), blocked.warning)
+        if blocked is not None and blocked.action == "recapture_once" and entry.recaptures:
+            entry.fall_back(f"{blocked.reason}, again after a re-capture")
+            return self._eager(call, "key fell back: its graphs could not be kept valid")
+        if blocked is not None and blocked.action in ("recapture", "recapture_once"):
             entry.to_recapture()
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
-            self.counters.recaptures += 1
-            return self._capture(entry, call)
+            return self._recapture(entry, call)
         if blocked is not None:
             self._warn_once(
                 "inflight",
@@ -191,6 +192,11 @@ class Lifecycle:
             )
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
+
+    def _recapture(self, entry, call):
+        entry.recaptures += 1
+        self.counters.recaptures += 1
+        return self._capture(entry, call)
 
     def _graph_call(self, entry, call, copy):
         if entry.verify_left <= 0:

@@ -23,8 +23,8 @@ from .static_io import unflatten
 
 __all__ = ["Blocked", "replay_blocker", "run_graphs"]
 
-#: Why a call cannot replay now: ``action`` "recapture" or "eager", the reason, and a warning to
-#: give once (or None).
+#: Why a call cannot replay now: ``action`` "recapture", "recapture_once" (the key falls back when
+#: it was captured again before) or "eager", the reason, and a warning to give once (or None).
 Blocked = collections.namedtuple("Blocked", "action reason warning", defaults=(None,))
 
 
@@ -51,10 +51,10 @@ def replay_blocker(graphs, call, check_inputs):
     if graphs.accumulators is not None:
         moved = graphs.accumulators.moved()
         if moved is not None:  # NOTE [ Accumulation inside the graph ] in accumulate.py
-            return Blocked("recapture", moved, (
-                f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (an "
-                "eager-equivalent result, at the cost of a capture per step). Zero accumulators in place instead: "
-                "optimizer.clear_grad() with set_to_zero=True, main_grad.zero_()."))
+            return Blocked("recapture_once", moved, (
+                f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
+                "happens again, the key runs eagerly). Zero accumulators in place instead: optimizer.clear_grad() "
+                "with set_to_zero=True, main_grad.zero_()."))
     if graphs.backward_pending():
         return Blocked("eager", "previous replay's backward still pending")
     return None
