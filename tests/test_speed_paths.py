@@ -248,6 +248,33 @@ class AccumulateInGraphTest(BackendCase):
         with self.assertRaisesRegex((CudaGraphError, OSError), "was freed or rebound between the forward and the backward"):
             y.backward()
 
+    def test_a_failed_capture_takes_back_the_accumulators_it_made(self):
+        class HostSyncInBackward(paddle.autograd.PyLayer):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 1.0
+
+            @staticmethod
+            def backward(ctx, dy):
+                dy.numpy()  # a host sync: refused by a capture
+                return dy
+
+        class Net(Chain):
+            def forward(self, x):
+                return HostSyncInBackward.apply(super().forward(x))
+
+        eager, graphed = twin_layers(Net)
+        self.graphed(graphed, warmup_steps=0, accumulate_in_graph=True)
+        x = batches(1)[0]
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            y = graphed(x)
+        self.assertEqual([p.grad for p in graphed.parameters()], [None] * 3, "accumulators left behind")
+        mse(y).backward()
+        mse(eager(x)).backward()
+        self.assertBitwise(grads_of(graphed), grads_of(eager))
+        self.assertEqual(graphed.forward.stats()["captures"], 0)
+
     def test_input_grads_still_flow_through_the_bridge(self):
         eager, graphed = twin_layers(Chain)
         self.graphed(graphed, warmup_steps=0, accumulate_in_graph=True)

@@ -100,6 +100,8 @@ class _BlockCapture:
         try:
             self._capture(graphs)
         except BaseException:
+            if graphs.accumulators is not None:  # made for this capture: take them back
+                graphs.accumulators.undo()
             graphs.release()
             raise
         return graphs
@@ -191,12 +193,6 @@ class _BlockCapture:
         if not (differentiable and (any(needs_grad) or params)):
             graphs.out_differentiable = [False] * len(graphs.static_outputs)
             return
-        # NOTE [ Accumulation inside the graph ] in accumulate.py: made before the capture.
-        acc = Accumulators(params) if self.opts.accumulate_in_graph and params else None
-        graphs.accumulators = acc
-        graphs.bridged = [] if acc is not None else params
-        if acc is not None and not any(needs_grad):
-            graphs.anchor = _anchor(params[0].place)
         with paddle.no_grad():
             grad_outputs = []
             for i, d in enumerate(graphs.out_differentiable):
@@ -205,16 +201,19 @@ class _BlockCapture:
                     buf.stop_gradient = True
                     grad_outputs.append(buf)
         first_param = len(leaves) - len(params)
-        if acc is None:
-            grad_groups.probe(params)
-        body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first_param, acc, self.by_grad)
+        # NOTE [ Accumulation inside the graph ] in accumulate.py: made before the capture.
+        acc = Accumulators(params) if self.opts.accumulate_in_graph and params else None
+        graphs.accumulators = acc
+        graphs.bridged = [] if acc is not None else params
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
         try:
+            if acc is not None and not any(needs_grad):
+                graphs.anchor = _anchor(params[0].place)
+            if acc is None:
+                grad_groups.probe(params)
+            body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first_param, acc,
+                                  self.by_grad)
             results = self._capture_backward(graphs, body)
-        except BaseException:
-            if acc is not None:
-                acc.undo()
-            raise
         finally:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
@@ -222,8 +221,10 @@ class _BlockCapture:
         recipe = _Recipe(body, self.opts.capture_hooks, len(leaves), live, needs_grad, graphs.bridged,
                          self.opts.clone_param_grads)
         graphs.grad_plan = recipe.plan(results)
-        if graphs.bridged and self.opts.clone_param_grads is not True:
-            graphs.recipe = recipe  # NOTE [ Two grad buffer sets ] in grad_plan.py
+        # NOTE [ Two grad buffer sets ] in grad_plan.py. Not for a backward() body: it runs
+        # parameter hooks, which a second capture would run once more.
+        if graphs.bridged and self.opts.clone_param_grads is not True and self.by_grad:
+            graphs.recipe = recipe
 
     def _capture_backward(self, graphs, backward_body):
         graphs.bwd_graph = self.backend.new_graph(graphs.pool)
@@ -280,7 +281,11 @@ def capture_second_backward(graphs):
     recipe, graphs.recipe, graphs.second_wanted = graphs.recipe, None, False
     backend = graphs.backend
     with CAPTURE_LOCK:
+        # A capture that runs the body leaves no trace (a recompute inside re-runs a forward).
         rng = state.rng_snapshot()
+        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
+        for layer in graphs.layers:
+            snapshot.add(layer)
         graph = backend.new_graph(graphs.pool)
         try:
             results = list(graph.capture(recipe.body, recipe.hooks))
@@ -289,6 +294,7 @@ def capture_second_backward(graphs):
             graph.reset()
             return
         finally:
+            snapshot.restore()
             if backend.capture_executes:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
     graphs.second = (graph, recipe.plan(results))
