@@ -31,7 +31,9 @@ class GraphEntry:
         key: the dispatch key; label: a readable form of it for explain() and messages.
         backend: the backend that captures and replays this key.
         graphs: what the capture made (BlockGraphs for blocks), None before capture and after a
-            release; it has ``release()``, ``nbytes()`` and ``backward_pending()``.
+            release; it has ``release()``, ``nbytes()``, ``backward_pending()``, ``layers`` (whose
+            training flags key later calls), ``describe()`` (a line for explain()) and
+            ``grad_copies()``.
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in static_io.py).
     """
