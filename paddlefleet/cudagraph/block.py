@@ -3,9 +3,10 @@ replayed through the autograd bridge. ``GraphedCallable`` is what autocudagraph(
 ``BlockBody`` is what its phases run.
 
 A body is what the phase machine in lifecycle.py runs for each phase of one kind of call:
-``run`` (eager: warmup and fallback), ``capture``, ``blocker`` (may this call replay now?),
-``replay`` and ``verified_replay``. Blocks use capture.py, replay.py and verify.py; the whole
-training step has a body of its own.
+``run`` (eager: fallback), ``warmup``, ``ready`` (may a warmed-up key capture now?),
+``capture``, ``blocker`` (may this call replay now?), ``replay`` and ``verified_replay``. Blocks
+use capture.py, replay.py and verify.py; the whole training step has a body of its own
+(step_body.py).
 """
 
 import weakref
@@ -64,6 +65,14 @@ class BlockBody:
         if self._owner_ref is None:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
+
+    def warmup(self, entry, call):
+        """A warmup call: the function itself, eagerly."""
+        return self.run(call.args, call.kwargs)
+
+    def ready(self, entry):
+        """A block captures as soon as its warmup calls are done."""
+        return True
 
     def capture(self, entry, call, names, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call``; returns its BlockGraphs or raises."""

@@ -27,9 +27,10 @@ class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
-        body: what each phase runs for this kind of call (BlockBody for blocks): ``name``,
-            ``options``, ``bound``, ``layers()``, ``run``, ``capture``, ``blocker``, ``replay``,
-            ``verified_replay``.
+        body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
+            whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
+            ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
+            ``replay``, ``verified_replay``.
         fn: the wrapped function (keys read its signature).
     """
 
@@ -113,10 +114,10 @@ class Lifecycle:
         if entry.phase is Phase.REPLAY:
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
-            if entry.warmup_calls < self._options.warmup_steps:
+            if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
                 entry.warmed_up(call.tensors)
                 self.counters.warmup_calls += 1
-                return self._body.run(args, kwargs)
+                return self._body.warmup(entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
             if not self._budget_allows(entry):
@@ -184,12 +185,13 @@ class Lifecycle:
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
             return self._recapture(entry, call)
         if blocked is not None:
-            self._warn_once(
-                "inflight",
-                "called again with the same key before the backward of the previous call ran; this call runs "
-                "eagerly so the graph's saved activations are not overwritten. Run backward between calls, "
-                "or give such calls their own key.",
-            )
+            if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
+                self._warn_once(
+                    "inflight",
+                    "called again with the same key before the backward of the previous call ran; this call runs "
+                    "eagerly so the graph's saved activations are not overwritten. Run backward between calls, "
+                    "or give such calls their own key.",
+                )
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
 
