@@ -57,25 +57,30 @@ def _op_modules():
     return modules
 
 
-def _norm(value, on_gpu):
-    """A hashable, comparable form of one op argument (tensors by kind, host values by value)."""
+_TENSOR = ("T",)
+
+
+def _norm(value, hosts):
+    """A hashable, comparable form of one op argument: tensors by kind (a host tensor is also
+    appended to ``hosts`` when it is a list), host values by value."""
     if isinstance(value, paddle.Tensor):
-        host = is_marked_host(value) or (on_gpu and value.place.is_cpu_place())
-        return ("H",) if host else ("T",)
+        if hosts is not None and (is_marked_host(value) or (hosts.on_gpu and value.place.is_cpu_place())):
+            hosts.append(value)
+        return _TENSOR
     if isinstance(value, float):
         return ("f", value.hex() if math.isfinite(value) else repr(value))
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return tuple(_norm(v, on_gpu) for v in value)
+        return tuple(_norm(v, hosts) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _norm(v, on_gpu)) for k, v in value.items())
+        return tuple((k, _norm(v, hosts)) for k, v in value.items())
     if isinstance(value, np.ndarray) or isinstance(value, np.generic):
         arr = np.asarray(value)
         data = arr.tobytes() if arr.size <= _MAX_ELEMENTS else hash(arr.tobytes())
         return ("nd", str(arr.dtype), arr.shape, data)
     if isinstance(value, (slice, range)):
-        return (type(value).__name__, _norm(value.start, on_gpu), _norm(value.stop, on_gpu), _norm(value.step, on_gpu))
+        return (type(value).__name__, _norm(value.start, hosts), _norm(value.stop, hosts), _norm(value.step, hosts))
     if value is Ellipsis:
         return "..."
     if isinstance(value, (types.FunctionType, types.MethodType, type)):
@@ -104,6 +109,7 @@ class OpTrace:
     def __init__(self, on_gpu=False, where=True):
         self.ops = []
         self.lines = []
+        self.host_ops = []
         self._on_gpu = on_gpu
         self._where = where
         self._saved = []
@@ -115,9 +121,12 @@ class OpTrace:
         def traced(*args, **kwargs):
             if trace._depth:  # an op called by an op (a Python-level Paddle API): one record
                 return original(*args, **kwargs)
-            trace.ops.append((label, _norm(args, trace._on_gpu), _norm(kwargs, trace._on_gpu) if kwargs else ()))
+            hosts = _Hosts(trace._on_gpu)
+            trace.ops.append((label, _norm(args, hosts), _norm(kwargs, hosts) if kwargs else ()))
             if trace._where:
                 trace.lines.append(_user_line())
+            if hosts:
+                trace.host_ops.append((len(trace.ops) - 1, label))
             trace._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -160,24 +169,38 @@ class OpTrace:
     def host_inputs(self):
         """``[(index, op, line)]`` of ops that read a host tensor (a CPU tensor on a GPU step, or
         one marked with mark_host on the simulated backend)."""
-        found = []
-        for i, (op, args, kwargs) in enumerate(self.ops):
-            if _contains_host((args, kwargs)):
-                found.append((i, op, self.lines[i] if i < len(self.lines) else None))
-        return found
+        return [(i, op, self.lines[i] if i < len(self.lines) else None) for i, op in self.host_ops]
 
 
-def _contains_host(value):
-    if value == ("H",):
-        return True
+class _Hosts(list):
+    """The host tensors among one op's arguments."""
+
+    def __init__(self, on_gpu):
+        super().__init__()
+        self.on_gpu = on_gpu
+
+
+def _show(value):
+    """A readable form of a normalised argument."""
+    if value == _TENSOR:
+        return "<tensor>"
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "f":
+        text = value[1]
+        return repr(float.fromhex(text)) if text.startswith(("0x", "-0x")) else text
     if isinstance(value, tuple):
-        return any(_contains_host(v) for v in value)
-    return False
+        return "(" + ", ".join(_show(v) for v in value) + ")"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _show(args):
-    text = repr(args)
-    return text if len(text) <= 160 else text[:157] + "..."
+def _argument_difference(a, b):
+    """``"argument 2: 2.0 -> 3.0"`` for the first differing argument of one op in two traces."""
+    args_a, args_b = a[1], b[1]
+    if len(args_a) == len(args_b):
+        for k, (x, y) in enumerate(zip(args_a, args_b)):
+            if x != y:
+                return f"argument {k} {_show(x)} at the {{0}} and {_show(y)} at the {{1}}"
+    return f"keyword arguments {_show(a[2])} at the {{0}} and {_show(b[2])} at the {{1}}"
 
 
 def describe_trace_difference(before, after, before_name, after_name, lines=()):
@@ -194,8 +217,7 @@ def describe_trace_difference(before, after, before_name, after_name, lines=()):
             if a[0] != b[0]:
                 return (f"op #{i} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the step "
                         "takes another branch)")
-            return (f"op #{i} {a[0]}{at} got the host values {_show(a[1:])} at the {before_name} and "
-                    f"{_show(b[1:])} at the {after_name}")
+            return f"op #{i} {a[0]}{at} got " + _argument_difference(a, b).format(before_name, after_name)
     longer, name = (before, before_name) if len(before.ops) > len(after.ops) else (after, after_name)
     i = min(len(before.ops), len(after.ops))
     return (f"the {before_name} ran {len(before.ops)} ops and the {after_name} {len(after.ops)}; the first extra op "

@@ -395,13 +395,6 @@ class _StepCapture:
     def _check(self, live, before, watch, graphs):
         body = self.body
         trace = live["trace"]
-        diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
-        if diff is not None:
-            raise CaptureError(
-                f"autocudagraph: the step reads a host value that changes between steps: {diff}. A graph replays "
-                "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
-                "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
-            )
         host = trace.host_inputs()
         if host:
             i, op, line = host[0]
@@ -416,6 +409,13 @@ class _StepCapture:
                 f"autocudagraph: the capture step created or replaced state: {changes}. A graph keeps using the "
                 "tensors that existed at capture, so later steps would silently train stale ones. Create "
                 "parameters and optimizer state before training, and update tensors in place."
+            )
+        diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
+        if diff is not None:
+            raise CaptureError(
+                f"autocudagraph: the step reads a host value that changes between steps: {diff}. A graph replays "
+                "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
+                "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
             )
         if live["record"].leaves_grads and graphs.grad_mode == CLOSED:
             raise CaptureError(
