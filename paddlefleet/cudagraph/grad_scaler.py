@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 import paddle
 
-from .optim_state import optimizer_params, state_tensors
+from .optim_state import inner_optimizer, optimizer_params, state_tensors
 
 __all__ = ["GraphGradScaler", "live_scalers"]
 
@@ -105,7 +105,8 @@ class GraphGradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = [p.grad for p in optimizer_params(optimizer) if not p.stop_gradient and p.grad is not None]
+        params = optimizer_params(inner_optimizer(optimizer) or optimizer)
+        grads = [p.grad for p in params if not p.stop_gradient and p.grad is not None]
         with paddle.no_grad():
             inverse = (1.0 / self._scale.astype("float64")).astype("float32")
             finite = None
@@ -138,19 +139,20 @@ class GraphGradScaler:
 
     def _step_or_undo(self, optimizer):
         saved = []
-        original = optimizer._append_optimize_op
+        inner = inner_optimizer(optimizer) or optimizer  # Fleet's wrappers step the optimizer inside
+        original = inner._append_optimize_op
 
         def first_update(block, param_and_grad):
             if not saved:  # after the optimizer created its state, before it writes any
                 with paddle.no_grad():
-                    saved.extend((t, t.clone()) for _, t in state_tensors(optimizer) if t._is_initialized())
+                    saved.extend((t, t.clone()) for _, t in state_tensors(inner) if t._is_initialized())
             return original(block, param_and_grad)
 
-        optimizer._append_optimize_op = first_update
+        inner._append_optimize_op = first_update
         try:
             optimizer.step()
         finally:
-            del optimizer._append_optimize_op
+            del inner._append_optimize_op
         skip = self._found_inf.reshape([])
         with paddle.no_grad():
             for t, before in saved:

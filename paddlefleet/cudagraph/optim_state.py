@@ -34,6 +34,7 @@ from .backends.host_marks import is_marked_host, mark_host
 from .errors import CaptureError
 
 __all__ = [
+    "inner_optimizer",
     "optimizer_params",
     "state_tensors",
     "LRFeed",
@@ -43,6 +44,18 @@ __all__ = [
 ]
 
 _BETA_POWS = ("beta1_pow_acc", "beta2_pow_acc")
+
+
+def inner_optimizer(opt):
+    """The paddle.optimizer.Optimizer inside Fleet's wrappers (HybridParallelOptimizer and
+    friends keep it in ``_inner_opt``), or None when there is none."""
+    seen = 0
+    while not isinstance(opt, paddle.optimizer.Optimizer) and seen < 8:
+        opt = getattr(opt, "_inner_opt", None)
+        if opt is None:
+            return None
+        seen += 1
+    return opt if isinstance(opt, paddle.optimizer.Optimizer) else None
 
 
 def optimizer_params(opt):

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import paddle
 
 from .lifecycle import Lifecycle
+from .optim_state import inner_optimizer
 from .options import BACKEND_NAMES
 from .step_body import StepBody
 
@@ -25,7 +26,7 @@ class StepOptions:
 
     Attributes:
         optimizers: the optimizers the step function steps (their learning rates are fed and
-            their state checked).
+            their state checked); Fleet's wrappers (fleet.distributed_optimizer) are accepted.
         warmup_steps: eager steps per key before the capture (at least 1: the first step
             creates the optimizer state, and the capture is compared with a warmup step).
         max_graphs: keys (batch shapes, phases) that may warm up or hold graphs at once.
@@ -75,9 +76,10 @@ class StepOptions:
                              f"objects, got {opts!r}. The wrapper feeds their learning rates and checks their "
                              "state; pass optimizers=[opt].")
         for i, opt in enumerate(opts):
-            if not isinstance(opt, paddle.optimizer.Optimizer):
+            if inner_optimizer(opt) is None:
                 _fail(TypeError, f"optimizers[{i}] is {opt!r} ({type(opt).__name__}), not a "
-                                 "paddle.optimizer.Optimizer. Pass the optimizers the step calls step() on.")
+                                 "paddle.optimizer.Optimizer (or a Fleet wrapper of one). Pass the optimizers the "
+                                 "step calls step() on.")
         object.__setattr__(self, "optimizers", tuple(opts))
 
 

@@ -36,7 +36,8 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from .host import host_mask
 from .host_values import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from .layers import CAPTURE_LOCK, LayerRecorder
-from .optim_state import LRFeed, check_supported, move_beta_pows_to_device, optimizer_params, suppress_lr_fill
+from .optim_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
+                          suppress_lr_fill)
 from .replay import Blocked
 from .static_io import StaticInputs, flatten, holds_tensor, nbytes, unflatten
 from .step_state import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
@@ -157,7 +158,7 @@ class StepBody:
         self.fn = fn
         self.options = options
         self.name = getattr(fn, "__name__", type(fn).__name__)
-        self.optimizers = list(options.optimizers)
+        self.optimizers = [inner_optimizer(opt) for opt in options.optimizers]  # Fleet wrappers unwrapped
         self.slots = GradSlots()
         self._feeds = [LRFeed(opt) for opt in self.optimizers]
         self._bindings = BindingWatch(fn)
