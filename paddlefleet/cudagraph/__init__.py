@@ -1,6 +1,11 @@
 """Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph`` (blocks) and
 ``autocudagraph_step`` (the whole training step)."""
 
+# NOTE [ numpy.random before paddle ]: with Paddle 2.6.2 and NumPy 2.4, importing numpy.random
+# after paddle crashes the process (SIGSEGV in inflateReset2: two zlib builds; measured here).
+# Importing it first is harmless and keeps `python -m paddlefleet.cudagraph demo` alive.
+import numpy.random  # noqa: F401
+
 from . import grad_consumers
 from .api import autocudagraph
 from .backends import is_capturing
