@@ -38,6 +38,7 @@ __all__ = [
     "assert_bitwise",
     "bitwise_failures",
     "build",
+    "check_smoke_path",
     "close_error",
     "cuda_skip_reason",
     "device",
@@ -320,28 +321,34 @@ def run_info(on_gpu, repo=None):
 
 
 def info_lines(info):
-    """Markdown bullet lines for ``run_info()``'s facts."""
+    """Markdown bullet lines for ``run_info()``'s facts ("?" for any that are missing)."""
+    get = lambda key, none="?": none if info.get(key) is None else info[key]  # noqa: E731
     return [
-        f"- date: {info['date']}; paddlefleet at {info['commit'] or '? (no git checkout here)'}",
-        f"- paddle {info['paddle']} (commit {info['paddle_commit']}, CUDA {info['paddle_cuda']}), "
-        f"python {info['python']}, numpy {info['numpy']}",
-        f"- GPU: {info['gpu'] or 'none (CPU)'}; driver {info['driver'] or '?'}; "
-        f"NVIDIA_TF32_OVERRIDE={info['tf32_override']}",
-        f"- CUDA graphs: {info['cuda_graphs']}; forward and backward share a pool: {info['pool_sharing']}",
+        f"- date: {get('date')}; paddlefleet at {get('commit', '? (no git checkout here)')}",
+        f"- paddle {get('paddle')} (commit {get('paddle_commit')}, CUDA {get('paddle_cuda', 'none')}), "
+        f"python {get('python')}, numpy {get('numpy')}",
+        f"- GPU: {get('gpu', 'none (CPU)')}; driver {get('driver')}; NVIDIA_TF32_OVERRIDE={get('tf32_override')}",
+        f"- CUDA graphs: {get('cuda_graphs')}; forward and backward share a pool: {get('pool_sharing')}",
     ]
 
 
 GENERATED_MARK = "<!-- Generated below by {tool}; text above this line is kept when it rewrites the file. -->"
 
 
+def check_smoke_path(path, tool):
+    """Raises ValueError unless ``path`` is under the temp directory: a smoke run's numbers say
+    nothing about a GPU and must never land where results are kept."""
+    if not os.path.abspath(path).startswith(os.path.join(tempfile.gettempdir(), "")):
+        raise ValueError(f"{tool}: a smoke run writes only under {tempfile.gettempdir()}, not to {path}: "
+                         "its results say nothing about a GPU. Pass a path under it, or run on the cuda backend.")
+
+
 def write_generated(path, lines, tool, smoke=False):
     """Writes ``lines`` to ``path`` below the generated-text mark, keeping any text above it.
 
-    ``smoke``: the run was a smoke test (simulated backend, CPU): refused outside the temp
-    directory, so its numbers never land where results are kept."""
-    if smoke and not os.path.abspath(path).startswith(os.path.join(tempfile.gettempdir(), "")):
-        raise ValueError(f"{tool}: a smoke run writes only under {tempfile.gettempdir()}, not to {path}: "
-                         "its results say nothing about a GPU. Pass a path under it, or run on the cuda backend.")
+    ``smoke``: the run was a smoke test (simulated backend, CPU): see ``check_smoke_path``."""
+    if smoke:
+        check_smoke_path(path, tool)
     mark = GENERATED_MARK.format(tool=tool)
     kept = []
     if os.path.exists(path):
