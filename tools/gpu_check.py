@@ -31,18 +31,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import paddle  # noqa: E402
-
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from paddlefleet.cudagraph.testing import (  # noqa: E402
-    check_smoke_path,
-    cuda_skip_reason,
-    host_tensor,
-    info_lines,
-    run_info,
-    short,
-    write_generated,
-)
+from paddlefleet.cudagraph.testing import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
+from paddlefleet.cudagraph.testing import info_lines, run_info, short, write_generated  # noqa: E402
 
 CASES = ["tests/test_gpu_safe.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
@@ -117,11 +108,12 @@ def gpu_facts():
     try:
         from paddle.device.cuda import graphs
 
+        with device("gpu"):
+            a, b = host_tensor([1.0]), host_tensor([1.0])
         core_graph = getattr(graphs, "CoreCUDAGraph", None)
         names = ("begin_capture", "begin_capture_with_pool_id", "gen_new_memory_pool_id")
         found = [n for n in names if core_graph is not None and hasattr(core_graph, n)]
         lines.append(f"- core.CUDAGraph has {found or 'none of ' + str(list(names))}")
-        a, b = host_tensor([1.0]), host_tensor([1.0])
         lines.append(f"- Place: `a.place == b.place` for two tensors on one device is {a.place == b.place}, "
                      f"str equal {str(a.place) == str(b.place)}, hash equal {hash(a.place) == hash(b.place)}")
     except Exception as err:  # noqa: BLE001 - the report still says what it could
@@ -185,11 +177,8 @@ def main():
     title = "autocudagraph end-to-end check (cuda backend)" if cuda else \
         "SMOKE RUN of tools/gpu_check.py (simulated backend on the CPU): not a GPU result"
     head = [f"# {title}", ""] + info_lines(run_info(cuda, REPO))
-    if cuda and paddle.is_compiled_with_cuda():
-        with_gpu = paddle.get_device()
-        paddle.set_device("gpu")
+    if cuda:
         head += gpu_facts()
-        paddle.set_device(with_gpu)
     head += [f"- cases: `pytest -m gpu_safe {' '.join(CASES)}` with {ENV_BACKEND}={args.backend} "
              "(matmul-only suite cases, NOTE [ Kernel-less GPUs ] in paddlefleet/cudagraph/testing.py)", ""]
     print("\n".join(head), flush=True)

@@ -37,7 +37,7 @@ from paddlefleet.cudagraph.testing import (
     short,
 )
 
-from .timing import MODES, Runner, run_rounds
+from .timing import MODES, Runner, run_rounds, timed_call
 
 pc = time.perf_counter
 
@@ -206,17 +206,12 @@ def raw_entry(s):
         body()
     graph, static = capture_raw(s, body)
 
-    def step():
-        start = pc()
-        graph.replay()
-        return pc() - start
-
     def check():
         graph.replay()
         s.sync()
         return compare([t.numpy() for t in static], s.reference, "replayed y and grads")
 
-    return Entry(Runner("raw_replay", step, s.sync, short), check, cleanup=graph.reset)
+    return Entry(Runner("raw_replay", timed_call(graph.replay), s.sync, short), check, cleanup=graph.reset)
 
 
 class TrainStep:
@@ -250,13 +245,11 @@ def whole_step_entry(s, name, with_sgd):
         raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
     body, twin = TrainStep(s.model(), with_sgd), TrainStep(s.model(), with_sgd)
     graphed = make(body, optimizers=body.optimizers, warmup_steps=2)
-    counted = [0]
+    counted, timed = [0], timed_call(graphed, s.x, s.dy)
 
     def step():
         counted[0] += 1
-        start = pc()
-        graphed(s.x, s.dy)
-        return pc() - start
+        return timed()
 
     def check():  # with an update the twin catches up; then both take one more step
         while with_sgd and twin.calls < counted[0]:
@@ -275,14 +268,8 @@ def eager_sgd_entry(s):
     """Eager forward + backward + SGD update: what the whole-step graph with an update replaces."""
     if s.cuda and cuda_skip_reason("all"):
         raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
-    step = TrainStep(s.model(), with_sgd=True)
-
-    def timed():
-        start = pc()
-        step(s.x, s.dy)
-        return pc() - start
-
-    return Entry(Runner("paddle_eager_sgd", timed, s.sync, short), check=None)
+    step = timed_call(TrainStep(s.model(), with_sgd=True), s.x, s.dy)
+    return Entry(Runner("paddle_eager_sgd", step, s.sync, short), check=None)
 
 
 #: Runner groups, each timed in its own child process: the whole-step graph is new, and a CUDA

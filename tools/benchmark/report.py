@@ -160,7 +160,7 @@ def markdown(rows, info, torch, run, plot_note):
         "marked (NOT bitwise) failed that check. torch ran with Paddle's TF32 setting: compare its ratios.",
         "",
     ]
-    out += [f"![per config: eager / autocudagraph / raw replay / torch, both modes](benchmarks.png)", ""] \
+    out += ["![per config: eager / autocudagraph / raw replay / torch, both modes](benchmarks.png)", ""] \
         if plot_note is None else [f"Plot: {plot_note}", ""]
     for mode in MODES:
         out += [f"## {mode.capitalize()} (us per step)", ""] + _time_table(rows, mode, MAIN_COLUMNS, host=True) + [""]

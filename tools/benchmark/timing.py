@@ -112,6 +112,18 @@ class Runner:
                 "host_us": statistics.median(host) * 1e6 if host else None, "samples": len(times)}
 
 
+def timed_call(fn, *args):
+    """A runner step that calls ``fn(*args)`` and returns its host seconds."""
+    pc = time.perf_counter
+
+    def step():
+        start = pc()
+        fn(*args)
+        return pc() - start
+
+    return step
+
+
 def run_rounds(runners, rounds, steps):
     """Times every runner in both modes, ``rounds`` times, order and modes alternating."""
     for r in range(rounds):

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from .timing import MODES, Runner, pick_configs, run_rounds
+from .timing import MODES, Runner, pick_configs, run_rounds, timed_call
 
 pc = time.perf_counter
 
@@ -97,17 +97,12 @@ def _runners(torch, cfg, dev, sync, out):
             static = [m(x)]
             static += list(torch.autograd.grad(static[0], params, dy))
 
-        def step():
-            start = pc()
-            graph.replay()
-            return pc() - start
-
         def check():
             graph.replay()
             sync()
             return same(static)
 
-        return step, check
+        return timed_call(graph.replay), check
 
     pairs = []
     for name, make in (("torch_eager", eager_pair), ("torch_graphed", graphed_pair), ("torch_raw_replay", raw_pair)):
