@@ -42,7 +42,9 @@ RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 # ----------------------------------------------------------------------------- running the cases
 def run_child(backend, results, keyword, done, timeout):
     """One pytest child over the gpu_safe cases not in ``done``; returns (exit code, stderr tail)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: backend})
+    # Only pytest's own plugins: a GPU host's Python carries many (jaxtyping, hypothesis, ...), built
+    # for its numpy, while Paddle 2.6 runs with numpy 1.26 first on PYTHONPATH.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **{ENV_BACKEND: backend})
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu_safe", f"--rootdir={REPO}",
            f"--results-jsonl={results}", *CASES]
