@@ -23,37 +23,52 @@ def describe(err):
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _runners(torch, cfg, dev, sync, out):
-    """(runner, check) pairs of one config; failures to set one up go to ``out['why_null']``."""
-    nn = torch.nn
-    gen = torch.Generator().manual_seed(1234)
-    per = cfg.layers // cfg.blocks
-    weights = [torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width ** 0.5 for _ in range(cfg.layers)]
-    x = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
-    dy = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
+class TorchSetup:
+    """One config's models (the same weights), data and eager reference."""
 
-    class Block(nn.Module):
-        def __init__(self, ws):
-            super().__init__()
-            self.ws = nn.ParameterList([nn.Parameter(w.clone()) for w in ws])
+    def __init__(self, torch, cfg, dev, sync):
+        self.torch, self.cfg, self.dev, self.sync = torch, cfg, dev, sync
+        nn = torch.nn
+        gen = torch.Generator().manual_seed(1234)
+        self.weights = [torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width ** 0.5 for _ in range(cfg.layers)]
+        self.x = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
+        self.dy = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
 
-        def forward(self, h):
-            for w in self.ws:
-                h = torch.matmul(h, w)
-            return h
+        class Block(nn.Module):
+            def __init__(self, ws):
+                super().__init__()
+                self.ws = nn.ParameterList([nn.Parameter(w.clone()) for w in ws])
 
-    def model():
-        return nn.Sequential(*[Block(weights[i * per:(i + 1) * per]) for i in range(cfg.blocks)]).to(dev)
+            def forward(self, h):
+                for w in self.ws:
+                    h = torch.matmul(h, w)
+                return h
 
-    def snapshot(call, params):
-        y = call(x)
-        y.backward(dy)
+        self.block = Block
+        self.eager = self.model()
+        self.reference = self.snapshot(self.eager, list(self.eager.parameters()))
+
+    def model(self):
+        per = self.cfg.layers // self.cfg.blocks
+        blocks = [self.block(self.weights[i * per:(i + 1) * per]) for i in range(self.cfg.blocks)]
+        return self.torch.nn.Sequential(*blocks).to(self.dev)
+
+    def snapshot(self, call, params):
+        """[y, every parameter's grad] of one step; grads released."""
+        y = call(self.x)
+        y.backward(self.dy)
         got = [y.detach().clone()] + [p.grad.clone() for p in params]
         for p in params:
             p.grad = None
         return got
 
-    def step_of(call, params):
+    def same(self, got):
+        equal = all(self.torch.equal(a, b) for a, b in zip(got, self.reference))
+        return [] if equal else ["results differ from torch eager"]
+
+    def step_of(self, call, params):
+        x, dy = self.x, self.dy
+
         def step():
             start = pc()
             y = call(x)
@@ -65,52 +80,55 @@ def _runners(torch, cfg, dev, sync, out):
 
         return step
 
-    eager = model()
-    reference = snapshot(eager, list(eager.parameters()))
 
-    def same(got):
-        return [] if all(torch.equal(a, b) for a, b in zip(got, reference)) else ["results differ from torch eager"]
+def eager_pair(t):
+    params = list(t.eager.parameters())
+    return t.step_of(t.eager, params), lambda: t.same(t.snapshot(t.eager, params))
 
-    def eager_pair():
-        params = list(eager.parameters())
-        return step_of(eager, params), lambda: same(snapshot(eager, params))
 
-    def graphed_pair():
-        m = model()
-        params = list(m.parameters())
-        samples = [(x.clone(),)] + [(torch.randn_like(x).requires_grad_(),) for _ in range(cfg.blocks - 1)]
-        blocks = torch.cuda.make_graphed_callables(tuple(m), tuple(samples))
-        call = nn.Sequential(*blocks) if cfg.blocks > 1 else blocks[0]
-        return step_of(call, params), lambda: same(snapshot(call, params))
+def graphed_pair(t):
+    """torch.cuda.make_graphed_callables, one graphed callable per block."""
+    torch, m = t.torch, t.model()
+    params = list(m.parameters())
+    samples = [(t.x.clone(),)] + [(torch.randn_like(t.x).requires_grad_(),) for _ in range(t.cfg.blocks - 1)]
+    blocks = torch.cuda.make_graphed_callables(tuple(m), tuple(samples))
+    call = torch.nn.Sequential(*blocks) if t.cfg.blocks > 1 else blocks[0]
+    return t.step_of(call, params), lambda: t.same(t.snapshot(call, params))
 
-    def raw_pair():
-        m = model()
-        params = list(m.parameters())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                snapshot(m, params)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = [m(x)]
-            static += list(torch.autograd.grad(static[0], params, dy))
 
-        def check():
-            graph.replay()
-            sync()
-            return same(static)
+def raw_pair(t):
+    """Raw torch.cuda.CUDAGraph replay of the whole step (the floor)."""
+    torch, m = t.torch, t.model()
+    params = list(m.parameters())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            t.snapshot(m, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = [m(t.x)]
+        static += list(torch.autograd.grad(static[0], params, t.dy))
 
-        return timed_call(graph.replay), check
+    def check():
+        graph.replay()
+        t.sync()
+        return t.same(static)
 
+    return timed_call(graph.replay), check
+
+
+def _runners(torch, cfg, dev, sync, out):
+    """(runner, check) pairs of one config; failures to set one up go to ``out['why_null']``."""
+    t = TorchSetup(torch, cfg, dev, sync)
     pairs = []
     for name, make in (("torch_eager", eager_pair), ("torch_graphed", graphed_pair), ("torch_raw_replay", raw_pair)):
         if name != "torch_eager" and dev.type != "cuda":
             out["why_null"][name] = "torch has no CUDA here (smoke run): CUDA graphs need a GPU"
             continue
         try:
-            step, check = make()
+            step, check = make(t)
         except Exception as err:  # noqa: BLE001 - keep the other runners
             out["why_null"][name] = f"could not be set up: {describe(err)}"
             continue
