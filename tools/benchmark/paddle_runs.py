@@ -16,7 +16,6 @@ option this version lacks, a kernel this GPU lacks, an error) gets a null time a
 
 import gc
 import sys
-import time
 
 import numpy as np
 import paddle
@@ -37,9 +36,8 @@ from paddlefleet.cudagraph.testing import (
     short,
 )
 
-from .timing import MODES, Runner, run_rounds, timed_call
+from .timing import MODES, Runner, forward_timed, run_rounds, timed_call
 
-pc = time.perf_counter
 
 
 class Blocks(paddle.nn.Layer):
@@ -89,18 +87,12 @@ class Setup:
 
     def step(self, model, release=True):
         """The timed step: returns the host seconds of the forward call."""
-        x, dy = self.x, self.dy
-
-        def step():
-            start = pc()
-            y = model(x)
-            host = pc() - start
-            y.backward(dy)
+        def finish(y):
+            y.backward(self.dy)
             if release:
                 release_grads(model)
-            return host
 
-        return step
+        return forward_timed(model, self.x, finish)
 
 
 class Unavailable(Exception):

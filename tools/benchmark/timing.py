@@ -124,6 +124,21 @@ def timed_call(fn, *args):
     return step
 
 
+def forward_timed(call, x, finish):
+    """A runner step: ``y = call(x)``, timed on the host (the forward call: a graphed wrapper's host
+    time), then ``finish(y)`` (backward, release grads)."""
+    pc = time.perf_counter
+
+    def step():
+        start = pc()
+        y = call(x)
+        host = pc() - start
+        finish(y)
+        return host
+
+    return step
+
+
 def run_rounds(runners, rounds, steps):
     """Times every runner in both modes, ``rounds`` times, order and modes alternating."""
     for r in range(rounds):

@@ -11,11 +11,9 @@ graphed runners are recorded as unavailable with the reason.
 
 import json
 import sys
-import time
 
-from .timing import MODES, Runner, pick_configs, run_rounds, timed_call
+from .timing import MODES, Runner, forward_timed, pick_configs, run_rounds, timed_call
 
-pc = time.perf_counter
 
 
 def describe(err):
@@ -67,18 +65,13 @@ class TorchSetup:
         return [] if equal else ["results differ from torch eager"]
 
     def step_of(self, call, params):
-        x, dy = self.x, self.dy
-
-        def step():
-            start = pc()
-            y = call(x)
-            host = pc() - start
-            y.backward(dy)
+        """The timed step: returns the host seconds of the forward call."""
+        def finish(y):
+            y.backward(self.dy)
             for p in params:
                 p.grad = None
-            return host
 
-        return step
+        return forward_timed(call, self.x, finish)
 
 
 def eager_pair(t):
