@@ -1,7 +1,10 @@
 """Shared test machinery: the backends to run on, device placement, bitwise comparison.
 
 Every test class that mixes in BackendCase runs once per backend in BACKENDS (simulate always;
-cuda where Paddle has CUDA graphs and kernels for the GPU, else skipped with the reason).
+cuda where Paddle has CUDA graphs and kernels for the GPU, else skipped with the reason). Classes
+of MatmulOnlyCase need only matmuls and copies, so their cuda variants also run on a GPU whose
+Paddle lacks its other kernels (tools/gpu_check.py runs them there). The comparison, device and
+model helpers live in paddlefleet/cudagraph/testing.py, which the tools share.
 """
 
 import os
