@@ -8,5 +8,8 @@ setup(
     python_requires=">=3.8",
     # paddlepaddle or paddlepaddle-gpu: the user's choice, so neither is forced here.
     install_requires=["numpy"],
-    extras_require={"test": ["paddlepaddle>=2.6", "pytest", "parameterized"]},
+    extras_require={
+        "test": ["paddlepaddle>=2.6", "pytest", "parameterized"],
+        "bench": ["matplotlib"],  # tools/bench.py's plot; the bench runs without it and says so
+    },
 )
