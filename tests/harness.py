@@ -137,6 +137,15 @@ def grads_of(layer):
     return {n: (None if p.grad is None else p.grad.numpy()) for n, p in layer.named_parameters()}
 
 
+def clear_grads(layer, set_to_zero=True):
+    """``layer.clear_gradients(set_to_zero)`` in a spelling every Paddle has: Paddle 2.6's
+    Layer.clear_gradients() takes no argument (it always zeroes), Tensor.clear_gradient(flag)
+    exists on 2.6 and 3.x alike."""
+    for p in layer.parameters():
+        if p.trainable:
+            p.clear_gradient(set_to_zero)
+
+
 def params_of(layer):
     return {n: p.numpy() for n, p in layer.named_parameters()}
 
@@ -146,6 +155,7 @@ __all__ = [
     "BackendCase",
     "assert_bitwise",
     "backend_classes",
+    "clear_grads",
     "clone_leaf",
     "cuda_skip_reason",
     "grads_of",

@@ -27,6 +27,7 @@ from paddlefleet.cudagraph import state
 from .harness import (
     BackendCase,
     backend_classes,
+    clear_grads,
     clone_leaf,
     grads_of,
     parameterized_class,
@@ -158,7 +159,9 @@ class TrackerCase(BackendCase):
     def reseed(self, seed=11):
         """Same starting point for the default generator and the tracker state."""
         paddle.seed(seed)
-        get_rng_state_tracker().set_states_tracker(self._tracker_start)
+        # A fresh dict every time: Paddle 2.6's set_states_tracker adopts the dict it is given
+        # (later rng_state blocks write into it), 3.x copies the states out of it.
+        get_rng_state_tracker().set_states_tracker(dict(self._tracker_start))
 
 
 # ---------------------------------------------------------------------------- item 1
@@ -212,7 +215,7 @@ class GradAccumulationTest(BackendCase):
         layer = self.graphed(MLP(), clone_param_grads=clone, warmup_steps=0)
         x1, x2 = batches(2)
         mse(layer(x1)).backward()  # capture
-        layer.clear_gradients(set_to_zero=False)
+        clear_grads(layer, set_to_zero=False)
         with layer.forward.counters.expect(replays=2, captures=0):
             mse(layer(x1)).backward()
             first = grads_of(layer)
@@ -421,7 +424,7 @@ class ClonePolicyTest(BackendCase):
 
     @staticmethod
     def _grads_eager(layer, xs):
-        layer.clear_gradients(set_to_zero=False)
+        clear_grads(layer, set_to_zero=False)
         for x in xs:
             mse(layer(x)).backward()
         return grads_of(layer)

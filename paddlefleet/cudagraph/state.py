@@ -43,11 +43,22 @@ def rng_snapshot():
 
 
 def restore_rng(snapshot):
-    """Puts back a snapshot taken by rng_snapshot()."""
+    """Puts back a snapshot taken by rng_snapshot(); the snapshot stays valid, so it can be
+    restored again (NOTE [ Restoring the tracker ])."""
     default, tracked = snapshot
     paddle.set_rng_state(default)
     if tracked is not None:
-        _tracker().set_states_tracker(tracked)
+        # NOTE [ Restoring the tracker ]
+        # Paddle 2.6's RNGStatesTracker keeps GeneratorState values in a dict, and
+        # set_states_tracker(states) makes ``states`` that dict: every later rng_state(name)
+        # block writes its advanced state into it. Handing it our snapshot's dict would let
+        # the next tracker use overwrite the snapshot, and a second restore (verify_replays
+        # restores the state before a call twice on a mismatch) would put back the advanced
+        # states: silently different dropout masks than eager. Paddle 3.x keeps states by
+        # index and copies them out of the dict. A fresh dict each time is right for both.
+        # The GeneratorState objects themselves are values: get_state() returns a copy and
+        # set_state() copies in (phi::Generator, both versions), so sharing them is safe.
+        _tracker().set_states_tracker(dict(tracked))
 
 
 @contextlib.contextmanager
