@@ -7,6 +7,8 @@ cuda where Paddle has CUDA graphs and kernels for the GPU, else skipped with the
 import contextlib
 import functools
 import os
+import subprocess
+import sys
 import unittest
 
 import numpy as np
@@ -34,6 +36,31 @@ def cuda_skip_reason():
     if not np.array_equal(b, [2.0, 4.0]):
         return "Paddle's add kernel returns wrong values on this GPU (no kernels for its architecture)"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_random_after_paddle_kills_the_process():
+    """None, or why a fresh process that imports paddle and then numpy.random dies here.
+
+    Paddle 2.6.2 is built for numpy 1.x; with numpy 2.x, loading numpy.random's extension
+    modules after paddle segfaults (measured: numpy 2.4.6, also ``import paddle;
+    numpy.random.rand(1)``). Importing numpy.random first, or numpy<2, avoids it.
+    """
+    probe = subprocess.run([sys.executable, "-c", "import paddle; import numpy.random"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode == 0:
+        return None
+    return (f"this Paddle ({paddle.__version__}) kills a process that imports numpy.random after paddle "
+            f"(exit {probe.returncode}) with numpy {np.__version__}: it does not support numpy 2; install "
+            "numpy<2 next to it (docs/compat.md)")
+
+
+def storageless_numpy_is_empty():
+    """Whether ``numpy()`` of a tensor whose storage was released returns an empty array
+    (Paddle 3.x) rather than an uninitialised array of the tensor's shape (Paddle 2.6)."""
+    t = paddle.ones([2])
+    t._clear_data()
+    return t.numpy().size == 0
 
 
 @contextlib.contextmanager
@@ -159,8 +186,10 @@ __all__ = [
     "clone_leaf",
     "cuda_skip_reason",
     "grads_of",
+    "numpy_random_after_paddle_kills_the_process",
     "parameterized_class",
     "params_of",
+    "storageless_numpy_is_empty",
     "paddle_device",
     "twin_layers",
 ]

@@ -15,7 +15,15 @@ import paddle
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
 from paddlefleet.cudagraph.safety import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, paddle_device, parameterized_class, twin_layers
+from .harness import (
+    BackendCase,
+    backend_classes,
+    clone_leaf,
+    paddle_device,
+    parameterized_class,
+    storageless_numpy_is_empty,
+    twin_layers,
+)
 
 THIS_FILE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
@@ -290,11 +298,15 @@ class FootgunTest(BackendCase):
         self.assertBitwise(y1, y2, "y1 now holds the second call's values")
         self.assertEqual(y1.data_ptr(), y2.data_ptr())
 
-    def test_stale_output_numpy_returns_an_empty_array(self):
+    def test_stale_output_numpy_is_not_detected(self):
         f = self.graphed(double, warmup_steps=0, clone_outputs=False, check_stale_outputs=True)
         y1 = f(data(2, 2))
         f(data(2, 2, seed=1))
-        self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        self.assertFalse(y1._is_initialized(), "the stale alias's storage handle was released")
+        if storageless_numpy_is_empty():
+            self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        else:  # Paddle 2.6: an uninitialised array of the tensor's shape, not an error either
+            self.assertEqual(y1.numpy().shape, (2, 2))
         with self.assertRaises(RuntimeError):
             y1 * 1.0
 
