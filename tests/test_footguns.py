@@ -382,6 +382,22 @@ class RecomputedDropout(paddle.nn.Layer):
         return recompute(lambda h: self.drop(self.fc(h)), x)
 
 
+class TrackedDropout(paddle.nn.Layer):
+    """Dropout under a Fleet RNG tracker state inside the forward."""
+
+    STATE = "cg_footgun_tracked"
+
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        with get_rng_state_tracker().rng_state(self.STATE):
+            return paddle.nn.functional.dropout(self.fc(x), 0.5)
+
+
 class RecordingCaptureTest(unittest.TestCase):
     def test_recompute_with_dropout_runs_eagerly_on_cuda(self):
         # A real CUDA capture only records; the simulated backend stands in for it with
@@ -411,6 +427,59 @@ class RecordingCaptureTest(unittest.TestCase):
         np.testing.assert_array_equal(model.fc.weight.grad.numpy(), ref.fc.weight.grad.numpy(), strict=True)
         self.assertEqual(model.forward.stats()["eager_reasons"], {"capture failed": 1})
         self.assertTrue(any("rewinds the RNG" in str(c.message) for c in caught))
+
+    def _recording(self, model, ref, state_indices):
+        """Calls ``model`` (autocudagraph'd, simulate) under a recording capture and ``ref``
+        eagerly from the same RNG state; returns the warnings of the capture."""
+        from unittest import mock
+
+        from paddlefleet.cudagraph import state
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        x = paddle.randn([4, 8])
+        with mock.patch.object(SimulatedBackend, "capture_executes", False), \
+                mock.patch.object(state, "generator_state_indices", lambda: state_indices), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paddle.seed(3)
+            y = model(x)
+            after = paddle.rand([4])
+        paddle.seed(3)
+        y_e = ref(x)
+        np.testing.assert_array_equal(y.numpy(), y_e.numpy(), strict=True)
+        np.testing.assert_array_equal(after.numpy(), paddle.rand([4]).numpy(), strict=True)
+        stats = model.forward.stats() if hasattr(model, "forward") else model.stats()
+        self.assertEqual((stats["captures"], stats["eager_reasons"]), (0, {"capture failed": 1}))
+        return [str(c.message) for c in caught]
+
+    def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
+        # NOTE [ Random kernels under a recording capture ] in state.py; the simulated backend
+        # stands in for a recording capture with capture_executes=False.
+        def noisy(x):
+            return x + paddle.rand(x.shape)
+
+        for indices in (True, False):
+            graphed = autocudagraph(noisy, backend="simulate", warmup_steps=0)
+            messages = self._recording(graphed, noisy, indices)
+            self.assertTrue(any("random kernel 'uniform'" in m and "does not re-seed" in m for m in messages),
+                            messages)
+
+    def test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices(self):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        tracker = get_rng_state_tracker()
+        saved = (dict(tracker.states_), set(tracker.seeds_))
+        self.addCleanup(lambda: setattr(tracker, "states_", saved[0]) or setattr(tracker, "seeds_", saved[1]))
+        tracker.add(TrackedDropout.STATE, 5150)
+        start = tracker.get_states_tracker()
+        model, ref = twin_layers(TrackedDropout)
+        autocudagraph(model, backend="simulate", warmup_steps=0)
+        tracker.set_states_tracker(dict(start))
+        messages = self._recording(model, lambda x: (tracker.set_states_tracker(dict(start)), ref(x))[1], False)
+        self.assertTrue(any("generator state indices" in m for m in messages), messages)
 
 
 class PaddleCrashTest(unittest.TestCase):

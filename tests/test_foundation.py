@@ -677,6 +677,50 @@ class TestRecomputeUnderRecordingCapture(unittest.TestCase):
         self.assertEqual((stats["captures"], stats["fallbacks"]), (1, 0), messages)
 
 
+class TestCudaReplayKeepsTheCallersGeneratorState(unittest.TestCase):
+    """NOTE [ Generator state index after replay ] in backends/cuda.py, with stand-ins for the
+    CUDA graph and generator (the real ones need a GPU: tools/rng_gpu_check.py)."""
+
+    class Generator:
+        def __init__(self):
+            self.index = 0
+
+        def get_state_index(self):
+            return self.index
+
+        def set_state_index(self, index):
+            self.index = index
+
+    def _graph(self, generator, fail=False):
+        class Replaying:
+            def replay(self):
+                generator.index = 3  # what the re-seeding hook of a tracker dropout leaves
+                if fail:
+                    raise RuntimeError("replay failed")
+
+        with mock.patch.object(cuda_backend, "_indexed_generator", lambda place: generator):
+            graph = cuda_backend._CudaGraph(place=None, pool=None)
+        graph._graph = Replaying()
+        return graph
+
+    def test_replay_puts_the_callers_state_index_back(self):
+        generator = self.Generator()
+        self._graph(generator).replay()
+        self.assertEqual(generator.index, 0)
+        with self.assertRaisesRegex(RuntimeError, "replay failed"):
+            self._graph(generator, fail=True).replay()
+        self.assertEqual(generator.index, 0)
+
+    def test_no_indexed_generator_without_cuda_or_state_indices(self):
+        # CPU builds have no CUDA generator; Paddle 2.6's generators have no state index.
+        place = paddle.CUDAPlace(0) if paddle.is_compiled_with_cuda() else None
+        found = cuda_backend._indexed_generator(place)
+        if paddle.is_compiled_with_cuda() and hasattr(paddle.base.core.default_cpu_generator(), "get_state_index"):
+            self.assertIsNotNone(found)
+        else:
+            self.assertIsNone(found)
+
+
 class TestBackendChoice(unittest.TestCase):
     def setUp(self):
         device = paddle_device("cpu")

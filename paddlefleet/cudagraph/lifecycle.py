@@ -378,9 +378,12 @@ class GraphedCallable:
         entry.clone_param_grads = opts.clone_param_grads
         try:
             entry.fwd_graph = backend.new_graph(entry.pool)
-            with LayerRecorder(snapshot, watch) as recorder:
+            # NOTE [ Random kernels under a recording capture ] in state.py.
+            rng_guard = state.RecordingRngGuard(enabled=not backend.capture_executes)
+            with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = entry.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
+            rng_guard.check()
             for value in live["spec"][1]:
                 if holds_tensor(value):
                     raise CaptureError(
