@@ -262,8 +262,6 @@ class TestLayers(BackendCase):
                 self.assertEqual(model.forward.stats()["captures"], 1 if make is not DecoratedFFN else 0)
 
     def test_pickled_graphed_layer_keeps_its_binding(self):
-        import pickle
-
         reason = parameter_pickling_missing()
         if reason:
             self.skipTest(reason)
@@ -277,8 +275,6 @@ class TestLayers(BackendCase):
     def test_pickled_parameterless_graphed_layer_keeps_its_binding(self):
         # Runs where parameters cannot be pickled too (Paddle 2.6): the wrapper's own
         # __reduce__ is what is under test.
-        import pickle
-
         model = self.graphed(Gain(3.0), warmup_steps=0)
         x = paddle.randn([4, 8])
         expected = model(x)
