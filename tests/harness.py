@@ -7,9 +7,13 @@ Paddle lacks its other kernels (tools/gpu_check.py runs them there). The compari
 model helpers live in paddlefleet/cudagraph/testing.py, which the tools share.
 """
 
+import functools
 import os
+import subprocess
+import sys
 import unittest
 
+import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
@@ -42,6 +46,31 @@ class Record:
 
 
 RECORD = Record()
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_random_after_paddle_kills_the_process():
+    """None, or why a fresh process that imports paddle and then numpy.random dies here.
+
+    Paddle 2.6.2 is built for numpy 1.x; with numpy 2.x, loading numpy.random's extension
+    modules after paddle segfaults (measured: numpy 2.4.6, also ``import paddle;
+    numpy.random.rand(1)``). Importing numpy.random first, or numpy<2, avoids it.
+    """
+    probe = subprocess.run([sys.executable, "-c", "import paddle; import numpy.random"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode == 0:
+        return None
+    return (f"this Paddle ({paddle.__version__}) kills a process that imports numpy.random after paddle "
+            f"(exit {probe.returncode}) with numpy {np.__version__}: it does not support numpy 2; install "
+            "numpy<2 next to it (docs/compat.md)")
+
+
+def storageless_numpy_is_empty():
+    """Whether ``numpy()`` of a tensor whose storage was released returns an empty array
+    (Paddle 3.x) rather than an uninitialised array of the tensor's shape (Paddle 2.6)."""
+    t = paddle.ones([2])
+    t._clear_data()
+    return t.numpy().size == 0
 
 
 def backend_classes():
@@ -133,6 +162,15 @@ def grads_of(layer):
     return {n: (None if p.grad is None else p.grad.numpy()) for n, p in layer.named_parameters()}
 
 
+def clear_grads(layer, set_to_zero=True):
+    """``layer.clear_gradients(set_to_zero)`` in a spelling every Paddle has: Paddle 2.6's
+    Layer.clear_gradients() takes no argument (it always zeroes), Tensor.clear_gradient(flag)
+    exists on 2.6 and 3.x alike."""
+    for p in layer.parameters():
+        if p.trainable:
+            p.clear_gradient(set_to_zero)
+
+
 def params_of(layer):
     return {n: p.numpy() for n, p in layer.named_parameters()}
 
@@ -145,12 +183,15 @@ __all__ = [
     "assert_bitwise",
     "backend_classes",
     "backend_variants",
+    "clear_grads",
     "clone_leaf",
     "cuda_skip_reason",
     "grads_of",
     "normal",
+    "numpy_random_after_paddle_kills_the_process",
     "parameterized_class",
     "params_of",
+    "storageless_numpy_is_empty",
     "paddle_device",
     "release_grads",
     "twin_layers",

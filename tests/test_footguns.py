@@ -15,7 +15,15 @@ import paddle
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
 from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, paddle_device, parameterized_class, twin_layers
+from .harness import (
+    BackendCase,
+    backend_classes,
+    clone_leaf,
+    paddle_device,
+    parameterized_class,
+    storageless_numpy_is_empty,
+    twin_layers,
+)
 
 THIS_FILE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
@@ -290,11 +298,15 @@ class FootgunTest(BackendCase):
         self.assertBitwise(y1, y2, "y1 now holds the second call's values")
         self.assertEqual(y1.data_ptr(), y2.data_ptr())
 
-    def test_stale_output_numpy_returns_an_empty_array(self):
+    def test_stale_output_numpy_is_not_detected(self):
         f = self.graphed(double, warmup_steps=0, clone_outputs=False, check_stale_outputs=True)
         y1 = f(data(2, 2))
         f(data(2, 2, seed=1))
-        self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        self.assertFalse(y1._is_initialized(), "the stale alias's storage handle was released")
+        if storageless_numpy_is_empty():
+            self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        else:  # Paddle 2.6: an uninitialised array of the tensor's shape, not an error either
+            self.assertEqual(y1.numpy().shape, (2, 2))
         with self.assertRaises(RuntimeError):
             y1 * 1.0
 
@@ -370,6 +382,22 @@ class RecomputedDropout(paddle.nn.Layer):
         return recompute(lambda h: self.drop(self.fc(h)), x)
 
 
+class TrackedDropout(paddle.nn.Layer):
+    """Dropout under a Fleet RNG tracker state inside the forward."""
+
+    STATE = "cg_footgun_tracked"
+
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        with get_rng_state_tracker().rng_state(self.STATE):
+            return paddle.nn.functional.dropout(self.fc(x), 0.5)
+
+
 class RecordingCaptureTest(unittest.TestCase):
     def test_recompute_with_dropout_runs_eagerly_on_cuda(self):
         # A real CUDA capture only records; the simulated backend stands in for it with
@@ -400,10 +428,63 @@ class RecordingCaptureTest(unittest.TestCase):
         self.assertEqual(model.forward.stats()["eager_reasons"], {"capture failed": 1})
         self.assertTrue(any("rewinds the RNG" in str(c.message) for c in caught))
 
+    def _recording(self, model, ref, state_indices):
+        """Calls ``model`` (autocudagraph'd, simulate) under a recording capture and ``ref``
+        eagerly from the same RNG state; returns the warnings of the capture."""
+        from unittest import mock
+
+        from paddlefleet.cudagraph import state
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        x = paddle.randn([4, 8])
+        with mock.patch.object(SimulatedBackend, "capture_executes", False), \
+                mock.patch.object(state, "generator_state_indices", lambda: state_indices), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paddle.seed(3)
+            y = model(x)
+            after = paddle.rand([4])
+        paddle.seed(3)
+        y_e = ref(x)
+        np.testing.assert_array_equal(y.numpy(), y_e.numpy(), strict=True)
+        np.testing.assert_array_equal(after.numpy(), paddle.rand([4]).numpy(), strict=True)
+        stats = model.forward.stats() if hasattr(model, "forward") else model.stats()
+        self.assertEqual((stats["captures"], stats["eager_reasons"]), (0, {"capture failed": 1}))
+        return [str(c.message) for c in caught]
+
+    def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
+        # NOTE [ Random kernels under a recording capture ] in state.py; the simulated backend
+        # stands in for a recording capture with capture_executes=False.
+        def noisy(x):
+            return x + paddle.rand(x.shape)
+
+        for indices in (True, False):
+            graphed = autocudagraph(noisy, backend="simulate", warmup_steps=0)
+            messages = self._recording(graphed, noisy, indices)
+            self.assertTrue(any("random kernel 'uniform'" in m and "does not re-seed" in m for m in messages),
+                            messages)
+
+    def test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices(self):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        tracker = get_rng_state_tracker()
+        saved = (dict(tracker.states_), set(tracker.seeds_))
+        self.addCleanup(lambda: setattr(tracker, "states_", saved[0]) or setattr(tracker, "seeds_", saved[1]))
+        tracker.add(TrackedDropout.STATE, 5150)
+        start = tracker.get_states_tracker()
+        model, ref = twin_layers(TrackedDropout)
+        autocudagraph(model, backend="simulate", warmup_steps=0)
+        tracker.set_states_tracker(dict(start))
+        messages = self._recording(model, lambda x: (tracker.set_states_tracker(dict(start)), ref(x))[1], False)
+        self.assertTrue(any("generator state indices" in m for m in messages), messages)
+
 
 class PaddleCrashTest(unittest.TestCase):
     def test_double_backward_through_a_pylayer_crashes_paddle(self):
-        # Not autocudagraph's: Paddle 3.3.1 segfaults on a second backward through any PyLayer
+        # Not autocudagraph's: Paddle 3.3.1 and 2.6.2 segfault on a second backward through any PyLayer
         # (retain_graph=True the first time). Graphed calls run through a PyLayer, so they do too.
         script = textwrap.dedent(
             """
@@ -432,7 +513,7 @@ class PaddleCrashTest(unittest.TestCase):
         self.assertIn("first backward ok", run.stdout)
         if "second backward ok" in run.stdout:  # behaviour, not version strings, decides
             self.skipTest(f"Paddle {paddle.__version__} survives a second backward through a PyLayer: "
-                          "docs/limitations.md describes 3.3.1, where it crashes")
+                          "docs/limitations.md describes 2.6.2 and 3.3.1, where it crashes")
         self.assertNotEqual(run.returncode, 0)
 
 
@@ -448,3 +529,18 @@ class DocTest(unittest.TestCase):
         tests = {n for cls in classes for n in dir(cls) if n.startswith("test_")}
         self.assertEqual(named - tests, set(), "entries whose test is missing")
         self.assertEqual(tests - named, set(), "tests without an entry in docs/limitations.md")
+
+    def test_every_test_named_in_compat_md_exists(self):
+        import importlib
+        import re
+
+        with open(os.path.join(ROOT, "docs", "compat.md")) as fh:
+            doc = fh.read()
+        named = set(re.findall(r"tests/(\w+)\.py::(\w+)::(test_\w+)", doc))
+        self.assertGreater(len(named), 20)
+        missing = []
+        for module, cls, test in sorted(named):
+            owner = getattr(importlib.import_module(f"tests.{module}"), cls, None)
+            if owner is None or not hasattr(owner, test):
+                missing.append(f"tests/{module}.py::{cls}::{test}")
+        self.assertEqual(missing, [], "docs/compat.md names tests that do not exist")

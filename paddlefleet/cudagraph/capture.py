@@ -153,9 +153,12 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            with LayerRecorder(snapshot, watch) as recorder:
+            # NOTE [ Random kernels under a recording capture ] in state.py.
+            rng_guard = state.RecordingRngGuard(enabled=not backend.capture_executes)
+            with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
+            rng_guard.check()
             _refuse_objects_holding_tensors(live["spec"][1])
             _refuse_written_inputs(static, adopted_values)
             graphs.static_inputs, graphs.in_spec = static, call.spec
