@@ -51,7 +51,7 @@ from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
 from .grads import GradSwap, hookable, merge_leaf_grads
 from .options import GraphOptions
-from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, unflatten
+from .static_io import StaticInputs, check_rebuild, flatten, holds_tensor, leaf_names, unflatten
 from .stats import Counters, describe_call, describe_entries
 
 __all__ = ["GraphedCallable"]
@@ -331,7 +331,10 @@ class GraphedCallable:
         opts = self._options
         backend = entry.backend
         owner = self._owner()
-        names = leaf_names(self._keys.named_arguments(args, kwargs))
+        named = self._keys.named_arguments(args, kwargs)
+        for name, value in named:  # NOTE [ Containers keep their type ] in static_io.py
+            check_rebuild(value, f"argument {name}")
+        names = leaf_names(named)
         host = safety.host_mask(tensors, on_gpu=backend.name == "cuda")
         # NOTE [ Adopted inputs ] in static_io.py: the same tensor as in the previous call.
         last = entry.last_inputs or ()
@@ -359,6 +362,8 @@ class GraphedCallable:
                 else:
                     out = fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
+            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in static_io.py
+                check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
             return out_tensors
@@ -385,9 +390,9 @@ class GraphedCallable:
                 if holds_tensor(value):
                     raise CaptureError(
                         f"autocudagraph: the function returns a {type(value).__name__} object holding tensors. "
-                        "Only tensors returned directly or in list/tuple/dict nests are replayed; this object "
-                        "would be returned as captured, with frozen values and no grads. Return a tuple or a "
-                        "dict of tensors instead."
+                        "Only tensors returned directly or in list/tuple/dict/dataclass nests are replayed; this "
+                        "object would be returned as captured, with frozen values and no grads. Return a tuple, "
+                        "a dict or a dataclass of tensors instead."
                     )
             written = static.written()
             if written:
