@@ -46,7 +46,7 @@ from .capture import (
     name_unknown_leaves,
     param_homes,
 )
-from .dispatch import KeyMaker
+from .dispatch import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
 from .errors import CaptureError, CudaGraphError, InputMismatchError
 from .grads import GradSwap, hookable, merge_leaf_grads
@@ -67,6 +67,8 @@ class GraphedCallable:
         options: validated GraphOptions.
         owner: the Layer (or object) ``fn`` is bound to, or None.
     """
+
+    __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
 
     def __init__(self, fn, options, owner=None):
         if not isinstance(options, GraphOptions):
