@@ -35,7 +35,7 @@ import weakref
 
 import paddle
 
-from . import grad_groups, safety, state, verify
+from . import grad_groups, replay_fallback, safety, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .capture import (
@@ -580,6 +580,8 @@ class GraphedCallable:
         return self._graph_call(entry, args, kwargs, tensors, copy=True)
 
     def _graph_call(self, entry, args, kwargs, tensors, copy):
+        if entry.backend.capture_executes:  # NOTE [ A replay that changes shape ] in replay_fallback.py
+            return replay_fallback.guarded_call(self, entry, args, kwargs, tensors, copy)
         if entry.verify_left > 0:
             return verify.verified_call(self, entry, args, kwargs, tensors, copy)
         return self._run_graphs(entry, tensors, copy)
