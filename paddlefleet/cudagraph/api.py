@@ -80,6 +80,10 @@ class _GraphedMethod:
         return self._static
 
     def __get__(self, obj, objtype=None):
+        if obj is not None and not self._classmethod:
+            wrapper = obj.__dict__.get(self._attr)  # the common case: an instance already bound
+            if wrapper is not None:
+                return wrapper
         if self._classmethod:
             return self._for_class(objtype if objtype is not None else type(obj))
         if obj is None:
