@@ -39,7 +39,7 @@ from .grads import GradSwap, can_hook, merge_leaf_grads
 from .host import host_mask, is_marked_host, mark_host
 from .layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from .stale import StaleOutputs
-from .static_io import StaticInputs, flatten, holds_tensor
+from .static_io import StaticInputs, check_rebuild, flatten, holds_tensor, leaf_names
 
 __all__ = ["capture_block", "capture_second_backward"]
 
@@ -54,17 +54,20 @@ class _GradBodyFailed(Exception):
         self.error = error
 
 
-def capture_block(fn, owner, options, backend, call, names, last_inputs, warn_once, label):
+def capture_block(fn, owner, options, backend, call, named, last_inputs, warn_once, label):
     """Captures one key of a block and returns its BlockGraphs; raises when it cannot.
 
     Args:
         fn, owner: the function and the Layer it is bound to (or None).
         options: GraphOptions; backend: the key's backend.
-        call: the capture call; names: the argument name of each of its tensors.
+        call: the capture call; named: its ``[(argument name, value)]``.
         last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
         warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
         label: the key's readable label, for messages.
     """
+    for name, value in named:  # NOTE [ Containers keep their type ] in static_io.py
+        check_rebuild(value, f"argument {name}")
+    names = leaf_names(named)
     with CAPTURE_LOCK:
         try:
             return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
@@ -137,6 +140,8 @@ class _BlockCapture:
             with paddle.set_grad_enabled(grad_enabled):
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
+            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in static_io.py
+                check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
             return out_tensors
@@ -355,9 +360,9 @@ def _refuse_objects_holding_tensors(out_consts):
         if holds_tensor(value):
             raise CaptureError(
                 f"autocudagraph: the function returns a {type(value).__name__} object holding tensors. "
-                "Only tensors returned directly or in list/tuple/dict nests are replayed; this object "
-                "would be returned as captured, with frozen values and no grads. Return a tuple or a "
-                "dict of tensors instead."
+                "Only tensors returned directly or in list/tuple/dict/dataclass nests are replayed; this "
+                "object would be returned as captured, with frozen values and no grads. Return a tuple, "
+                "a dict or a dataclass of tensors instead."
             )
 
 

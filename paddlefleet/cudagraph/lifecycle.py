@@ -12,8 +12,9 @@ import warnings
 
 from .backends import is_capturing, resolve_backend
 from .call import Call
-from .dispatch import KeyMaker
+from .dispatch import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
+from .errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from .stale import check_fresh
 from .stats import Counters, describe_entries, explain
@@ -32,6 +33,8 @@ class Lifecycle:
             ``verified_replay``.
         fn: the wrapped function (keys read its signature).
     """
+
+    __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
 
     def __init__(self, body, fn):
         self._body = body
@@ -150,7 +153,8 @@ class Lifecycle:
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
         try:
-            graphs = self._body.capture(entry, call, self._keys.leaf_names(call), last_inputs, self._warn_once)
+            named = self._keys.named_arguments(call.args, call.kwargs)
+            graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
         except Exception as err:  # contained: this key runs eagerly from now on
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
@@ -199,10 +203,17 @@ class Lifecycle:
         return self._capture(entry, call)
 
     def _graph_call(self, entry, call, copy):
-        if entry.verify_left <= 0:
-            return self._run_graphs(entry, call, copy)
-        entry.verify_left -= 1
-        result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+        try:
+            if entry.verify_left <= 0:
+                return self._run_graphs(entry, call, copy)
+            entry.verify_left -= 1
+            result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+        except ReplayShapeError as err:  # NOTE [ A replay that changes shape ] in replay_fallback.py
+            reason = f"{type(err).__name__}: {err}"
+            entry.fall_back(reason)
+            self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
+                            "The key runs eagerly from now on (results stay correct, without the speed-up).")
+            return self._eager(call, "a replay changed an output's shape")
         self.counters.verified_replays += 1
         entry.verified += 1
         if mismatch is None:
