@@ -397,6 +397,36 @@ class FootgunTest(BackendCase):
         with self.assertRaises(RuntimeError):
             y1 * 1.0
 
+    def test_a_tensor_feeding_three_outputs_may_differ_from_eager_in_the_last_bit(self):
+        # The grads a tensor gets from several outputs are summed in the order the backward's
+        # engine meets them: in eager that order comes from the caller's graph, in the captured
+        # backward from the outputs' grad nodes. Two terms commute exactly; three need not.
+        class Head(paddle.nn.Layer):
+            def __init__(self, outputs):
+                super().__init__()
+                self.fc = paddle.nn.Linear(5, 5)
+                self.outputs = outputs
+
+            def forward(self, x):
+                h = self.fc(x)
+                return (h.mean(0), h.sum(), h.sum())[: self.outputs]
+
+        for outputs in (2, 3):
+            eager, graphed = twin_layers(lambda: Head(outputs))
+            self.graphed(graphed, warmup_steps=1)
+            differ = 0
+            for i in range(12):
+                grads = []
+                for model in (graphed, eager):
+                    x = clone_leaf(data(6, 5, seed=i), stop_gradient=False)
+                    paddle.add_n([o.sum() for o in model(x)]).backward()
+                    grads.append(x.grad.numpy())
+                np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+                differ += grads[0].tobytes() != grads[1].tobytes()
+            if outputs == 2:
+                self.assertEqual(differ, 0, "two outputs: bitwise equal")
+            self.assertEqual(graphed.forward.stats()["replays"], 10)
+
     def test_second_call_before_backward_runs_eagerly(self):
         f = self.graphed(mm, warmup_steps=0)
         w = data(3, 3, grad=True)
