@@ -15,6 +15,9 @@ verify_replays=3. Speed options get one case each, generated from SPEED_OPTIONS 
 the reason) where this version's GraphOptions lacks the option.
 """
 
+import collections
+import dataclasses
+import typing
 import warnings
 
 import paddle
@@ -275,6 +278,123 @@ def _option_case(option):
 for _option in SPEED_OPTIONS:
     setattr(SpeedOptionCases, f"test_option_{_option.name}", _option_case(_option))
 
-for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases):
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    w: paddle.Tensor
+    n: int = 1
+
+
+@dataclasses.dataclass
+class LMOutput(collections.OrderedDict):
+    """ModelOutput-style (PaddleNLP / PaddleFormers): an OrderedDict dataclass whose non-None fields
+    are also items."""
+
+    logits: typing.Optional[paddle.Tensor] = None
+    loss: typing.Optional[paddle.Tensor] = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+
+class PatternCases(TwinCase):
+    """Call patterns of real model code (tests/test_patterns.py), matmul-only."""
+
+    def test_containers_keep_their_type_in_and_out(self):
+        """A ModelOutput-style dict subclass out (attribute access), a namedtuple and a frozen dataclass
+        in: their types survive warmup, capture and replays; values and grads equal eager."""
+        def head(pair, stats):
+            h = paddle.matmul(pair.x, stats.w)
+            return LMOutput(logits=paddle.matmul(h, pair.y), loss=None)
+
+        g = self.graphed(head)
+        draw = normal(8)
+        for k in range(4):
+            xn, wn, dyn = draw(4, 8), draw(8, 8), draw(4, 8)
+            outs = []
+            for fn in (g, head):
+                x, w = self.tensor(xn, grad=True), self.tensor(wn, grad=True)
+                out = fn(Point(x, w), Weights(w=w, n=3))
+                self.assertIsInstance(out, LMOutput)
+                out.logits.backward(self.tensor(dyn))
+                outs.append((out.logits, out["logits"], x.grad, w.grad))
+            self.assertBitwise(outs[0], outs[1], f"step {k}")
+        self.assertCounters(g, captures=1, replays=2, eager=0)
+        self.assertIsInstance(g(Point(self.tensor(xn), self.tensor(wn)), Weights(w=self.tensor(wn), n=3)), LMOutput)
+
+    def test_base_and_subclass_forward_both_graphed(self):
+        """@autocudagraph on Base.forward and Sub.forward, Sub calling super().forward(): no recursion,
+        each keeps its own wrapper; the inner call runs inside the outer graph."""
+        backend = self.backend
+
+        class Base(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([8, 8], dtype="float32")
+
+            @autocudagraph(backend=backend, warmup_steps=1)
+            def forward(self, x):
+                return paddle.matmul(x, self.w)
+
+        class Sub(Base):
+            @autocudagraph(backend=backend, warmup_steps=1)
+            def forward(self, x):
+                return paddle.matmul(super().forward(x), self.w)
+
+        class Eager(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([8, 8], dtype="float32")
+
+            def forward(self, x):
+                return paddle.matmul(paddle.matmul(x, self.w), self.w)
+
+        g, e = self.twins(Sub, 60), self.twins(Eager, 60)[0]
+        self.layer_steps(g[0], e, steps=5, batch=4, seed=9)
+        self.assertIsNot(type(g[0]).forward, Base.forward)
+        self.assertCounters(g[0].forward, captures=1, replays=3, eager=0)
+
+    def test_static_method_graphed(self):
+        """@staticmethod over @autocudagraph: the first tensor is an argument, not ``self``; stats() on the
+        class and on an instance are the same wrapper's."""
+        backend = self.backend
+
+        class Ops:
+            @staticmethod
+            @autocudagraph(backend=backend, warmup_steps=1)
+            def chain(x, w):
+                return paddle.matmul(paddle.matmul(x, w), w)
+
+        def chain(x, w):
+            return paddle.matmul(paddle.matmul(x, w), w)
+
+        draw = normal(10)
+        for k in range(4):
+            xn, wn, dyn = draw(4, 8), draw(8, 8), draw(4, 8)
+            self.both(Ops().chain, chain, lambda: self.leaves(xn, wn), dyn, f"step {k}")
+        self.assertIs(Ops.chain, Ops().chain)
+        self.assertCounters(Ops.chain, captures=1, replays=2, eager=0)
+
+    def test_graphed_layer_presents_the_signature_it_wraps(self):
+        """inspect.signature of a graphed Layer's forward has no ``self`` (recompute binds against it)."""
+        import inspect
+
+        class Two(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([8, 8], dtype="float32")
+
+            def forward(self, x, y, scale=1):
+                return paddle.matmul(x, self.w) if scale else paddle.matmul(y, self.w)
+
+        layer = self.graphed(Two())
+        self.assertEqual(list(inspect.signature(layer.forward).parameters), ["x", "y", "scale"])
+
+
+for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases):
     globals().update(backend_variants(_base))
-del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, _base, _option
+del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, _base, _option
