@@ -335,10 +335,16 @@ def info_lines(info):
 GENERATED_MARK = "<!-- Generated below by {tool}; text above this line is kept when it rewrites the file. -->"
 
 
+#: Where results are kept: the repository's docs/ (also when the checkout itself lies under the
+#: temp directory, as CI's clone may).
+_RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "")
+
+
 def check_smoke_path(path, tool):
-    """Raises ValueError unless ``path`` is under the temp directory: a smoke run's numbers say
-    nothing about a GPU and must never land where results are kept."""
-    if not os.path.abspath(path).startswith(os.path.join(tempfile.gettempdir(), "")):
+    """Raises ValueError unless ``path`` is under the temp directory and outside the repository's
+    docs/: a smoke run's numbers say nothing about a GPU and must never land where results are kept."""
+    full = os.path.abspath(path)
+    if not full.startswith(os.path.join(tempfile.gettempdir(), "")) or full.startswith(_RESULTS_DIR):
         raise ValueError(f"{tool}: a smoke run writes only under {tempfile.gettempdir()}, not to {path}: "
                          "its results say nothing about a GPU. Pass a path under it, or run on the cuda backend.")
 
