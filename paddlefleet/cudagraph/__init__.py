@@ -1,4 +1,11 @@
-"""Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph``."""
+"""Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph``.
+
+``paddlefleet`` itself is a namespace package (no ``paddlefleet/__init__.py``): this project only
+adds ``paddlefleet.cudagraph`` to it, so Paddle's own PaddleFleet (a regular ``paddlefleet``
+package) is not shadowed and PaddleFormers' probe for it stays False (docs/recipes.md).
+"""
+
+__version__ = "0.1.0"
 
 from .api import autocudagraph
 from .backends import is_capturing
@@ -6,6 +13,7 @@ from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBac
 from .options import GraphOptions
 
 __all__ = [
+    "__version__",
     "autocudagraph",
     "is_capturing",
     "GraphOptions",
