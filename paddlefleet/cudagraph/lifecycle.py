@@ -35,7 +35,7 @@ import weakref
 
 import paddle
 
-from . import grad_groups, safety, state, verify
+from . import grad_groups, safety, saved_hooks, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .capture import (
@@ -215,6 +215,9 @@ class GraphedCallable:
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(args, kwargs, "called inside another capture")
+        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
+            self._warn_once("saved_hooks", saved_hooks.warning(self.__name__))
+            return self._eager(args, kwargs, saved_hooks.REASON)
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -288,10 +291,14 @@ class GraphedCallable:
 
     def _capture_call_locked(self, entry, args, kwargs, tensors, consts, spec):
         last_inputs = entry.last_inputs
+        grad_mode = paddle.is_grad_enabled()
         try:
             try:
                 self._capture(entry, args, kwargs, tensors, consts, spec, by_grad=True)
             except GradBodyFailed as failed:
+                # Paddle leaves grad mode off when a saved-tensors unpack hook raised inside
+                # paddle.grad (NOTE [ Saved-tensors hooks ]): the retry must see the call's mode.
+                paddle.set_grad_enabled(grad_mode)
                 # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
                 logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", self.__name__, failed.error)
                 entry.release()
@@ -306,6 +313,7 @@ class GraphedCallable:
                     "DataParallel), return None from dispatch_key_fn for such calls.",
                 )
         except Exception as err:  # contained: this key runs eagerly from now on
+            paddle.set_grad_enabled(grad_mode)  # the eager re-run computes in the call's grad mode
             if isinstance(err, GradBodyFailed):
                 err = err.error
             reason = f"{type(err).__name__}: {err}"
