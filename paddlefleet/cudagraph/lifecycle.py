@@ -35,7 +35,7 @@ import weakref
 
 import paddle
 
-from . import grad_groups, safety, saved_hooks, state, verify
+from . import arguments, grad_groups, safety, saved_hooks, state, verify
 from .backends import is_capturing, resolve_backend
 from .bridge import GraphedFunction, hand_out_outputs
 from .capture import (
@@ -272,6 +272,11 @@ class GraphedCallable:
             self._last_refusal = reason
             return None
         named = self._keys.named_arguments(args, kwargs)
+        refused = arguments.refusal(named)  # NOTE [ Argument objects ] in arguments.py
+        if refused is not None:
+            self._warn_once(("arguments", refused), f"autocudagraph({self.__name__}): runs eagerly: {refused}.")
+            self._last_refusal = refused
+            return None
         host = safety.host_mask(tensors)
         if host is not None:
             safety.check_host_inputs(tensors, host, leaf_names(named))
