@@ -38,5 +38,10 @@ setup(
     python_requires=">=3.8",
     # paddlepaddle or paddlepaddle-gpu: the user's choice, so neither is forced here.
     install_requires=["numpy"],
-    extras_require={"test": ["paddlepaddle>=2.6", "pytest", "parameterized"]},
+    extras_require={
+        "test": ["paddlepaddle>=2.6", "pytest", "parameterized"],
+        # tests/test_real_models.py's LLaMA tests. PaddleFormers' full dependency set is large:
+        # requirements-real-models.txt lists what importing its LLaMA needs (install with --no-deps).
+        "real-models": ["paddleformers==1.2.0"],
+    },
 )

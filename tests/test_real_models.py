@@ -165,6 +165,47 @@ class PaddleFormersLlamaTest(BackendCase):
         self.assertBitwise(train_lm(graphed, batches[3:]), train_lm(eager, batches[3:]))
 
 
+class StandInCache:
+    """The key/value cache protocol of PaddleFormers and Hugging Face: update + get_seq_length."""
+
+    def __init__(self):
+        self.keys = []
+
+    def update(self, k, v, layer_idx):
+        self.keys.append(k)
+        return paddle.concat(self.keys, axis=0), v
+
+    def get_seq_length(self):
+        return sum(k.shape[0] for k in self.keys)
+
+
+@parameterized_class(backend_classes())
+class KeyValueCacheArgumentTest(BackendCase):
+    """Without PaddleFormers: a cache argument runs eagerly, named, with the fix."""
+
+    def test_a_cache_argument_runs_eagerly_naming_it(self):
+        def attend(x, past_key_values=None):
+            if past_key_values is not None:
+                x, _ = past_key_values.update(x, x, 0)
+            return paddle.tanh(x).sum(axis=0)
+
+        graphed = self.graphed(attend, warmup_steps=1)
+        x = paddle.ones([2, 4])
+        want_cache, got_cache = StandInCache(), StandInCache()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [graphed(x * i, past_key_values=got_cache) for i in range(3)]
+        want = [attend(x * i, past_key_values=want_cache) for i in range(3)]
+        self.assertBitwise(got, want)
+        self.assertEqual(got_cache.get_seq_length(), want_cache.get_seq_length())
+        self.assertEqual(graphed.stats()["captures"], 0)
+        self.assertEqual(sum("argument 'past_key_values' is a StandInCache" in str(w.message) for w in caught), 1)
+        # The same function without a cache graphs as usual.
+        with graphed.counters.expect(captures=1, replays=1, warmup_calls=1):
+            for i in range(3):
+                self.assertBitwise(graphed(x * i), attend(x * i))
+
+
 class PaddleFormersQwen2Test(BackendCase):
     backend = "simulate"
 
@@ -212,10 +253,13 @@ def train_vision(model, images, labels, seed=3, eval_images=()):
     return losses, evals, state_of(model)
 
 
-def image_batches(n, seed=0, size=32):
+def image_batches(n, seed=0, size=32, batch=4):
+    # Batch 4, not 2: two identical eager trainings of mobilenet_v2 with batch 2 at 32x32 already
+    # differ from their second step on, in one process, on Paddle 2.6.2 and 3.3.1 (CPU);
+    # docs/recipes.md has the measurement.
     rs = np.random.RandomState(seed)
-    xs = [paddle.to_tensor(rs.randn(2, 3, size, size).astype("float32")) for _ in range(n)]
-    ys = [paddle.to_tensor(rs.randint(0, 10, (2, 1)), dtype="int64") for _ in range(n)]
+    xs = [paddle.to_tensor(rs.randn(batch, 3, size, size).astype("float32")) for _ in range(n)]
+    ys = [paddle.to_tensor(rs.randint(0, 10, (batch, 1)), dtype="int64") for _ in range(n)]
     return xs, ys
 
 

@@ -1,18 +1,18 @@
-"""Argument objects a graph cannot follow: key/value caches and other objects holding tensors.
+"""Argument objects a graph cannot follow: key/value caches.
 
 NOTE [ Argument objects ]
 flatten() (static_io.py) turns tensors, lists, tuples and dicts into static inputs; any other
-argument is a constant of the key. An object that holds tensors, or that a call fills with tensors
-(a key/value cache: ``past_key_values=DynamicCache(...)``, whose ``update`` appends this step's keys
-and values), is neither: a graph would keep reading the tensors it held at capture and would never
-write new ones into it, and a new object per step would be a new key per step (warmup forever, each
-key holding the object). So a call with such an argument runs eagerly, with the argument's name and
-the fix in the reason. PaddleFormers' models create a ``DynamicCache`` when ``use_cache`` is True.
+argument is a constant of the key (by identity for an object). A key/value cache
+(``past_key_values=DynamicCache(...)``, recognised by the ``update`` + ``get_seq_length`` protocol
+of PaddleFormers and Hugging Face) is filled by the call: its ``update`` appends this step's keys
+and values on the host side, which a graph would not repeat, and a new cache per step would be a
+new key per step (warmup forever, each key holding the cache). So a call with a cache argument runs
+eagerly, with the argument's name and the fix in the reason. PaddleFormers' models create a
+``DynamicCache`` when ``use_cache`` is True. Other objects holding tensors stay constants of the key
+(a communicator passed each call, say, whose buffers are updated in place, graphs fine).
 """
 
 import paddle
-
-from .static_io import holds_tensor
 
 __all__ = ["refusal"]
 
@@ -44,11 +44,5 @@ def refusal(named_arguments):
                     f"argument '{name}' is a {type(leaf).__name__} (a key/value cache the call updates); a graph "
                     "would keep the tensors of its capture and never write new ones. Pass use_cache=False "
                     f"and {top}=None when training, or return None from dispatch_key_fn for decoding calls"
-                )
-            if holds_tensor(leaf, depth=3):
-                return (
-                    f"argument '{name}' is a {type(leaf).__name__} object holding tensors; a graph would keep "
-                    "reading the tensors it held at capture. Pass the tensors themselves (or a tuple, list "
-                    "or dict of them) as arguments"
                 )
     return None
