@@ -263,8 +263,25 @@ def image_batches(n, seed=0, size=32, batch=4):
     return xs, ys
 
 
+def deterministic_cudnn(case):
+    """On a GPU, cuDNN may pick convolution algorithms whose results vary run to run; the eager
+    run and the graphed run must each be reproducible to be compared bit for bit."""
+    if case.backend != "cuda":
+        return
+    try:
+        old = paddle.get_flags(["FLAGS_cudnn_deterministic"])
+    except ValueError:  # a Paddle built without cuDNN has no such flag
+        return
+    paddle.set_flags({"FLAGS_cudnn_deterministic": True})
+    case.addCleanup(paddle.set_flags, old)
+
+
 @parameterized_class(backend_classes())
 class VisionModelTest(BackendCase):
+    def setUp(self):
+        super().setUp()
+        deterministic_cudnn(self)
+
     def _check(self, name, steps=4):
         paddle.seed(1)
         eager, graphed = twin_layers(lambda: vision_model(name))
