@@ -112,6 +112,19 @@ class PaddleFormersLlamaTest(BackendCase):
         self.assertBitwise(got, want)
         expect_each(layers, captures=1, replays=8, warmup_calls=1, fallbacks=0)
 
+    def test_caller_attention_mask_and_position_ids(self):
+        # A padding mask (last two tokens of the second row padded) and explicit position ids:
+        # the layers get the model's combined float mask and the int64 position ids as inputs.
+        eager, graphed = self._twins()
+        layers = graph_all(list(graphed.model.layers), self.backend, warmup_steps=1)
+        mask = paddle.to_tensor([[1] * 8, [1] * 6 + [0] * 2], dtype="int64")
+        positions = paddle.to_tensor([list(range(8)), list(range(8))], dtype="int64")
+        call = dict(attention_mask=mask, position_ids=positions)
+        batches = token_batches(5, seed=3)
+        self.assertBitwise(train_lm(graphed, batches, **call), train_lm(eager, batches, **call))
+        # The caller passes the same position_ids tensor each step: read in place, never copied.
+        expect_each(layers, captures=1, replays=3, warmup_calls=1, fallbacks=0, input_copies_skipped=3)
+
     def test_decoder_layers_with_the_models_recompute_switch(self):
         overrides = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         eager, graphed = self._twins(attention_dropout=0.1, **overrides)
