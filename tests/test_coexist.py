@@ -171,7 +171,8 @@ class StandInPaddleFleetTest(unittest.TestCase):
         os.remove(os.path.join(self.site, PTH))
         theirs = _stand_in(os.path.join(self.tmp, "theirs"))
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        code = f"import site, sys; site.addsitedir({self.site!r}); sys.path.append({theirs!r}); import paddlefleet.cudagraph"
+        code = (f"import site, sys; site.addsitedir({self.site!r}); sys.path.append({theirs!r}); "
+                "import paddlefleet.cudagraph")
         proc = subprocess.run([sys.executable, "-c", code], cwd=self.tmp, env=env, capture_output=True, text=True,
                               timeout=300)
         self.assertNotEqual(proc.returncode, 0)
