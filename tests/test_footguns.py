@@ -624,7 +624,7 @@ class SimulatedReplayTest(unittest.TestCase):
         model, ref = twin_layers(Select)
         autocudagraph(model, backend="simulate", warmup_steps=0)
         kept = [5, 5, 9, 3]  # elements kept per call: the capture's, a replay's, then other shapes
-        phases = [dict(captures=1), dict(replays=1), dict(replays=0, fallbacks=1), dict(replays=0, fallbacks=1)]
+        phases = [dict(captures=1), dict(replays=1), dict(replays=0, eager_calls=1), dict(replays=0, eager_calls=1)]
         runs = {}
         for name, layer in (("graphed", model), ("eager", ref)):
             paddle.seed(21)

@@ -1,4 +1,11 @@
-"""Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph``."""
+"""Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph``.
+
+``paddlefleet`` itself is a namespace package (no ``paddlefleet/__init__.py``): this project only
+adds ``paddlefleet.cudagraph`` to it, so Paddle's own PaddleFleet (a regular ``paddlefleet``
+package) is not shadowed and PaddleFormers' probe for it stays False (docs/recipes.md).
+"""
+
+__version__ = "0.1.0"
 
 from . import grad_consumers
 from .api import autocudagraph
@@ -10,6 +17,7 @@ from .options import GraphOptions
 grad_consumers.install()
 
 __all__ = [
+    "__version__",
     "autocudagraph",
     "is_capturing",
     "GraphOptions",

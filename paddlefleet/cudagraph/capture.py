@@ -68,21 +68,34 @@ def capture_block(fn, owner, options, backend, call, named, last_inputs, warn_on
     for name, value in named:  # NOTE [ Containers keep their type ] in static_io.py
         check_rebuild(value, f"argument {name}")
     names = leaf_names(named)
+    grad_mode = paddle.is_grad_enabled()
     with CAPTURE_LOCK:
         try:
-            return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
-        except _GradBodyFailed as failed:
-            # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
-            logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
-            graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
-            warn_once(
-                ("grad_fallback", label),
-                f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
-                "it was captured with paddle.autograd.backward instead. Gradient hooks of its parameters now run "
-                "inside the capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
-                "DataParallel), return None from dispatch_key_fn for such calls.",
-            )
-            return graphs
+            return _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label,
+                                       grad_mode)
+        except BaseException:
+            paddle.set_grad_enabled(grad_mode)  # the eager re-run computes in the call's grad mode
+            raise
+
+
+def _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label, grad_mode):
+    try:
+        return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
+    except _GradBodyFailed as failed:
+        # Paddle leaves grad mode off when a saved-tensors unpack hook raised inside paddle.grad
+        # (NOTE [ Saved-tensors hooks ] in saved_hooks.py): the retry must see the call's mode.
+        paddle.set_grad_enabled(grad_mode)
+        # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
+        logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
+        graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
+        warn_once(
+            ("grad_fallback", label),
+            f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
+            "it was captured with paddle.autograd.backward instead. Gradient hooks of its parameters now run "
+            "inside the capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
+            "DataParallel), return None from dispatch_key_fn for such calls.",
+        )
+        return graphs
 
 
 class _BlockCapture:

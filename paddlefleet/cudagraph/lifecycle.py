@@ -10,6 +10,7 @@ import collections
 import logging
 import warnings
 
+from . import arguments, saved_hooks
 from .backends import is_capturing, resolve_backend
 from .call import Call
 from .dispatch import BoundSignature, KeyMaker
@@ -95,6 +96,9 @@ class Lifecycle:
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(Call(args, kwargs), "called inside another capture")
+        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
+            self._warn_once("saved_hooks", saved_hooks.warning())
+            return self._eager(Call(args, kwargs), saved_hooks.REASON)
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -141,6 +145,11 @@ class Lifecycle:
         backend, reason = resolve_backend(self._options.backend, call.tensors)
         if backend is None:
             self._last_refusal = reason
+            return None
+        refused = arguments.refusal(self._keys.named_arguments(call.args, call.kwargs))
+        if refused is not None:  # NOTE [ Argument objects ] in arguments.py
+            self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
+            self._last_refusal = refused
             return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call))
         if not self._budget_allows(entry):
