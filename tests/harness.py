@@ -162,6 +162,23 @@ def grads_of(layer):
     return {n: (None if p.grad is None else p.grad.numpy()) for n, p in layer.named_parameters()}
 
 
+def add_tracker_state(test, name, seed):
+    """Adds ``name`` to Fleet's RNG tracker for ``test`` (removed again at its clean-up) and returns
+    the tracker's states right after, to reseed from (hand ``dict(start)`` to set_states_tracker:
+    Paddle 2.6 adopts the dict it is given, NOTE [ Restoring the tracker ] in state.py)."""
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+    tracker = get_rng_state_tracker()
+    saved = (dict(tracker.states_), set(tracker.seeds_))
+
+    def restore():
+        tracker.states_, tracker.seeds_ = saved
+
+    test.addCleanup(restore)
+    tracker.add(name, seed)
+    return tracker.get_states_tracker()
+
+
 def clear_grads(layer, set_to_zero=True):
     """``layer.clear_gradients(set_to_zero)`` in a spelling every Paddle has: Paddle 2.6's
     Layer.clear_gradients() takes no argument (it always zeroes), Tensor.clear_gradient(flag)
@@ -177,6 +194,7 @@ def params_of(layer):
 
 __all__ = [
     "BACKENDS",
+    "add_tracker_state",
     "RECORD",
     "BackendCase",
     "MatmulOnlyCase",

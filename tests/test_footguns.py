@@ -16,6 +16,7 @@ from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagr
 from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
 from .harness import (
+    add_tracker_state,
     BackendCase,
     assert_bitwise,
     backend_classes,
@@ -588,10 +589,7 @@ class RecordingCaptureTest(unittest.TestCase):
         from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 
         tracker = get_rng_state_tracker()
-        saved = (dict(tracker.states_), set(tracker.seeds_))
-        self.addCleanup(lambda: setattr(tracker, "states_", saved[0]) or setattr(tracker, "seeds_", saved[1]))
-        tracker.add(TrackedDropout.STATE, 5150)
-        start = tracker.get_states_tracker()
+        start = add_tracker_state(self, TrackedDropout.STATE, 5150)
         model, ref = twin_layers(TrackedDropout)
         autocudagraph(model, backend="simulate", warmup_steps=0)
         tracker.set_states_tracker(dict(start))

@@ -18,7 +18,7 @@ from parameterized import parameterized
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, host, is_capturing
 from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from .harness import add_tracker_state, BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -417,10 +417,7 @@ class VerifyTest(SafetyCase):
         # handed the second restore the states the re-run had advanced (NOTE [ Restoring
         # the tracker ] in state.py).
         tracker = get_rng_state_tracker()
-        saved = (dict(tracker.states_), set(tracker.seeds_))
-        self.addCleanup(lambda: setattr(tracker, "states_", saved[0]) or setattr(tracker, "seeds_", saved[1]))
-        tracker.add(TrackedScaledBlock.STATE, 4242)
-        start = tracker.get_states_tracker()
+        start = add_tracker_state(self, TrackedScaledBlock.STATE, 4242)
         eager, graphed = twin_layers(TrackedScaledBlock)
         self.graphed(graphed, warmup_steps=0, verify_replays=2)
         self.caught()

@@ -25,6 +25,7 @@ from parameterized import parameterized
 from paddlefleet.cudagraph import state
 
 from .harness import (
+    add_tracker_state,
     BackendCase,
     backend_classes,
     clear_grads,
@@ -146,15 +147,7 @@ class TrackerCase(BackendCase):
 
     def setUp(self):
         super().setUp()
-        tracker = get_rng_state_tracker()
-        saved = (dict(tracker.states_), set(tracker.seeds_))
-
-        def restore():
-            tracker.states_, tracker.seeds_ = saved
-
-        self.addCleanup(restore)
-        tracker.add(TRACKER_STATE, TRACKER_SEED)
-        self._tracker_start = tracker.get_states_tracker()
+        self._tracker_start = add_tracker_state(self, TRACKER_STATE, TRACKER_SEED)
 
     def tracker_blocks_captured(self):
         """Whether a tracker rng_state block inside a graphed function is captured here: not on
@@ -523,10 +516,7 @@ class RecordingRngGuardTest(unittest.TestCase):
     kernels under a recording capture ]); the lifecycle's use of it is in test_footguns.py."""
 
     def setUp(self):
-        tracker = get_rng_state_tracker()
-        saved = (dict(tracker.states_), set(tracker.seeds_))
-        self.addCleanup(lambda: setattr(tracker, "states_", saved[0]) or setattr(tracker, "seeds_", saved[1]))
-        tracker.add(TRACKER_STATE, TRACKER_SEED)
+        add_tracker_state(self, TRACKER_STATE, TRACKER_SEED)
         paddle.seed(11)
 
     def problem(self, body, state_indices, enabled=True):
