@@ -1,27 +1,76 @@
 """Suite-wide switch: PADDLEFLEET_CUDAGRAPH_BACKEND=cuda runs the suite on the real backend.
 
 Where the cuda backend cannot run (no CUDA build, or a GPU its Paddle has no kernels for) every
-test is skipped with that reason. Where it can, the backend-parameterised tests run their cuda
-variants, and tests written for the simulated backend only (multi-process CPU jobs, CPU-specific
-behaviour) are skipped with the reason.
+test is skipped with that reason; cases written matmul-only (MatmulOnlyCase, marked ``gpu_safe``)
+need only cuBLAS matmuls and copies, so they still run on a GPU that lacks Paddle's other kernels.
+Where it can, the backend-parameterised tests run their cuda variants, and tests written for the
+simulated backend only (multi-process CPU jobs, CPU-specific behaviour) are skipped with the reason.
+
+``--results-jsonl PATH`` appends one JSON line per test (start, then result, with what it compared
+and pinned): tools/gpu_check.py builds docs/gpu_check.md from it, and knows which test was running
+if the process dies.
 """
 
+import json
 import os
 
 import pytest
 
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from .harness import BackendCase, cuda_skip_reason
+from .harness import RECORD, BackendCase, MatmulOnlyCase, cuda_skip_reason
+
+
+def pytest_addoption(parser):
+    parser.addoption("--results-jsonl", default=None, help="append one JSON line per test to this file")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu_safe: matmul-only case a GPU without Paddle's arithmetic kernels can run")
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(ENV_BACKEND) != "cuda":
-        return
-    reason = cuda_skip_reason()
     for item in items:
         cls = getattr(item, "cls", None)
+        if cls is not None and issubclass(cls, MatmulOnlyCase):
+            item.add_marker(pytest.mark.gpu_safe)
+    if os.environ.get(ENV_BACKEND) != "cuda":
+        return
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is None or not issubclass(cls, BackendCase):
+            item.add_marker(pytest.mark.skip(reason=f"{ENV_BACKEND}=cuda: this test is written for the simulated backend"))
+            continue
+        reason = cuda_skip_reason(cls.kernels)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"{ENV_BACKEND}=cuda: {reason}"))
-        elif cls is None or not issubclass(cls, BackendCase):
-            item.add_marker(pytest.mark.skip(reason=f"{ENV_BACKEND}=cuda: this test is written for the simulated backend"))
+
+
+def _emit(config, **row):
+    path = config.getoption("--results-jsonl")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+
+
+def pytest_runtest_setup(item):
+    RECORD.__init__()
+    _emit(item.config, event="start", nodeid=item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.when != "call" and report.outcome == "passed":
+        return
+    message = ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        message = str(report.longrepr[2])
+    elif report.failed:
+        message = str(report.longrepr)[-4000:]
+    doc = getattr(getattr(item, "obj", None), "__doc__", None) or ""
+    _emit(item.config, event="result", nodeid=item.nodeid, when=report.when, outcome=report.outcome,
+          duration=round(report.duration, 3), message=message, compared=RECORD.compared,
+          notes=list(dict.fromkeys(RECORD.notes)), doc=" ".join(doc.split("\n\n")[0].split()),
+          backend=getattr(getattr(item, "cls", None), "backend", None))

@@ -99,6 +99,10 @@ class TestFleetTwoProcesses(unittest.TestCase):
                 self.fail(f"rank {rank} reported no result for {name}\n{self.logs_text()}")
             if not r["ok"]:
                 self.fail(f"rank {rank}, {name}: {r['detail']}\n{r.get('traceback', '')}\n{self.logs_text()}")
+        skipped = {r.get("skipped") for r in got}
+        if skipped != {None}:  # the worker found Fleet unusable on this Paddle (fleet_unusable)
+            self.assertEqual(len(skipped), 1, f"ranks disagree on skipping {name}: {skipped}")
+            self.skipTest(skipped.pop())
         return [r["detail"] for r in got]
 
     def test_job_ran_every_case_and_exited_cleanly(self):

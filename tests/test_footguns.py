@@ -15,7 +15,19 @@ import paddle
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
 from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, paddle_device, parameterized_class, twin_layers
+from .harness import (
+    add_tracker_state,
+    BackendCase,
+    assert_bitwise,
+    backend_classes,
+    clone_leaf,
+    grads_of,
+    paddle_device,
+    parameterized_class,
+    storageless_numpy_is_empty,
+    twin_layers,
+)
+from .test_patterns import hierarchy
 
 THIS_FILE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
@@ -161,6 +173,90 @@ class FootgunTest(BackendCase):
         self.assertEqual(inner.stats()["captures"], 0)
         self.assertIn("called inside another capture", inner.stats()["eager_reasons"])
 
+    def test_graphed_super_forward_runs_inside_the_subclass_graph(self):
+        Base, Sub = hierarchy(lambda fn: self.graphed(fn, warmup_steps=0))
+        _, EagerSub = hierarchy(lambda fn: fn)
+        model, ref = Sub(), EagerSub()
+        ref.set_state_dict(model.state_dict())
+        for step in range(3):
+            x = data(2, 4, seed=step)
+            y, y_e = model(x), ref(x)
+            self.assertBitwise(y, y_e, f"call {step}")
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise(grads_of(model), grads_of(ref), f"grads, call {step}")
+        inner = super(Sub, model).forward
+        self.assertEqual((model.forward.stats()["captures"], model.forward.stats()["replays"]), (1, 2))
+        self.assertEqual(inner.stats()["captures"], 0)
+        self.assertIn("called inside another capture", inner.stats()["eager_reasons"])
+
+    def test_a_container_that_cannot_be_rebuilt_runs_eagerly(self):
+        class Scaled(dict):  # its __init__ needs an argument that its items do not hold
+            def __init__(self, pairs, scale):
+                super().__init__(pairs)
+                self.scale = scale
+
+        class Batch(dict):
+            pass
+
+        def head(batch):
+            return Scaled({"y": batch["ids"] * 2.0}, scale=0.5)
+
+        def tail(batch):
+            return batch["ids"] * float(len(batch.meta))
+
+        f, g = self.graphed(head, warmup_steps=0), self.graphed(tail, warmup_steps=0)
+        for i in range(3):
+            x = data(2, 3, seed=i)
+            out = f(Batch(ids=x))
+            self.assertIs(type(out), Scaled)
+            self.assertEqual(out.scale, 0.5)
+            self.assertBitwise(out["y"], x * 2.0, f"call {i}")
+            batch = Batch(ids=x)
+            batch.meta = "abc"  # state besides its items
+            self.assertBitwise(g(batch), x * 3.0, f"call {i}")
+        for wrapped, where, cause in (
+            (f, "the result (type Scaled)", "missing 1 required positional argument: 'scale'"),
+            (g, "argument batch (type Batch)", "it holds the attribute 'meta' (str) besides its items"),
+        ):
+            self.assertEqual(wrapped.stats()["captures"], 0)
+            self.assertEqual(wrapped.stats()["eager_reasons"].get("capture failed"), 1)
+            (reason,) = [row["fallback_reason"] for row in wrapped.report()]
+            self.assertIn(f"{where} cannot be rebuilt as an equal object: ", reason)
+            self.assertIn(cause, reason)
+            self.assertNotIn("(at ", reason, "the reason blames our conversion, not a line of the user's code")
+            self.assertIn(where, wrapped.explain())
+        self.assertEqual(len([m for m in self.our_warnings() if "cannot be rebuilt" in m]), 2)
+        self.assertFalse([m for m in self.our_warnings() if THIS_FILE in m])
+
+    def test_ops_whose_output_shape_depends_on_tensor_values_run_eagerly(self):
+        cases = {
+            "paddle.masked_select()": lambda x, i: paddle.masked_select(x, x > 0) * 2.0,
+            "paddle.nonzero()": lambda x, i: paddle.nonzero(x > 0).astype("float32"),
+            "paddle.where(cond) with one argument": lambda x, i: paddle.where(x > 0)[0].astype("float32"),
+            "paddle.unique()": lambda x, i: paddle.unique(paddle.round(x)),
+            "paddle.bincount()": lambda x, i: paddle.bincount((x > 0).astype("int64").flatten()),
+            "a tensor of repeats": lambda x, i: paddle.repeat_interleave(x, (x[:, 0] > 0).astype("int64"), axis=0),
+            "indexing with a boolean tensor": lambda x, i: x[x > 0] * 2.0,
+            "indexing with a 0-D integer tensor": lambda x, i: x[i] * 2.0,
+        }
+        for what, fn in cases.items():
+            f = self.graphed(fn, warmup_steps=0)
+            for seed in range(3):
+                x, x_e = data(4, 3, seed=seed, grad=True), data(4, 3, seed=seed, grad=True)
+                i = paddle.to_tensor(seed, dtype="int64")
+                y, y_e = f(x, i), fn(x_e, i)
+                self.assertBitwise(y, y_e, f"{what}, call {seed}")
+                if not y_e.stop_gradient:
+                    y.sum().backward()
+                    y_e.sum().backward()
+                    self.assertBitwise(x.grad, x_e.grad, f"{what}, grad of call {seed}")
+            self.assertEqual((f.stats()["captures"], f.stats()["eager_reasons"].get("capture failed")), (0, 1), what)
+            if self.backend == "simulate":
+                (reason,) = [row["fallback_reason"] for row in f.report()]
+                self.assertIn(what, reason)
+                self.assertIn(f"{THIS_FILE}:", reason, "the user's line that called the op")
+
     def test_backward_that_paddle_grad_refuses_is_captured_with_backward(self):
         from unittest import mock
 
@@ -290,13 +386,47 @@ class FootgunTest(BackendCase):
         self.assertBitwise(y1, y2, "y1 now holds the second call's values")
         self.assertEqual(y1.data_ptr(), y2.data_ptr())
 
-    def test_stale_output_numpy_returns_an_empty_array(self):
+    def test_stale_output_numpy_is_not_detected(self):
         f = self.graphed(double, warmup_steps=0, clone_outputs=False, check_stale_outputs=True)
         y1 = f(data(2, 2))
         f(data(2, 2, seed=1))
-        self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        self.assertFalse(y1._is_initialized(), "the stale alias's storage handle was released")
+        if storageless_numpy_is_empty():
+            self.assertEqual(y1.numpy().size, 0, "not an error: Paddle's numpy() of a tensor without storage")
+        else:  # Paddle 2.6: an uninitialised array of the tensor's shape, not an error either
+            self.assertEqual(y1.numpy().shape, (2, 2))
         with self.assertRaises(RuntimeError):
             y1 * 1.0
+
+    def test_a_tensor_feeding_three_outputs_may_differ_from_eager_in_the_last_bit(self):
+        # The grads a tensor gets from several outputs are summed in the order the backward's
+        # engine meets them: in eager that order comes from the caller's graph, in the captured
+        # backward from the outputs' grad nodes. Two terms commute exactly; three need not.
+        class Head(paddle.nn.Layer):
+            def __init__(self, outputs):
+                super().__init__()
+                self.fc = paddle.nn.Linear(5, 5)
+                self.outputs = outputs
+
+            def forward(self, x):
+                h = self.fc(x)
+                return (h.mean(0), h.sum(), h.sum())[: self.outputs]
+
+        for outputs in (2, 3):
+            eager, graphed = twin_layers(lambda: Head(outputs))
+            self.graphed(graphed, warmup_steps=1)
+            differ = 0
+            for i in range(12):
+                grads = []
+                for model in (graphed, eager):
+                    x = clone_leaf(data(6, 5, seed=i), stop_gradient=False)
+                    paddle.add_n([o.sum() for o in model(x)]).backward()
+                    grads.append(x.grad.numpy())
+                np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+                differ += grads[0].tobytes() != grads[1].tobytes()
+            if outputs == 2:
+                self.assertEqual(differ, 0, "two outputs: bitwise equal")
+            self.assertEqual(graphed.forward.stats()["replays"], 10)
 
     def test_second_call_before_backward_runs_eagerly(self):
         f = self.graphed(mm, warmup_steps=0)
@@ -370,6 +500,22 @@ class RecomputedDropout(paddle.nn.Layer):
         return recompute(lambda h: self.drop(self.fc(h)), x)
 
 
+class TrackedDropout(paddle.nn.Layer):
+    """Dropout under a Fleet RNG tracker state inside the forward."""
+
+    STATE = "cg_footgun_tracked"
+
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        with get_rng_state_tracker().rng_state(self.STATE):
+            return paddle.nn.functional.dropout(self.fc(x), 0.5)
+
+
 class RecordingCaptureTest(unittest.TestCase):
     def test_recompute_with_dropout_runs_eagerly_on_cuda(self):
         # A real CUDA capture only records; the simulated backend stands in for it with
@@ -400,10 +546,112 @@ class RecordingCaptureTest(unittest.TestCase):
         self.assertEqual(model.forward.stats()["eager_reasons"], {"capture failed": 1})
         self.assertTrue(any("rewinds the RNG" in str(c.message) for c in caught))
 
+    def _recording(self, model, ref, state_indices):
+        """Calls ``model`` (autocudagraph'd, simulate) under a recording capture and ``ref``
+        eagerly from the same RNG state; returns the warnings of the capture."""
+        from unittest import mock
+
+        from paddlefleet.cudagraph import state
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        x = paddle.randn([4, 8])
+        with mock.patch.object(SimulatedBackend, "capture_executes", False), \
+                mock.patch.object(state, "generator_state_indices", lambda: state_indices), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paddle.seed(3)
+            y = model(x)
+            after = paddle.rand([4])
+        paddle.seed(3)
+        y_e = ref(x)
+        np.testing.assert_array_equal(y.numpy(), y_e.numpy(), strict=True)
+        np.testing.assert_array_equal(after.numpy(), paddle.rand([4]).numpy(), strict=True)
+        stats = model.forward.stats() if hasattr(model, "forward") else model.stats()
+        self.assertEqual((stats["captures"], stats["eager_reasons"]), (0, {"capture failed": 1}))
+        return [str(c.message) for c in caught]
+
+    def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
+        # NOTE [ Random kernels under a recording capture ] in state.py; the simulated backend
+        # stands in for a recording capture with capture_executes=False.
+        def noisy(x):
+            return x + paddle.rand(x.shape)
+
+        for indices in (True, False):
+            graphed = autocudagraph(noisy, backend="simulate", warmup_steps=0)
+            messages = self._recording(graphed, noisy, indices)
+            self.assertTrue(any("random kernel 'uniform'" in m and "does not re-seed" in m for m in messages),
+                            messages)
+
+    def test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices(self):
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        tracker = get_rng_state_tracker()
+        start = add_tracker_state(self, TrackedDropout.STATE, 5150)
+        model, ref = twin_layers(TrackedDropout)
+        autocudagraph(model, backend="simulate", warmup_steps=0)
+        tracker.set_states_tracker(dict(start))
+        messages = self._recording(model, lambda x: (tracker.set_states_tracker(dict(start)), ref(x))[1], False)
+        self.assertTrue(any("generator state indices" in m for m in messages), messages)
+
+
+class Select(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(4, 4)
+        self.norm = paddle.nn.BatchNorm1D(4)
+        self.drop = paddle.nn.Dropout(0.5)
+
+    def forward(self, x, keep):
+        return paddle.masked_select(self.drop(self.norm(self.fc(x))), keep)
+
+
+class SimulatedReplayTest(unittest.TestCase):
+    def test_a_simulated_replay_that_changes_shape_falls_back(self):
+        # The backstop behind NOTE [ Shapes from tensor values ]: an op the capture does not refuse
+        # (here masked_select, with the list of refused ops emptied) changes shape at a replay.
+        from unittest import mock
+
+        from paddlefleet.cudagraph.backends import value_shapes
+
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        model, ref = twin_layers(Select)
+        autocudagraph(model, backend="simulate", warmup_steps=0)
+        kept = [5, 5, 9, 3]  # elements kept per call: the capture's, a replay's, then other shapes
+        phases = [dict(captures=1), dict(replays=1), dict(replays=0, eager_calls=1), dict(replays=0, eager_calls=1)]
+        runs = {}
+        for name, layer in (("graphed", model), ("eager", ref)):
+            paddle.seed(21)
+            runs[name] = []
+            for step, (n, phase) in enumerate(zip(kept, phases)):
+                x = data(4, 4, seed=step, grad=True)
+                keep = paddle.to_tensor(np.arange(16).reshape(4, 4) < n)
+                with mock.patch.dict(value_shapes.VALUE_SHAPED_OPS, clear=True), warnings.catch_warnings(record=True):
+                    warnings.simplefilter("always")
+                    if layer is model:
+                        with model.forward.counters.expect(**phase):
+                            y = layer(x, keep)
+                    else:
+                        y = layer(x, keep)
+                y.sum().backward()
+                runs[name].append([y, x.grad, [p.grad.numpy() for p in layer.parameters() if not p.stop_gradient],
+                                   [b.numpy() for b in layer.norm.state_dict().values()], paddle.rand([2])])
+        for step, (got, want) in enumerate(zip(runs["graphed"], runs["eager"])):
+            assert_bitwise(got, want, f"call {step}: output, grads, BatchNorm statistics, RNG")
+        (reason,) = [row["fallback_reason"] for row in model.forward.report()]
+        self.assertIn("ReplayShapeError: autocudagraph: a simulated replay computed result #0 with shape [9]", reason)
+        self.assertIn("where its capture computed [5]", reason)
+        self.assertEqual(model.forward.stats()["eager_reasons"], {"a replay changed an output's shape": 1,
+                                                                   f"key fell back: {reason}": 1})
+
 
 class PaddleCrashTest(unittest.TestCase):
     def test_double_backward_through_a_pylayer_crashes_paddle(self):
-        # Not autocudagraph's: Paddle 3.3.1 segfaults on a second backward through any PyLayer
+        # Not autocudagraph's: Paddle 3.3.1 and 2.6.2 segfault on a second backward through any PyLayer
         # (retain_graph=True the first time). Graphed calls run through a PyLayer, so they do too.
         script = textwrap.dedent(
             """
@@ -432,7 +680,7 @@ class PaddleCrashTest(unittest.TestCase):
         self.assertIn("first backward ok", run.stdout)
         if "second backward ok" in run.stdout:  # behaviour, not version strings, decides
             self.skipTest(f"Paddle {paddle.__version__} survives a second backward through a PyLayer: "
-                          "docs/limitations.md describes 3.3.1, where it crashes")
+                          "docs/limitations.md describes 2.6.2 and 3.3.1, where it crashes")
         self.assertNotEqual(run.returncode, 0)
 
 
@@ -444,7 +692,22 @@ class DocTest(unittest.TestCase):
             doc = fh.read()
         named = set(re.findall(r"Test: `(?:\w+\.)?(test_\w+)`", doc))
         classes = [c for name, c in globals().items() if name.startswith("FootgunTest_")] + [
-            PaddleCrashTest, RecordingCaptureTest]
+            PaddleCrashTest, RecordingCaptureTest, SimulatedReplayTest]
         tests = {n for cls in classes for n in dir(cls) if n.startswith("test_")}
         self.assertEqual(named - tests, set(), "entries whose test is missing")
         self.assertEqual(tests - named, set(), "tests without an entry in docs/limitations.md")
+
+    def test_every_test_named_in_compat_md_exists(self):
+        import importlib
+        import re
+
+        with open(os.path.join(ROOT, "docs", "compat.md")) as fh:
+            doc = fh.read()
+        named = set(re.findall(r"tests/(\w+)\.py::(\w+)::(test_\w+)", doc))
+        self.assertGreater(len(named), 20)
+        missing = []
+        for module, cls, test in sorted(named):
+            owner = getattr(importlib.import_module(f"tests.{module}"), cls, None)
+            if owner is None or not hasattr(owner, test):
+                missing.append(f"tests/{module}.py::{cls}::{test}")
+        self.assertEqual(missing, [], "docs/compat.md names tests that do not exist")

@@ -12,12 +12,13 @@ from unittest import mock
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
+from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from parameterized import parameterized
 
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, host, is_capturing
 from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from .harness import add_tracker_state, BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -67,6 +68,22 @@ class ScaledBlock(Block):
 
     def forward(self, x):
         return super().forward(x) * float(ScaledBlock.gate["scale"])  # host read
+
+
+class TrackedScaledBlock(paddle.nn.Layer):
+    """Dropout under a Fleet RNG tracker state, scaled by a host tensor read at capture."""
+
+    STATE = "cg_safety_tracked"
+    gate = {}
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = paddle.nn.Linear(d, d)
+
+    def forward(self, x):
+        with get_rng_state_tracker().rng_state(self.STATE):
+            h = paddle.nn.functional.dropout(self.fc(x), 0.5)
+        return h * float(TrackedScaledBlock.gate["scale"])  # host read
 
 
 def mm(x, w):
@@ -390,6 +407,33 @@ class VerifyTest(SafetyCase):
             return out + [buffers_of(layer), paddle.rand([3])]
 
         self.assertBitwise(run(graphed), run(eager), "outputs, BatchNorm statistics, next random numbers")
+        stats = graphed.forward.stats()
+        self.assertEqual((stats["verified_replays"], stats["verify_mismatches"]), (2, 1))
+
+    def test_mismatch_leaves_the_tracker_rng_as_eager(self):
+        # The RNG snapshot taken before a verified call is restored twice on a mismatch (for the
+        # eager re-run, then for the eager call that replaces the replay). Paddle 2.6's
+        # set_states_tracker adopts the dict it is given, so restoring the same dict twice
+        # handed the second restore the states the re-run had advanced (NOTE [ Restoring
+        # the tracker ] in state.py).
+        tracker = get_rng_state_tracker()
+        start = add_tracker_state(self, TrackedScaledBlock.STATE, 4242)
+        eager, graphed = twin_layers(TrackedScaledBlock)
+        self.graphed(graphed, warmup_steps=0, verify_replays=2)
+        self.caught()
+
+        def run(layer):
+            paddle.seed(1)
+            tracker.set_states_tracker(dict(start))
+            out = []
+            for i in range(3):
+                TrackedScaledBlock.gate["scale"] = self.host(float(i + 1))
+                out.append(layer(data(4, 8, seed=i)).detach())
+            with tracker.rng_state(TrackedScaledBlock.STATE):
+                out.append(paddle.rand([4]))
+            return out + [paddle.rand([3])]
+
+        self.assertBitwise(run(graphed), run(eager), "outputs, tracker and default random numbers")
         stats = graphed.forward.stats()
         self.assertEqual((stats["verified_replays"], stats["verify_mismatches"]), (2, 1))
 

@@ -51,6 +51,19 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from paddlefleet.cudagraph.testing import (  # noqa: E402
+    MatMLP,
+    bitwise_failures,
+    build,
+    check_smoke_path,
+    close_error,
+    eager_calls,
+    host_tensor,
+    info_lines,
+    normal,
+    run_info,
+    write_generated,
+)
 
 BACKEND = "cuda"
 STEPS = 5
@@ -66,14 +79,8 @@ def case(name):
 
 
 # ----------------------------------------------------------------------------- helpers
-def T(a, stop_gradient=True):
-    """A tensor on this rank's device from numpy: a host-to-device copy, no kernel."""
-    return paddle.to_tensor(np.ascontiguousarray(a, dtype="float32"), stop_gradient=stop_gradient)
-
-
-def rng(seed):
-    gen = np.random.default_rng(seed)
-    return lambda *shape, scale=1.0: (gen.standard_normal(shape) * scale).astype("float32")
+T = host_tensor  # a tensor on this rank's device from numpy: a host-to-device copy, no kernel
+rng = normal
 
 
 def digest(arrays):
@@ -90,30 +97,22 @@ class Check:
         self.failures, self.notes, self.compared = [], [], 0
 
     def bitwise(self, what, actual, expected):
-        self.compared += 1
-        a = actual.numpy() if isinstance(actual, paddle.Tensor) else np.asarray(actual)
-        e = expected.numpy() if isinstance(expected, paddle.Tensor) else np.asarray(expected)
-        if a.dtype != e.dtype or a.shape != e.shape:
-            self.failures.append(f"{what}: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}")
-        elif a.tobytes() != e.tobytes():
-            diff = np.abs(a.astype("float64") - e.astype("float64"))
-            self.failures.append(f"{what}: {int(np.count_nonzero(a != e))}/{a.size} differ, max |diff| {np.nanmax(diff):.3g}")
+        compared, failures = bitwise_failures(actual, expected, what)
+        self.compared += compared
+        self.failures += failures
 
     def close(self, what, actual, reference, rtol=2e-2):
         """Loose check against numpy float64: kernels that silently compute garbage fail it."""
-        a = np.asarray(actual, dtype="float64")
-        ref = np.asarray(reference, dtype="float64")
-        scale = max(float(np.abs(ref).max()), 1e-6)
-        err = float(np.abs(a - ref).max()) if a.shape == ref.shape else float("inf")
-        if not np.isfinite(err) or err > rtol * scale:
-            self.failures.append(f"{what}: differs from numpy by {err:.3g} (scale {scale:.3g})")
+        err = close_error(actual, reference)
+        if not err <= rtol:
+            self.failures.append(f"{what}: differs from numpy by {err:.3g} (relative)")
 
     def phases(self, wrapper, captures, replays):
         s = wrapper.stats()
-        got = (s["captures"], s["replays"], s["fallbacks"])
+        got = (s["captures"], s["replays"], eager_calls(s))
         if got != (captures, replays, 0):
             self.failures.append(f"(captures, replays, eager calls) {got} != {(captures, replays, 0)}: {wrapper.explain()}")
-        self.notes.append(f"captures={s['captures']} replays={s['replays']} eager={s['fallbacks']}")
+        self.notes.append(f"captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
 
 
 def all_reduce_sum(t, calc_stream):
@@ -126,29 +125,9 @@ def all_reduce_sum(t, calc_stream):
     return t
 
 
-class MatChain(paddle.nn.Layer):
+def MatChain(dims, seed):
     """x @ w0 @ w1 @ ...: parameters made on the CPU from numpy, then copied to the device."""
-
-    def __init__(self, dims, seed):
-        super().__init__()
-        draw = rng(seed)
-        place = paddle.get_device()
-        paddle.set_device("cpu")
-        try:
-            self.ws = paddle.nn.ParameterList(
-                [self.create_parameter([a, b], dtype="float32") for a, b in zip(dims[:-1], dims[1:])]
-            )
-            for w in self.ws:
-                w.set_value(draw(*w.shape, scale=1.0 / np.sqrt(w.shape[0])))
-        finally:
-            paddle.set_device(place)
-        if not place.startswith("cpu"):
-            self.to(device=place)
-
-    def forward(self, x):
-        for w in self.ws:
-            x = paddle.matmul(x, w)
-        return x
+    return build(lambda: MatMLP(dims), seed)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -185,13 +164,13 @@ def case_data_parallel(chk, rank, world):
             [p.clear_gradient(False) for p in model.parameters()]
             y = model(T(xn))
             y.backward(T(dyn))
-            for w in model.ws:
+            for w in model.parameters():
                 all_reduce_sum(w.grad, calc_stream=False)
             ys.append(y)
         chk.bitwise(f"step {step} y", *ys)
-        for i, (a, e) in enumerate(zip(graphed.ws, eager.ws)):
+        for i, (a, e) in enumerate(zip(graphed.parameters(), eager.parameters())):
             chk.bitwise(f"step {step} summed w{i}.grad", a.grad, e.grad)
-        summed += [w.grad.numpy() for w in graphed.ws]
+        summed += [w.grad.numpy() for w in graphed.parameters()]
     chk.phases(graphed.forward, captures=1, replays=STEPS - 2)
     return {"replicated": digest(summed)}
 
@@ -282,7 +261,7 @@ def case_timing(chk, rank, world):
         def step():
             [p.clear_gradient(False) for p in model.parameters()]
             model(x).backward(dy)
-            for w in model.ws:
+            for w in model.parameters():
                 all_reduce_sum(w.grad, calc_stream=False)
 
         for _ in range(5):
@@ -293,7 +272,7 @@ def case_timing(chk, rank, world):
             step()
         sync()
         result[name] = (time.perf_counter() - start) / steps * 1e3
-    for a, e in zip(graphed.ws, eager.ws):
+    for a, e in zip(graphed.parameters(), eager.parameters()):
         chk.bitwise("last step's summed grads", a.grad, e.grad)
     chk.notes.append(f"ms/step eager {result['eager']:.3f}, graphed {result['graphed']:.3f} "
                      f"(16 x 512x512 matmuls fwd+bwd, 16 grad all-reduces outside the graph)")
@@ -381,9 +360,8 @@ def summarize(name, rc, out, logs):
 
 
 def header(backend):
-    lines = [f"# autocudagraph two-rank data-parallel check ({backend} backend)", "",
-             f"- paddle {paddle.__version__} (commit {getattr(paddle.version, 'commit', '?')}), "
-             f"CUDA {paddle.version.cuda()}, cuDNN {paddle.version.cudnn()}"]
+    lines = [f"# autocudagraph two-rank data-parallel check ({backend} backend)", ""]
+    lines += info_lines(run_info(backend == "cuda" and paddle.is_compiled_with_cuda(), str(REPO)))
     nccl = getattr(paddle.version, "nccl", None)
     if callable(nccl):
         lines.append(f"- NCCL (as built) {nccl()}")
@@ -395,7 +373,7 @@ def header(backend):
             lines.append(f"- GPUs: {', '.join(f'{a} (sm_{b[0]}{b[1]})' for a, b in zip(names, caps))}")
         except Exception as err:  # the report still says what it could
             lines.append(f"- GPUs: unknown ({type(err).__name__}: {err})")
-    return lines + [f"- date: {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    return lines + [""]
 
 
 def main():
@@ -410,6 +388,11 @@ def main():
     if args.rank_cases is not None or "PADDLE_TRAINER_ID" in os.environ:  # a rank of a launched job
         wanted = args.rank_cases or args.cases
         return run_rank(list(CASES) if wanted == "all" else wanted.split(","))
+    if args.out and args.backend != "cuda":
+        try:
+            check_smoke_path(args.out, "tools/dist_gpu_check.py")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -430,7 +413,7 @@ def main():
     report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'}"]
     print(report[-1])
     if args.out:
-        pathlib.Path(args.out).write_text("\n".join(report) + "\n")
+        write_generated(args.out, report, "tools/dist_gpu_check.py", smoke=args.backend != "cuda")
     return 0 if all_ok else 1
 
 

@@ -4,49 +4,64 @@ On the GPU host (after ``source .gpu/bin/env.sh``)::
 
     python tools/host_breakdown.py --out docs/host_breakdown.md
 
-CPU smoke test (simulated backend; Paddle's own pieces only)::
+CPU smoke test (simulated backend, small model, the report only under the temp dir)::
 
-    python tools/host_breakdown.py --backend simulate
+    python tools/host_breakdown.py --smoke
 
-Each row is the median host time of one operation (no device synchronisation inside the timed
-region; one sync after each batch of repetitions so the queue stays short), for the 16-layer
-512-wide matmul MLP of tools/bench.py (batch 16). The rows split the wrapper's per-step overhead
-into Paddle's parts (PyLayer, autograd engine, Tensor.backward, copies) and ours (key, checks).
+Each row is the median host time of one operation over ``--reps`` repetitions (no device sync
+inside the timed region; one sync after each repetition so the queue stays short), for a
+``--layers`` x ``--width`` matmul MLP at ``--batch`` rows (default: 16 x 512, batch 16, the
+first config of tools/bench.py). The rows split a graphed step into the wrapper's own pieces (key,
+checks, copies), Paddle's (PyLayer, autograd engine, Tensor.backward, copies), and the whole step
+with default options and with each speed option this version has. ``--profile PATH`` also writes
+a cProfile of the graphed step's host side.
+
+NOTE [ Host breakdown internals ]
+Timing the wrapper's pieces one by one needs its private names. Every such use is in
+``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
+``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
+``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``grad_plan.adopted`` /
+``hand_out``, ``static_outputs``, ``fwd_graph`` / ``bwd_graph``), ``call.Call``,
+``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
+report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
 """
 
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import statistics
 import sys
+import tempfile
 import time
-from pathlib import Path
 
-import numpy as np
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import paddle  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
-from paddlefleet.cudagraph.static_io import flatten  # noqa: E402
+from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from paddlefleet.cudagraph.testing import (  # noqa: E402
+    SPEED_OPTIONS,
+    MatMLP,
+    build,
+    check_smoke_path,
+    host_tensor,
+    info_lines,
+    normal,
+    option_unsupported,
+    release_grads,
+    run_info,
+    short,
+    write_generated,
+)
 
-
-class MLP(paddle.nn.Layer):
-    def __init__(self, layers, width, rng):
-        super().__init__()
-        self.ws = paddle.nn.ParameterList()
-        for _ in range(layers):
-            w = self.create_parameter([width, width])
-            w.set_value((rng.standard_normal((width, width)) / np.sqrt(width)).astype("float32"))
-            self.ws.append(w)
-
-    def forward(self, x):
-        for w in self.ws:
-            x = paddle.matmul(x, w)
-        return x
+TOOL = "tools/host_breakdown.py"
 
 
 class Passthrough(PyLayer):
@@ -63,6 +78,84 @@ class Passthrough(PyLayer):
         return (None,) + tuple(Passthrough.grads)  # x needs no grad, as in the benchmark
 
 
+class Internals:
+    """The wrapper's private pieces, resolved in one place (NOTE [ Host breakdown internals ]).
+
+    Each method returns the callable to time, resolving the private names it needs when called,
+    so a name that moved costs its own row only."""
+
+    def __init__(self, wrapper, x):
+        self.wrapper, self.x = wrapper, x
+
+    def _entry(self):
+        return next(iter(self.wrapper._entries.values()))
+
+    def _call(self):
+        from paddlefleet.cudagraph.call import Call
+
+        return Call, Call((self.x,), {})
+
+    def flatten(self):
+        make, _ = self._call()
+        return lambda: make((self.x,), {})
+
+    def key(self):
+        _, call = self._call()
+        return lambda: self.wrapper._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+
+    def params_moved(self):
+        return self._entry().graphs.params.moved
+
+    def blocker(self):
+        _, call = self._call()
+        entry, body = self._entry(), self.wrapper._body
+        return lambda: body.blocker(entry, call)
+
+    def copy_in(self):
+        _, call = self._call()
+        return lambda: self._entry().graphs.static_inputs.copy_in(call.tensors)
+
+    def adopted(self):
+        return self._entry().graphs.grad_plan.adopted
+
+    def hand_out_grads(self):
+        return self._entry().graphs.grad_plan.hand_out
+
+    def hand_out_outputs(self):
+        from paddlefleet.cudagraph.bridge import hand_out_outputs
+
+        graphs = self._entry().graphs
+        return lambda: hand_out_outputs(graphs)
+
+    def hookable(self):
+        from paddlefleet.cudagraph.grads import hookable
+
+        out = self._entry().graphs.static_outputs[0]
+        return lambda: hookable(out)
+
+    def forward_replay(self):
+        return self._entry().graphs.fwd_graph.replay
+
+    def backward_replay(self):
+        return self._entry().graphs.bwd_graph.replay
+
+    def pieces(self):
+        """(row name, whose, resolver) for each private piece; resolver() returns what to time."""
+        return [
+            ("flatten the arguments (Call)", "ours", self.flatten),
+            ("key of the call", "ours", self.key),
+            ("replay preconditions (parameters, adopted inputs, pending backward)", "ours", self.blocker),
+            ("  of which the parameter-address check", "ours", self.params_moved),
+            ("input copy into the static buffer (copy_)", "ours (1 device copy)", self.copy_in),
+            ("output hand-out (clone_outputs: one copy per output)", "ours (1 device copy)", self.hand_out_outputs),
+            ("hookable alias of a differentiable output (reshape)", "ours", self.hookable),
+            ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
+            ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks)", "ours", self.hand_out_grads),
+            ("forward graph replay()", "Paddle", self.forward_replay),
+            ("backward graph replay()", "Paddle", self.backward_replay),
+        ]
+
+
 def timed(fn, reps, sync):
     samples = []
     for _ in range(reps):
@@ -73,97 +166,163 @@ def timed(fn, reps, sync):
     return statistics.median(samples) * 1e6
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def graphed_model(args, options=None):
+    """A graphed MatMLP, captured and replaying (warmup 1, then capture, then a replay)."""
+    model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
+    autocudagraph(model, backend=args.backend, warmup_steps=1, **(options or {}))
+    return model
+
+
+class Breakdown:
+    """Times the pieces of one graphed step; each row is (piece, whose, host us or "n/a (why)")."""
+
+    def __init__(self, args):
+        self.args = args
+        self.sync = paddle.device.cuda.synchronize if args.backend == "cuda" else (lambda: None)
+        draw = normal(0)
+        self.x = host_tensor(draw(args.batch, args.width))
+        self.dy = host_tensor(draw(args.batch, args.width))
+        self.rows = []
+
+    def row(self, name, who, make):
+        """``make()`` returns the callable to time; an error in it or in timing makes the row n/a
+        (for a private piece: a name that a refactor moved, see NOTE [ Host breakdown internals ])."""
+        try:
+            us = f"{timed(make(), self.args.reps, self.sync):.1f}"
+        except Exception as err:  # noqa: BLE001 - the other rows still run
+            us = f"n/a ({short(err, 160)})"
+        self.rows.append((name, who, us))
+
+    def step_of(self, model, release=True):
+        def step():
+            model(self.x).backward(self.dy)
+            if release:
+                release_grads(model)
+
+        for _ in range(3):  # warmup, capture, first replay
+            step()
+        self.sync()
+        return step
+
+    def wrapper_rows(self):
+        model = graphed_model(self.args)
+        step = self.step_of(model)
+        self.row("graphed step: forward call + backward + release grads", "total", lambda: step)
+        self.row(f"release {len(model.parameters())} grads (clear_gradient(False))", "benchmark loop",
+                 lambda: lambda: release_grads(model))
+        self.row("graphed step, grads kept (accumulating; host time only, values not checked here)", "total",
+                 lambda: self.step_of(graphed_model(self.args), release=False))
+        self.row("forward call alone (then drop the output)", "total", lambda: lambda: model(self.x))
+        for name, who, resolve in Internals(model.forward, self.x).pieces():
+            self.row(name, who, resolve)
+        return model, step
+
+    def option_rows(self):
+        for option in SPEED_OPTIONS:
+            name = f"graphed step with {option.options}"
+            why = option_unsupported(option.options)
+            if why:
+                self.rows.append((name, "total", f"n/a ({why})"))
+                continue
+            if option.keeps_grads:
+                # Accumulators are kept, not released: the step's host time is what this row
+                # measures; its values are checked by tools/bench.py and the suite, not here (on a
+                # GPU without Paddle's add kernel they are wrong, the host work is the same).
+                name += " (grads kept; host time only, values not checked here)"
+            self.row(name, "total", lambda option=option: self.step_of(
+                graphed_model(self.args, option.options), release=not option.keeps_grads))
+
+    def paddle_rows(self, params):
+        args, x, dy = self.args, self.x, self.dy
+        stack = host_tensor(normal(1)(args.layers, args.width, args.width))
+        Passthrough.grads = [host_tensor(normal(2)(args.width, args.width)) for _ in params]
+        self.row(f"one device copy (_C_ops.assign of the {args.batch} x {args.width} output)", "Paddle",
+                 lambda: lambda: _C_ops.assign(x))
+        self.row(f"one device copy of a {args.layers} x {args.width} x {args.width} grad stack", "Paddle",
+                 lambda: lambda: _C_ops.assign(stack))
+        self.row(f"unbind of the grad stack into {args.layers} views", "Paddle", lambda: lambda: _C_ops.unbind(stack, 0))
+        self.row(f"PyLayer.apply with {len(params) + 1} tensor inputs (forward: 1 copy)", "Paddle",
+                 lambda: lambda: Passthrough.apply(x, *params))
+
+        def pylayer_step():
+            Passthrough.apply(x, *params).backward(dy)
+            for p in params:
+                p.clear_gradient(False)
+
+        self.row(f"PyLayer forward + Tensor.backward handing {len(params)} grads to autograd + release", "Paddle",
+                 lambda: pylayer_step)
+        leaf = x.detach()
+        leaf.stop_gradient = False
+
+        def tiny_backward():
+            paddle.matmul(leaf, params[0]).backward(dy)
+            params[0].clear_gradient(False)
+            leaf.clear_gradient(False)
+
+        self.row("eager matmul + Tensor.backward (1 layer) + release, for scale", "Paddle", lambda: tiny_backward)
+
+
+def profile(step, steps, path):
+    """cProfile of ``steps`` graphed steps (host side), top functions to ``path``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    buf = io.StringIO()
+    buf.write(f"# {steps} graphed steps (host time; each line's times are totals over all steps)\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as fh:
+        fh.write(buf.getvalue())
+
+
+def parse():
+    parser = argparse.ArgumentParser(description="host time of the pieces of a graphed step")
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke test: simulate, 4 x 32, 20 reps, output under the temp dir")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--reps", type=int, default=300)
-    parser.add_argument("--out")
+    parser.add_argument("--out", help="write the report here (markdown; text above its generated-text mark is kept)")
+    parser.add_argument("--profile", help="also write a cProfile of 100 graphed steps here")
     args = parser.parse_args()
-    device = "gpu" if args.backend == "cuda" else "cpu"
-    paddle.set_device(device)
-    sync = (lambda: paddle.device.synchronize()) if device == "gpu" else (lambda: None)
-    rng = np.random.default_rng(0)
-    model = MLP(args.layers, args.width, rng)
-    params = list(model.parameters())
-    x = paddle.to_tensor(rng.standard_normal((args.batch, args.width)).astype("float32"))
-    dy = paddle.to_tensor(rng.standard_normal((args.batch, args.width)).astype("float32"))
-    stack = paddle.to_tensor(np.zeros((args.layers, args.width, args.width), "float32"))
-    Passthrough.grads = [paddle.to_tensor(np.zeros((args.width, args.width), "float32")) for _ in params]
+    if args.smoke:
+        args.backend, args.layers, args.width, args.batch, args.reps = "simulate", 4, 32, 4, 20
+        args.out = args.out or os.path.join(tempfile.gettempdir(), "host_breakdown_smoke.md")
+    try:
+        for path in (args.out, args.profile) if args.backend != "cuda" else ():
+            if path:
+                check_smoke_path(path, TOOL)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return args
 
-    def release():
-        for p in params:
-            p.clear_gradient(False)
 
-    autocudagraph(model, backend=args.backend, warmup_steps=1)
-    for _ in range(3):
-        model(x).backward(dy)
-        release()
-    sync()
-    g = model.forward
-    entry = next(iter(g._entries.values()))
-    tensors, consts, spec = flatten(((x,), {}))
-    rows = []
-
-    def row(name, fn, who):
-        rows.append((name, who, timed(fn, args.reps, sync)))
-
-    def step():
-        model(x).backward(dy)
-        release()
-
-    row("graphed step: forward call + backward + release grads", step, "total")
-    row("release 16 grads (clear_gradient(False))", release, "benchmark loop")
-    row("forward call alone (then drop the output)", lambda: model(x), "total")
-    row("flatten the arguments", lambda: flatten(((x,), {})), "ours")
-    row("key of the call", lambda: g._keys.key((x,), {}, tensors, spec), "ours")
-    row("parameter-address check", lambda: g._params_moved(entry), "ours")
-    row("input copy into the static buffer (copy_)", lambda: entry.static_inputs.copy_in(tensors), "ours (1 device copy)")
-    row("forward graph replay()", lambda: entry.fwd_graph.replay(), "Paddle")
-    row("backward graph replay()", lambda: entry.bwd_graph.replay(), "Paddle")
-    row("one device copy (_C_ops.assign of the 16x512 output)", lambda: _C_ops.assign(x), "Paddle")
-    row("one device copy of a 16 x 512 x 512 grad stack", lambda: _C_ops.assign(stack), "Paddle")
-    row("unbind of the grad stack into 16 views", lambda: _C_ops.unbind(stack, 0), "Paddle")
-
-    def pylayer_forward():
-        Passthrough.apply(x, *params)
-
-    row("PyLayer.apply with 17 tensor inputs (forward: 1 copy)", pylayer_forward, "Paddle")
-
-    def pylayer_step():
-        Passthrough.apply(x, *params).backward(dy)
-        release()
-
-    row("PyLayer forward + Tensor.backward handing 16 grads to autograd + release", pylayer_step, "Paddle")
-    x_leaf = x.detach()
-    x_leaf.stop_gradient = False
-
-    def tiny_backward():
-        y = paddle.matmul(x_leaf, params[0])
-        y.backward(dy)
-        release()
-        x_leaf.clear_gradient(False)
-
-    row("eager matmul + Tensor.backward (1 layer) + release, for scale", tiny_backward, "Paddle")
-
-    lines = [
-        "# Host time of the pieces of a graphed step",
-        "",
-        f"- Paddle {paddle.__version__}, backend {args.backend}, device {paddle.get_device()}"
-        + (f" ({paddle.device.cuda.get_device_name()})" if device == "gpu" else ""),
-        f"- model: {args.layers} matmul layers x {args.width}, batch {args.batch}; median of {args.reps} "
-        "repetitions, host time without a device sync inside the timed region",
-        "",
-        "| piece | whose | host us |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {name} | {who} | {us:.1f} |" for name, who, us in rows]
-    text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
+def main():
+    args = parse()
+    os.environ.pop(ENV_BACKEND, None)
+    cuda = args.backend == "cuda"
+    paddle.set_device("gpu" if cuda else "cpu")
+    bd = Breakdown(args)
+    model, step = bd.wrapper_rows()
+    bd.option_rows()
+    bd.paddle_rows(model.parameters())
+    if args.profile:
+        profile(step, 100, args.profile)
+    title = "Host time of the pieces of a graphed step" + ("" if cuda else " (SMOKE RUN on the CPU: not a GPU result)")
+    lines = [f"# {title}", ""] + info_lines(run_info(cuda, REPO)) + [
+        f"- backend {args.backend}; model: {args.layers} matmul layers x {args.width}, batch {args.batch}; median of "
+        f"{args.reps} repetitions, host time without a device sync inside the timed region; counters after the "
+        f"run: {model.forward.stats().get('replays')} replays, {model.forward.stats().get('captures')} capture",
+        "", "| piece | whose | host us |", "|---|---|---|"]
+    lines += [f"| {name} | {who} | {us} |" for name, who, us in bd.rows]
+    sys.stdout.write("\n".join(lines) + "\n")
     if args.out:
-        Path(args.out).write_text(text)
+        write_generated(args.out, lines, TOOL, smoke=not cuda)
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -1,10 +1,17 @@
 """Automatic CUDA graphs for PaddlePaddle training: ``autocudagraph`` (blocks) and
-``autocudagraph_step`` (the whole training step)."""
+``autocudagraph_step`` (the whole training step).
+
+``paddlefleet`` itself is a namespace package (no ``paddlefleet/__init__.py``): this project only
+adds ``paddlefleet.cudagraph`` to it, so Paddle's own PaddleFleet (a regular ``paddlefleet``
+package) is not shadowed and PaddleFormers' probe for it stays False (docs/recipes.md).
+"""
+
+__version__ = "0.1.0"
 
 # NOTE [ numpy.random before paddle ]: with Paddle 2.6.2 and NumPy 2.4, importing numpy.random
 # after paddle crashes the process (SIGSEGV in inflateReset2: two zlib builds; measured here).
 # Importing it first is harmless and keeps `python -m paddlefleet.cudagraph demo` alive.
-import numpy.random  # noqa: F401
+import numpy.random  # noqa: F401,E402
 
 from . import grad_consumers
 from .api import autocudagraph
@@ -18,6 +25,7 @@ from .step import autocudagraph_step
 grad_consumers.install()
 
 __all__ = [
+    "__version__",
     "autocudagraph",
     "autocudagraph_step",
     "GraphGradScaler",

@@ -1,6 +1,7 @@
 """autocudagraph(): decorate a function, a Layer method or a Layer instance."""
 
 import functools
+import weakref
 
 import paddle
 
@@ -10,29 +11,126 @@ from .options import GraphOptions
 __all__ = ["autocudagraph"]
 
 
-class _GraphedMethod:
-    """Descriptor for ``@autocudagraph`` on a method: every instance gets its own graphs."""
+# NOTE [ Graphed methods ]
+# ``@autocudagraph`` on a function in a class body returns a _GraphedMethod descriptor. Every
+# decorated function keeps its own wrappers, under an attribute of its own (the defining class's
+# qualified name and the function's name), so ``Base.forward`` and ``Sub.forward`` both graphed,
+# with ``Sub.forward`` calling ``super().forward(x)``, are two wrappers of the same instance; the
+# inner call runs as any graphed call made inside another capture does (eagerly, as part of the
+# outer graph). What a call binds to:
+#   instance.fn / Cls.fn(instance, ...)   one wrapper per instance (its own graphs)
+#   @classmethod, either order            one wrapper per class, bound to the class
+#   @autocudagraph over @staticmethod     one wrapper, no owner: staticmethod(GraphedCallable)
+#   @staticmethod over @autocudagraph     the descriptor is called directly, never bound: a call
+#                                         whose first argument is not an instance (or subclass)
+#                                         of the defining class uses one static wrapper (one
+#                                         whose first argument is an instance is computed the
+#                                         same way, fn(instance, ...), with that instance's graphs)
+# The defining class comes from __set_name__ when the descriptor sits in the class body itself,
+# else (under staticmethod, classmethod or another decorator) from the first argument's MRO,
+# matched by module and qualified name.
 
-    def __init__(self, fn, options):
+
+class _GraphedMethod:
+    """Descriptor for ``@autocudagraph`` on a function in a class body (NOTE [ Graphed methods ])."""
+
+    def __init__(self, fn, options, classmethod_=False):
         self._fn = fn
         self._options = options
-        self._attr = f"_autocudagraph_{fn.__name__}_{id(self)}"
+        self._classmethod = classmethod_
+        self._attr = f"_autocudagraph_{fn.__module__}.{fn.__qualname__}"
+        self._owner_cls = None  # the defining class, once known
+        self._owner_name = fn.__qualname__.rpartition(".")[0]
+        self._per_class = weakref.WeakKeyDictionary()
+        self._static = None
         functools.update_wrapper(self, fn)
 
     def __set_name__(self, owner, name):
-        self._attr = f"_autocudagraph_{name}"
+        self._owner_cls = owner
+        self._attr = f"_autocudagraph_{owner.__module__}.{owner.__qualname__}.{name}"
 
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
+    # ---------------------------------------------------------------- binding
+    def _defines(self, cls):
+        """True when ``cls`` is the defining class or a subclass of it."""
+        if self._owner_cls is not None:
+            return issubclass(cls, self._owner_cls)
+        for base in cls.__mro__:
+            if base.__qualname__ == self._owner_name and base.__module__ == self._fn.__module__:
+                self._owner_cls = base
+                return True
+        return False
+
+    def _for_instance(self, obj):
         wrapper = obj.__dict__.get(self._attr)
         if wrapper is None:
             wrapper = GraphedCallable(self._fn, self._options, owner=obj)
             obj.__dict__[self._attr] = wrapper
         return wrapper
 
-    def __call__(self, obj, *args, **kwargs):  # Class.method(instance, ...)
-        return self.__get__(obj)(*args, **kwargs)
+    def _for_class(self, cls):
+        wrapper = self._per_class.get(cls)
+        if wrapper is None:
+            wrapper = GraphedCallable(self._fn, self._options, owner=cls)
+            self._per_class[cls] = wrapper
+        return wrapper
+
+    def _static_wrapper(self):
+        if self._static is None:
+            self._static = GraphedCallable(self._fn, self._options)
+        return self._static
+
+    def __get__(self, obj, objtype=None):
+        if obj is not None and not self._classmethod:
+            wrapper = obj.__dict__.get(self._attr)  # the common case: an instance already bound
+            if wrapper is not None:
+                return wrapper
+        if self._classmethod:
+            return self._for_class(objtype if objtype is not None else type(obj))
+        if obj is None:
+            return self
+        if isinstance(obj, type):  # classmethod over this descriptor (Python < 3.13 binds through __get__)
+            return self._for_class(obj)
+        return self._for_instance(obj)
+
+    def __call__(self, *args, **kwargs):
+        # Cls.fn(instance, ...), or a call through staticmethod/classmethod/another decorator.
+        if self._classmethod:
+            return self._for_class(args[0])(*args[1:], **kwargs)
+        first = args[0] if args else None
+        if isinstance(first, type) and self._defines(first):
+            return self._for_class(first)(*args[1:], **kwargs)
+        if args and not isinstance(first, type) and self._defines(type(first)):
+            return self._for_instance(first)(*args[1:], **kwargs)
+        return self._static_wrapper()(*args, **kwargs)
+
+    # ---------------------------------------------------------------- a static method's report
+    def _reported(self, what):
+        if self._static is None and len(self._per_class) == 1:  # a class method read as Cls.fn
+            return next(iter(self._per_class.values()))
+        if self._static is None and self._owner_cls is not None:
+            raise TypeError(
+                f"autocudagraph: {self._fn.__qualname__} is graphed per instance: each instance keeps its own "
+                f"graphs, so the class has no {what}() of its own. Call it on an instance's method "
+                f"(obj.{self._fn.__name__}.{what}())."
+            )
+        return self._static_wrapper()
+
+    def stats(self):
+        """stats() of a static method's wrapper (NOTE [ Graphed methods ])."""
+        return self._reported("stats").stats()
+
+    def report(self):
+        return self._reported("report").report()
+
+    def explain(self):
+        return self._reported("explain").explain()
+
+    def reset(self):
+        return self._reported("reset").reset()
+
+    @property
+    def counters(self):
+        return self._reported("counters").counters
 
 
 def _distributed_wrapper_name(layer):
@@ -56,7 +154,7 @@ def _wrap(target, options):
         )
     if isinstance(target, paddle.nn.Layer):
         if isinstance(target.__dict__.get("forward"), GraphedCallable) or isinstance(
-            type(target).__dict__.get("forward"), _GraphedMethod
+            getattr(type(target), "forward", None), _GraphedMethod
         ):
             raise TypeError(
                 f"autocudagraph: the forward of {type(target).__name__} is already graphed. Wrapping it again "
@@ -69,6 +167,8 @@ def _wrap(target, options):
         # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
         object.__setattr__(target, "forward", wrapper)
         return target
+    if isinstance(target, (staticmethod, classmethod)):
+        return _wrap_static_or_class(target, options)
     if isinstance(target, GraphedCallable) or isinstance(target, _GraphedMethod):
         raise TypeError(
             f"autocudagraph: {target!r} is already wrapped. Apply autocudagraph once; call "
@@ -84,6 +184,19 @@ def _wrap(target, options):
     return GraphedCallable(target, options)
 
 
+def _wrap_static_or_class(target, options):
+    """``@autocudagraph`` over ``@staticmethod`` / ``@classmethod`` (NOTE [ Graphed methods ])."""
+    fn = target.__func__
+    if isinstance(fn, (GraphedCallable, _GraphedMethod)) or not callable(fn):
+        raise TypeError(
+            f"autocudagraph: expected a {type(target).__name__} of a plain function, got one of {fn!r}. "
+            "Apply autocudagraph once, directly above or below the @staticmethod/@classmethod line."
+        )
+    if isinstance(target, staticmethod):
+        return staticmethod(GraphedCallable(fn, options))
+    return _GraphedMethod(fn, options, classmethod_=True)
+
+
 def _defined_in_a_class_body(fn):
     """True for a function written in a class body ("Class.method", not "outer.<locals>.f") that
     takes at least one positional argument (the instance)."""
@@ -96,8 +209,10 @@ def autocudagraph(target=None, **options):
     """Captures the forward and backward of ``target`` into CUDA graphs and replays them.
 
     Usable bare (``@autocudagraph``), with options (``@autocudagraph(warmup_steps=2)``), on a
-    method (each instance keeps its own graphs) or on a Layer instance
-    (``autocudagraph(layer)`` graphs its forward in place and returns the same Layer).
+    method (each instance keeps its own graphs), a static method (one set of graphs) or a class
+    method (one per class), above or below ``@staticmethod`` / ``@classmethod``, or on a Layer
+    instance (``autocudagraph(layer)`` graphs its forward in place and returns the same Layer).
+    The wrapper presents the signature of what it wraps, bound where it is bound.
 
     Per key (by default: the argument structure, each tensor's shape/dtype/place/stop_gradient,
     non-tensor values, grad mode, AMP state and the training flag of the Layers involved) the

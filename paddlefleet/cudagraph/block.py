@@ -18,6 +18,7 @@ from .errors import CudaGraphError
 from .lifecycle import Lifecycle
 from .options import GraphOptions
 from .replay import replay_blocker, run_graphs
+from .replay_fallback import state_restored_on_refusal
 from .verify import verified_run
 
 __all__ = ["BlockBody", "GraphedCallable"]
@@ -74,9 +75,10 @@ class BlockBody:
         """A block captures as soon as its warmup calls are done."""
         return True
 
-    def capture(self, entry, call, names, last_inputs, warn_once):
-        """Captures ``entry``'s key from ``call``; returns its BlockGraphs or raises."""
-        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, names, last_inputs,
+    def capture(self, entry, call, named, last_inputs, warn_once):
+        """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
+        returns its BlockGraphs or raises."""
+        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
                              warn_once, entry.label)
 
     def blocker(self, entry, call):
@@ -85,9 +87,12 @@ class BlockBody:
 
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
-        if entry.graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grad_plan.py
-            capture_second_backward(entry.graphs)
-        return run_graphs(entry.graphs, call, copy, self.name, entry.label)
+        graphs = entry.graphs
+        if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grad_plan.py
+            capture_second_backward(graphs)
+        # NOTE [ A replay that changes shape ] in replay_fallback.py
+        with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
+            return run_graphs(graphs, call, copy, self.name, entry.label)
 
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager

@@ -39,7 +39,7 @@ from .grads import GradSwap, can_hook, merge_leaf_grads
 from .host import host_mask, is_marked_host, mark_host
 from .layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from .stale import StaleOutputs
-from .static_io import StaticInputs, flatten, holds_tensor
+from .static_io import StaticInputs, check_rebuild, flatten, holds_tensor, leaf_names
 
 __all__ = ["capture_block", "capture_second_backward"]
 
@@ -54,32 +54,48 @@ class _GradBodyFailed(Exception):
         self.error = error
 
 
-def capture_block(fn, owner, options, backend, call, names, last_inputs, warn_once, label):
+def capture_block(fn, owner, options, backend, call, named, last_inputs, warn_once, label):
     """Captures one key of a block and returns its BlockGraphs; raises when it cannot.
 
     Args:
         fn, owner: the function and the Layer it is bound to (or None).
         options: GraphOptions; backend: the key's backend.
-        call: the capture call; names: the argument name of each of its tensors.
+        call: the capture call; named: its ``[(argument name, value)]``.
         last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
         warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
         label: the key's readable label, for messages.
     """
+    for name, value in named:  # NOTE [ Containers keep their type ] in static_io.py
+        check_rebuild(value, f"argument {name}")
+    names = leaf_names(named)
+    grad_mode = paddle.is_grad_enabled()
     with CAPTURE_LOCK:
         try:
-            return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
-        except _GradBodyFailed as failed:
-            # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
-            logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
-            graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
-            warn_once(
-                ("grad_fallback", label),
-                f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
-                "it was captured with paddle.autograd.backward instead. Gradient hooks of its parameters now run "
-                "inside the capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
-                "DataParallel), return None from dispatch_key_fn for such calls.",
-            )
-            return graphs
+            return _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label,
+                                       grad_mode)
+        except BaseException:
+            paddle.set_grad_enabled(grad_mode)  # the eager re-run computes in the call's grad mode
+            raise
+
+
+def _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label, grad_mode):
+    try:
+        return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
+    except _GradBodyFailed as failed:
+        # Paddle leaves grad mode off when a saved-tensors unpack hook raised inside paddle.grad
+        # (NOTE [ Saved-tensors hooks ] in saved_hooks.py): the retry must see the call's mode.
+        paddle.set_grad_enabled(grad_mode)
+        # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
+        logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
+        graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
+        warn_once(
+            ("grad_fallback", label),
+            f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
+            "it was captured with paddle.autograd.backward instead. Gradient hooks of its parameters now run "
+            "inside the capture and would be replayed with the graph. If its parameters have hooks (main_grad, "
+            "DataParallel), return None from dispatch_key_fn for such calls.",
+        )
+        return graphs
 
 
 class _BlockCapture:
@@ -137,6 +153,8 @@ class _BlockCapture:
             with paddle.set_grad_enabled(grad_enabled):
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
+            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in static_io.py
+                check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
             return out_tensors
@@ -153,9 +171,12 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            with LayerRecorder(snapshot, watch) as recorder:
+            # NOTE [ Random kernels under a recording capture ] in state.py.
+            rng_guard = state.RecordingRngGuard(enabled=not backend.capture_executes)
+            with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
+            rng_guard.check()
             _refuse_objects_holding_tensors(live["spec"][1])
             _refuse_written_inputs(static, adopted_values)
             graphs.static_inputs, graphs.in_spec = static, call.spec
@@ -352,9 +373,9 @@ def _refuse_objects_holding_tensors(out_consts):
         if holds_tensor(value):
             raise CaptureError(
                 f"autocudagraph: the function returns a {type(value).__name__} object holding tensors. "
-                "Only tensors returned directly or in list/tuple/dict nests are replayed; this object "
-                "would be returned as captured, with frozen values and no grads. Return a tuple or a "
-                "dict of tensors instead."
+                "Only tensors returned directly or in list/tuple/dict/dataclass nests are replayed; this "
+                "object would be returned as captured, with frozen values and no grads. Return a tuple, "
+                "a dict or a dataclass of tensors instead."
             )
 
 

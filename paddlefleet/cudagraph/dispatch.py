@@ -17,7 +17,7 @@ from .errors import CudaGraphError
 from .static_io import leaf_names, tensor_meta
 from .stats import describe_call
 
-__all__ = ["KeyMaker"]
+__all__ = ["KeyMaker", "BoundSignature"]
 
 
 class KeyMaker:
@@ -37,14 +37,18 @@ class KeyMaker:
         self._signature = None
         self.layers = list(layers)
 
-    def bound_arguments(self, args, kwargs):
-        """``inspect.BoundArguments`` of a call, defaults applied, the owner left out."""
+    def signature(self):
+        """The signature a call is made with: the function's, without the owner when bound."""
         if self._signature is None:
             sig = inspect.signature(self._fn)
             if self._bound:
                 sig = sig.replace(parameters=list(sig.parameters.values())[1:])
             self._signature = sig
-        bound = self._signature.bind(*args, **kwargs)
+        return self._signature
+
+    def bound_arguments(self, args, kwargs):
+        """``inspect.BoundArguments`` of a call, defaults applied, the owner left out."""
+        bound = self.signature().bind(*args, **kwargs)
         bound.apply_defaults()
         return bound
 
@@ -54,10 +58,6 @@ class KeyMaker:
             return list(self.bound_arguments(args, kwargs).arguments.items())
         except TypeError:
             return [("args", args), ("kwargs", kwargs)]
-
-    def leaf_names(self, call):
-        """The argument name of each of the call's tensors (e.g. ``x``, ``batch['ids']``)."""
-        return leaf_names(self.named_arguments(call.args, call.kwargs))
 
     def label(self, key, call):
         """A readable label for a new key (explain() and messages).
@@ -115,3 +115,19 @@ class KeyMaker:
             entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
             rebuilt[entry.key] = entry
         return rebuilt
+
+
+class BoundSignature:
+    """``__signature__`` of a wrapper whose KeyMaker is ``self._keys``: the signature of what it
+    wraps, bound where it is bound (a Layer's ``forward`` without ``self``), as
+    ``inspect.signature`` of the unwrapped bound method gives. Callers that bind arguments
+    against it (Paddle's reentrant ``recompute``) then see the arguments the wrapper takes."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None  # inspect.signature(the class) goes on to the class's own __init__
+        try:
+            return obj._keys.signature()
+        except (TypeError, ValueError):
+            # No signature to give (a builtin): inspect falls back to __wrapped__, which raises alike.
+            raise AttributeError("__signature__") from None

@@ -9,6 +9,7 @@ __all__ = [
     "InputMismatchError",
     "StaleOutputError",
     "PendingBackwardError",
+    "ReplayShapeError",
 ]
 
 
@@ -30,3 +31,8 @@ class StaleOutputError(CudaGraphError):
 
 class PendingBackwardError(CudaGraphError):
     """A backward replay was asked for a forward replay whose saved state was overwritten."""
+
+
+class ReplayShapeError(CaptureError):
+    """A simulated replay computed outputs of other shapes than its capture: a GPU graph could not
+    have given them (the key falls back to eager)."""

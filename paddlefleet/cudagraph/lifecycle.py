@@ -10,10 +10,12 @@ import collections
 import logging
 import warnings
 
+from . import arguments, saved_hooks
 from .backends import is_capturing, resolve_backend
 from .call import Call
-from .dispatch import KeyMaker
+from .dispatch import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
+from .errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from .stale import check_fresh
 from .stats import Counters, describe_entries, explain
@@ -33,6 +35,8 @@ class Lifecycle:
             ``replay``, ``verified_replay``.
         fn: the wrapped function (keys read its signature).
     """
+
+    __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
 
     def __init__(self, body, fn):
         self._body = body
@@ -93,6 +97,9 @@ class Lifecycle:
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(Call(args, kwargs), "called inside another capture")
+        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
+            self._warn_once("saved_hooks", saved_hooks.warning())
+            return self._eager(Call(args, kwargs), saved_hooks.REASON)
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -140,6 +147,11 @@ class Lifecycle:
         if backend is None:
             self._last_refusal = reason
             return None
+        refused = arguments.refusal(self._keys.named_arguments(call.args, call.kwargs))
+        if refused is not None:  # NOTE [ Argument objects ] in arguments.py
+            self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
+            self._last_refusal = refused
+            return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call))
         if not self._budget_allows(entry):
             self._last_refusal = "max_graphs reached"
@@ -151,7 +163,8 @@ class Lifecycle:
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
         try:
-            graphs = self._body.capture(entry, call, self._keys.leaf_names(call), last_inputs, self._warn_once)
+            named = self._keys.named_arguments(call.args, call.kwargs)
+            graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
         except Exception as err:  # contained: this key runs eagerly from now on
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
@@ -201,10 +214,17 @@ class Lifecycle:
         return self._capture(entry, call)
 
     def _graph_call(self, entry, call, copy):
-        if entry.verify_left <= 0:
-            return self._run_graphs(entry, call, copy)
-        entry.verify_left -= 1
-        result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+        try:
+            if entry.verify_left <= 0:
+                return self._run_graphs(entry, call, copy)
+            entry.verify_left -= 1
+            result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+        except ReplayShapeError as err:  # NOTE [ A replay that changes shape ] in replay_fallback.py
+            reason = f"{type(err).__name__}: {err}"
+            entry.fall_back(reason)
+            self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
+                            "The key runs eagerly from now on (results stay correct, without the speed-up).")
+            return self._eager(call, "a replay changed an output's shape")
         self.counters.verified_replays += 1
         entry.verified += 1
         if mismatch is None:

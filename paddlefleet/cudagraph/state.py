@@ -9,7 +9,7 @@ import contextlib
 import paddle
 
 __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
-           "RngRewindGuard"]
+           "RngRewindGuard", "RecordingRngGuard", "generator_state_indices"]
 
 
 def amp_state():
@@ -43,11 +43,22 @@ def rng_snapshot():
 
 
 def restore_rng(snapshot):
-    """Puts back a snapshot taken by rng_snapshot()."""
+    """Puts back a snapshot taken by rng_snapshot(); the snapshot stays valid, so it can be
+    restored again (NOTE [ Restoring the tracker ])."""
     default, tracked = snapshot
     paddle.set_rng_state(default)
     if tracked is not None:
-        _tracker().set_states_tracker(tracked)
+        # NOTE [ Restoring the tracker ]
+        # Paddle 2.6's RNGStatesTracker keeps GeneratorState values in a dict, and
+        # set_states_tracker(states) makes ``states`` that dict: every later rng_state(name)
+        # block writes its advanced state into it. Handing it our snapshot's dict would let
+        # the next tracker use overwrite the snapshot, and a second restore (verify_replays
+        # restores the state before a call twice on a mismatch) would put back the advanced
+        # states: silently different dropout masks than eager. Paddle 3.x keeps states by
+        # index and copies them out of the dict. A fresh dict each time is right for both.
+        # The GeneratorState objects themselves are values: get_state() returns a copy and
+        # set_state() copies in (phi::Generator, both versions), so sharing them is safe.
+        _tracker().set_states_tracker(dict(tracked))
 
 
 @contextlib.contextmanager
@@ -218,3 +229,118 @@ class RngRewindGuard:
                 "replay that kernel with a new offset instead of the forward's, giving wrong grads. "
                 "Graph the blocks inside the recompute instead of around it, or disable dropout there."
             )
+
+
+# The random kernels whose seed and offset Paddle patches before every replay but the first
+# (phi's CUDAGraphNodeLauncher parameter setters: dropout's forward and fused_dropout_add; the
+# same three kernels in Paddle 2.6.2's GPU build and in 3.x's sources).
+_RESEEDED_OPS = ("dropout", "dropout_", "fused_dropout_add")
+
+
+def generator_state_indices():
+    """True where Paddle's generators keep several states and switch between them by index
+    (``Generator.get_state_index``, Paddle 3.x); Paddle 2.6 has one state per generator."""
+    try:
+        from paddle.base import core
+    except ImportError:  # pragma: no cover - Paddle without paddle.base
+        return False
+    return hasattr(core.default_cpu_generator(), "get_state_index")
+
+
+def _current_seeds():
+    """The seed of the current state of each generator of the current place."""
+    return tuple(s.current_seed() for s in paddle.get_rng_state())
+
+
+class RecordingRngGuard:
+    """Refuses a recording capture (cuda) whose random kernels a replay would not redraw as
+    eager does.
+
+    NOTE [ Random kernels under a recording capture ]
+    A CUDA graph bakes each kernel's arguments at capture. Paddle re-seeds only dropout and
+    fused_dropout_add on replay: before every replay but the first, a host hook calls the
+    generator's IncrementOffset and patches the kernel's seed and offset. Two cases are then
+    silently wrong, and the capture fails (CaptureError; the key runs eagerly):
+
+    * any other random kernel (uniform, gaussian, bernoulli, randint, ...) replays the capture's
+      numbers on every call, where eager draws new ones (every Paddle);
+    * a re-seeded kernel drawn under another generator state than the one current when the
+      capture began - inside a Fleet tracker ``rng_state(name)`` block in the function - on a
+      Paddle without generator state indices (2.6). 2.6's tracker swaps state *values* in and
+      out of the one CUDA generator, and the hook advances whatever state is current at replay,
+      i.e. the caller's: the replayed mask comes from the default stream and the tracker's
+      state never advances. Paddle 3.x keeps tracker states by index and the hook switches to
+      the captured index first (the cuda backend then puts the caller's index back, NOTE
+      [ Generator state index after replay ] in backends/cuda.py). A call made inside a
+      tracker block captures and replays under the tracker's state on both: not refused.
+
+    Args:
+        enabled: False makes the guard a no-op (a capture that executes, simulate).
+        state_indices: whether the generators keep states by index; None detects it.
+    """
+
+    def __init__(self, enabled=True, state_indices=None):
+        self.enabled = enabled
+        self.state_indices = generator_state_indices() if state_indices is None else state_indices
+        self.problem = None
+        self._start = None
+        self._saved = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self._start = None if self.state_indices else _current_seeds()
+        try:
+            for name in _RANDOM_OPS:
+                if hasattr(paddle._C_ops, name):
+                    self._patch(name)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _patch(self, name):
+        original = getattr(paddle._C_ops, name)
+        guard = self
+
+        def drawing(*args, **kwargs):
+            if guard.problem is None:
+                if name not in _RESEEDED_OPS:
+                    guard.problem = (name, "frozen")
+                elif guard._start is not None and _current_seeds() != guard._start:
+                    guard.problem = (name, "foreign state")
+            return original(*args, **kwargs)
+
+        self._saved.append((name, original))
+        setattr(paddle._C_ops, name, drawing)
+
+    def _restore(self):
+        for name, original in reversed(self._saved):
+            setattr(paddle._C_ops, name, original)
+        self._saved = []
+
+    def __exit__(self, exc_type, exc, tb):
+        self._restore()
+        return False
+
+    def check(self):
+        """Raises CaptureError naming the first random kernel a replay would get wrong."""
+        if self.problem is None:
+            return
+        from .errors import CaptureError
+
+        name, kind = self.problem
+        if kind == "frozen":
+            raise CaptureError(
+                f"autocudagraph: the function runs the random kernel '{name}', which Paddle does not "
+                "re-seed when a CUDA graph replays (only dropout and fused_dropout_add are): every replay "
+                "would repeat the capture's random numbers. Draw them outside the graphed function and "
+                "pass them in, or use dropout."
+            )
+        raise CaptureError(
+            f"autocudagraph: the function runs the random kernel '{name}' under another RNG state than "
+            "the caller's (a Fleet tracker rng_state(name) block inside it), and this Paddle has no "
+            "generator state indices (Generator.get_state_index): a replay would draw from the caller's "
+            "state instead, giving other masks than eager. Graph the code inside the rng_state block, "
+            "call the graphed function inside the block, or use a Paddle with generator state indices (3.x)."
+        )

@@ -39,7 +39,7 @@ from .layers import CAPTURE_LOCK, LayerRecorder
 from .optim_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
 from .replay import Blocked
-from .static_io import StaticInputs, flatten, holds_tensor, nbytes, unflatten
+from .static_io import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .step_state import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
 __all__ = ["StepBody", "StepGraphs"]
@@ -227,8 +227,9 @@ class StepBody:
         return entry.warmup_calls >= self.options.warmup_steps + EXTRA_WARMUPS
 
     # ------------------------------------------------------------------ capture
-    def capture(self, entry, call, names, last_inputs, warn_once):
-        """Captures ``entry``'s key from ``call``; returns its StepGraphs or raises."""
+    def capture(self, entry, call, named, last_inputs, warn_once):
+        """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
+        returns its StepGraphs or raises."""
         self._warn_once = warn_once
         warm = self._warm.get(entry)
         if warm is None or warm.trace is None:
@@ -249,7 +250,7 @@ class StepBody:
         for opt in self.optimizers:
             check_supported(opt)
         with CAPTURE_LOCK:
-            return _StepCapture(self, entry.backend, call, names, warm).run()
+            return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):

@@ -185,6 +185,7 @@ def verified_run(graphs, call, run_graphs, run_eager):
 
 def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before):
     graph_outputs, _, graph_spec = flatten(result)
+    graph_needs_grad = [not t.stop_gradient for t in graph_outputs]
     graph_outputs = [copy(t) for t in graph_outputs]
     diff_index = [i for i, d in enumerate(graphs.out_differentiable) if d]
     with_grads = graphs.bwd_graph is not None and paddle.is_grad_enabled() and bool(diff_index)
@@ -208,6 +209,12 @@ def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
     eager_outputs, _, eager_spec = flatten(eager_result)
     if eager_spec != graph_spec or len(eager_outputs) != len(graph_outputs):
         return ("the output structure", "eager returned a different structure or non-tensor values"), None
+    for i, (needs, e) in enumerate(zip(graph_needs_grad, eager_outputs)):
+        # A graph captured without grads returns outputs that need none: the caller's backward
+        # would silently stop there (no grads compared below, since the graph has none).
+        if needs != (not e.stop_gradient):
+            side = "eager but not in the graph" if needs is False else "the graph but not in eager"
+            return (f"output {i}", f"it requires grad in {side}"), None
     pairs = [(f"output {i}", g, e.detach()) for i, (g, e) in enumerate(zip(graph_outputs, eager_outputs))]
     if with_grads:
         leaves = [c for c, need in zip(clones, needs_grad) if need] + list(graphs.params.params)

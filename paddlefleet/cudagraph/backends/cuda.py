@@ -42,11 +42,24 @@ def pool_sharing_supported():
     )
 
 
+def _indexed_generator(place):
+    """The default CUDA generator of ``place`` where generators keep states by index (Paddle
+    3.x: ``get_state_index``), else None (Paddle 2.6: one state per generator)."""
+    try:
+        from paddle.base import core
+
+        generator = core.default_cuda_generator(place.get_device_id())
+    except Exception:  # no CUDA generator here (CPU build, or a Paddle without paddle.base)
+        return None
+    return generator if hasattr(generator, "get_state_index") else None
+
+
 class _CudaGraph(Graph):
     def __init__(self, place, pool):
         self._place = place
         self._pool = pool
         self._graph = None
+        self._generator = _indexed_generator(place)
 
     def capture(self, body, hooks=()):
         # NOTE [ Garbage collection around capture ]: freeing a tensor of another graph's pool
@@ -90,7 +103,22 @@ class _CudaGraph(Graph):
     def replay(self):
         if self._graph is None:
             raise CaptureError(NOT_CAPTURED)
-        self._graph.replay()
+        if self._generator is None:
+            self._graph.replay()
+            return
+        # NOTE [ Generator state index after replay ]
+        # On a Paddle whose generators keep states by index (3.x; Fleet's tracker registers one
+        # per rng_state name), the hook that re-seeds a captured dropout before a replay first
+        # switches the CUDA generator to the state index current at capture
+        # (Generator::SetStateIndex in the kernel's parameter setter) and never switches back.
+        # A graph with dropout under a tracker block would leave the caller on the tracker's
+        # state: the caller's next eager draws would come from the wrong stream. The hooks run
+        # on the host inside replay(), so putting the caller's index back afterwards is enough.
+        index = self._generator.get_state_index()
+        try:
+            self._graph.replay()
+        finally:
+            self._generator.set_state_index(index)
 
     def reset(self):
         if self._graph is not None:

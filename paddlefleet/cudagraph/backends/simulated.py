@@ -6,7 +6,9 @@ Replay runs the same body again - on the same static input tensors, because the 
 over them - and copies every result *in place* into the tensors the capture returned. So a
 caller that holds a static buffer sees it overwritten by the next replay, exactly as with a
 real CUDA graph. Host-synchronising calls are refused during capture, as a capturing CUDA
-stream refuses them (CUDA error 900).
+stream refuses them (CUDA error 900), and so are ops whose output shape depends on tensor values
+(NOTE [ Shapes from tensor values ] in value_shapes.py); a replay whose outputs change shape
+raises ReplayShapeError instead of copying into the captured buffers.
 
 Unlike a GPU graph, replay re-runs the body's Python: Python values it reads (globals,
 attributes, a branch on them) are read afresh on every replay, where a GPU graph repeats what
@@ -21,6 +23,7 @@ import paddle
 from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_marks import is_marked_host
+from .value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -118,7 +121,8 @@ class _SimulatedGraph(Graph):
 
     def capture(self, body, hooks=()):
         host_reads = _HostReads()
-        with capturing(hooks), refuse_host_sync(host_reads):
+        # NOTE [ Shapes from tensor values ] in value_shapes.py
+        with capturing(hooks), refuse_host_sync(host_reads), refuse_value_shapes(is_marked_host):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
@@ -138,6 +142,7 @@ class _SimulatedGraph(Graph):
             else:
                 with refuse_host_sync(self._host_reads.replaying()):
                     fresh = _flat_tensors(self._body())
+        check_replay_shapes(self._static, fresh)  # before any copy: the static buffers stay as they were
         with paddle.no_grad():
             for static, value in zip(self._static, fresh):
                 # Host results keep their capture-time values, as on a GPU.

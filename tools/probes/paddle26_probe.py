@@ -2,7 +2,7 @@
 
 Run on the GPU host first (after ``source .gpu/bin/env.sh``)::
 
-    python tools/paddle26_probe.py --out /tmp/probe.md
+    python tools/probes/paddle26_probe.py --out /tmp/probe.md
 
 Every probe runs inside try/except and prints one row: what was tried, and the result on the
 CPU place and (when Paddle has CUDA) on the GPU place. Paddle 2.6.2 has no sm_90 kernels, so on
@@ -10,11 +10,12 @@ a Hopper GPU the GPU column uses only matmuls and copies; the "op map" section s
 kernels run there. Probes that could abort the process (a failing operation inside an open
 CUDA-graph capture) run in a child process.
 
-Exit code: 0 (the probe reports; it does not judge).
+A one-off probe kept as the record of how the Paddle facts the library relies on were measured
+(/work/shared/PADDLE_FACTS.md, NOTE blocks in the package): rerun it on a new Paddle or GPU before
+trusting them there. Exit code: 0 (the probe reports; it does not judge).
 """
 
 import argparse
-import contextlib
 import datetime
 import inspect
 import os
@@ -25,47 +26,23 @@ import traceback
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import paddle  # noqa: E402
 
+from paddlefleet.cudagraph.testing import close_error, device, host_tensor, short  # noqa: E402
+
 HAS_CUDA = paddle.is_compiled_with_cuda()
 
 
 # ----------------------------------------------------------------------------- helpers
-def short(err, limit=220):
-    """The informative line of a (long, multi-line) Paddle error."""
-    text = str(err).strip()
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    pick = None
-    for l in lines:
-        if l.startswith("(") and ")" in l[:40]:  # "(InvalidArgument) ..." is Paddle's summary line
-            pick = l
-            break
-    if pick is None:
-        for l in lines:
-            if "Error" in l or "error" in l:
-                pick = l
-                break
-    if pick is None:
-        pick = lines[-1] if lines else ""
-    return f"{type(err).__name__}: {pick}"[:limit]
-
-
-@contextlib.contextmanager
-def on_device(name):
-    old = paddle.get_device()
-    paddle.set_device(name)
-    try:
-        yield
-    finally:
-        paddle.set_device(old)
+on_device = device
 
 
 def T(a, sg=True):
-    return paddle.to_tensor(np.asarray(a, dtype="float32"), stop_gradient=sg)
+    return host_tensor(a, stop_gradient=sg)
 
 
 def rnd(*shape, seed=0):
@@ -79,11 +56,8 @@ def same(a, b):
 
 
 def close(a, b, rtol=2e-2):
-    """Loose check for matmul results (TF32 on Ampere+): error relative to the norm of b."""
-    a = a.numpy() if hasattr(a, "numpy") else np.asarray(a)
-    b = np.asarray(b, dtype="float64")
-    scale = max(float(np.abs(b).max()), 1e-6)
-    return a.shape == b.shape and float(np.abs(a - b).max()) <= rtol * scale
+    """Loose check for matmul results (TF32 on Ampere+): error relative to the largest |b|."""
+    return close_error(a, b) <= rtol
 
 
 def ok(cond, detail):
@@ -351,6 +325,16 @@ def _leaf_with_grad(seed=0):
     return x
 
 
+def _aliased_then_cleared():
+    """(x, the grad handle, its values, a view alias of it) after x.clear_gradient(False)."""
+    x = _leaf_with_grad()
+    h = x.grad
+    ref = h.numpy().copy()
+    alias = h.view(h.shape)
+    x.clear_gradient(False)
+    return x, h, ref, alias
+
+
 @probe("t.grad getter: handle sharing the grad's storage")
 def _p_grad_handle(place):
     x = _leaf_with_grad()
@@ -401,22 +385,14 @@ def _p_grad_rebind(place):
 
 @probe("t.clear_gradient(False): frees storage of every handle; view alias survives")
 def _p_clear_false(place):
-    x = _leaf_with_grad()
-    h = x.grad
-    ref = h.numpy().copy()
-    v = h.view(h.shape)
-    x.clear_gradient(False)
+    x, h, ref, v = _aliased_then_cleared()
     return (f"x.grad={'None' if x.grad is None else 'kept'}, handle initialised={h._is_initialized()}, "
             f"view alias initialised={v._is_initialized()} values intact={same(v, ref) if v._is_initialized() else None}")
 
 
 @probe("no-copy grad restore: alias, clear_gradient(False), saved._share_buffer_to(handle)")
 def _p_share_restore(place):
-    x = _leaf_with_grad()
-    h = x.grad
-    ref = h.numpy().copy()
-    saved = h.view(h.shape)
-    x.clear_gradient(False)
+    x, h, ref, saved = _aliased_then_cleared()
     saved._share_buffer_to(h)
     g = x.grad
     return ok(g is not None and same(g, ref) and g.data_ptr() == saved.data_ptr(),
@@ -699,14 +675,9 @@ def _c_setter():
 
 @child("share_restore_in_capture", "inside a capture: alias + clear_gradient(False) + _share_buffer_to restore")
 def _c_share():
-    x = _leaf_with_grad()
-    h = x.grad
-    ref = h.numpy().copy()
-    saved = h.view(h.shape)
-    x.clear_gradient(False)
+    x, _, ref, saved = _aliased_then_cleared()
     wn, dyn = rnd(4, 5, seed=1), rnd(3, 5, seed=2)
     w, dy = T(wn), T(dyn)
-    xn = x.numpy()
 
     def body():
         y = paddle.matmul(x, w)

@@ -1,3 +1,0 @@
-"""paddlefleet: PaddlePaddle-native training extensions."""
-
-__version__ = "0.1.0"

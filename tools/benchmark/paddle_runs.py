@@ -1,0 +1,353 @@
+"""The Paddle side of tools/bench.py: one runner per way of running the same training step.
+
+A step is forward + backward with an explicit ``dy`` on a matmul-only MLP, then parameter grads
+released with ``clear_gradient(False)`` (NOTE [ Kernel-less GPUs ] in paddlefleet/cudagraph/testing.py).
+Runners: Paddle eager; autocudagraph with default options and with each speed option
+(SPEED_OPTIONS, feature-detected); the whole-step graph ``autocudagraph_step`` where the package
+has it; raw replay of one graph of the whole step (the floor).
+
+NOTE [ Bench checks ]
+Every runner's results are compared bit for bit with an eager reference of the same step after
+its warmup and again after it was timed, and every graphed runner's counters must show a capture
+and no eager call: a runner that fell back to eager would otherwise be timed as "graphed". A failed
+check is recorded in the row next to the time, never dropped. A runner that cannot run here (an
+option this version lacks, a kernel this GPU lacks, an error) gets a null time and the reason.
+"""
+
+import gc
+import sys
+
+import numpy as np
+import paddle
+
+import paddlefleet.cudagraph as package
+from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph.testing import (
+    SPEED_OPTIONS,
+    MatMLP,
+    bitwise_failures,
+    build,
+    cuda_skip_reason,
+    eager_calls,
+    host_tensor,
+    normal,
+    option_unsupported,
+    release_grads,
+    short,
+)
+
+from .timing import MODES, Runner, forward_timed, run_rounds, timed_call
+
+
+
+class Blocks(paddle.nn.Layer):
+    """Equal MatMLP blocks called in turn; each is graphed on its own (its own PyLayer)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        per = cfg.layers // cfg.blocks
+        self.blocks = paddle.nn.LayerList([MatMLP([cfg.width] * (per + 1)) for _ in range(cfg.blocks)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Setup:
+    """One config's models (all with the same parameters), data, eager reference and sync."""
+
+    def __init__(self, cfg, backend):
+        self.cfg, self.backend, self.cuda = cfg, backend, backend == "cuda"
+        draw = normal(1234)
+        self.x, self.dy = host_tensor(draw(cfg.batch, cfg.width)), host_tensor(draw(cfg.batch, cfg.width))
+        self.reference = self.snapshot(self.model())
+
+    def model(self):
+        cfg = self.cfg
+        return build((lambda: MatMLP([cfg.width] * (cfg.layers + 1))) if cfg.blocks == 1 else (lambda: Blocks(cfg)), 1)
+
+    @staticmethod
+    def targets(model):
+        """What gets decorated: the MLP itself, or each block."""
+        return list(model.blocks) if isinstance(model, Blocks) else [model]
+
+    def sync(self):
+        if self.cuda:
+            paddle.device.cuda.synchronize()
+
+    def snapshot(self, model, release=True):
+        """[y, grad of every parameter] of one step, as numpy."""
+        y = model(self.x)
+        y.backward(self.dy)
+        out = [y.numpy()] + [p.grad.numpy() for p in model.parameters()]
+        if release:
+            release_grads(model)
+        return out
+
+    def step(self, model, release=True):
+        """The timed step: returns the host seconds of the forward call."""
+        def finish(y):
+            y.backward(self.dy)
+            if release:
+                release_grads(model)
+
+        return forward_timed(model, self.x, finish)
+
+
+class Unavailable(Exception):
+    """A runner that cannot run in this version or on this GPU; the message says why."""
+
+
+class Entry:
+    """A runner with its check (returns failure messages; None for an eager baseline with nothing to
+    compare against), its counters and its clean-up."""
+
+    def __init__(self, runner, check, counters=None, cleanup=None):
+        self.runner, self.check = runner, check
+        self.counters = counters or (lambda: None)
+        self.cleanup = cleanup or (lambda: None)
+
+
+def compare(got, want, what):
+    """Bitwise failures of ``got`` against ``want`` (lists of numpy arrays); values that are not
+    finite fail too, since NaN equal to NaN would prove nothing."""
+    bad = [i for i, a in enumerate(want) if not np.isfinite(a).all()]
+    finite = [f"{what}[{i}] of the eager reference is not finite" for i in bad]
+    return finite + bitwise_failures(got, want, what)[1]
+
+
+# ----------------------------------------------------------------------------- runners
+def eager_entry(s):
+    model = s.model()
+    return Entry(Runner("paddle_eager", s.step(model), s.sync, short),
+                 lambda: compare(s.snapshot(model), s.reference, "eager again"))
+
+
+def graphed_entry(s, name, options, keeps_grads=False):
+    """autocudagraph on every block of a fresh model with ``options``."""
+    reason = option_unsupported(options)
+    if reason:
+        raise Unavailable(reason)
+    if keeps_grads and s.cuda and cuda_skip_reason("all"):
+        raise Unavailable(f"accumulating grads needs Paddle's add kernel: {cuda_skip_reason('all')}")
+    model = s.model()
+    targets = s.targets(model)
+    for target in targets:
+        autocudagraph(target, backend=s.backend, **options)
+    step, counted = s.step(model, release=not keeps_grads), [0]
+
+    def counting_step():
+        counted[0] += 1
+        return step()
+
+    def check():
+        failures = []
+        for i, target in enumerate(targets):
+            stats = target.forward.stats()
+            if stats["captures"] < 1 or eager_calls(stats):
+                failures.append(f"block {i} is not replaying: {target.forward.explain()}")
+        if not keeps_grads:
+            return failures + compare(s.snapshot(model), s.reference, "y and grads")
+        got = s.snapshot(model, release=False)
+        counted[0] += 1
+        twin = s.model()  # the same number of accumulated steps, eagerly
+        for _ in range(counted[0] - 1):
+            s.step(twin, release=False)()
+        return failures + compare(got, s.snapshot(twin, release=False), "y and accumulated grads")
+
+    def counters():
+        stats = [t.forward.stats() for t in targets]
+        return {k: sum(st[k] for st in stats) for k in ("captures", "replays")} | \
+            {"eager": sum(eager_calls(st) for st in stats)}
+
+    return Entry(Runner(name, counting_step, s.sync, short), check, counters,
+                 lambda: [t.forward.reset() for t in targets])
+
+
+def capture_raw(s, body):
+    """(graph, static results) of one graph of ``body``: Paddle's own CUDAGraph on cuda; on the
+    simulated backend (smoke runs) its CPU stand-in, so the rest of the runner is exercised."""
+    if not s.cuda:
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        graph = SimulatedBackend().new_graph(None)
+        return graph, graph.capture(body)
+    from paddle.device.cuda import graphs
+
+    gc.collect()  # nothing of a graph's pool may be freed while a capture is open (Paddle 2.6)
+    graph = graphs.CUDAGraph()
+    graph.capture_begin()
+    try:
+        static = body()
+    finally:
+        graph.capture_end()
+    return graph, static
+
+
+def raw_entry(s):
+    """Raw replay (the floor): replay() of one graph holding the step's forward and backward."""
+    model = s.model()
+    params = model.parameters()
+
+    def body():
+        y = model(s.x)
+        return [y] + list(paddle.grad([y], params, [s.dy]))
+
+    for _ in range(2):
+        body()
+    graph, static = capture_raw(s, body)
+
+    def check():
+        graph.replay()
+        s.sync()
+        return compare([t.numpy() for t in static], s.reference, "replayed y and grads")
+
+    return Entry(Runner("raw_replay", timed_call(graph.replay), s.sync, short), check, cleanup=graph.reset)
+
+
+class TrainStep:
+    """The step function a whole-step graph captures (and its eager twin runs): forward, backward,
+    then an SGD update or the grads released. ``calls`` counts the calls that ran its Python."""
+
+    def __init__(self, model, with_sgd):
+        self.model, self.calls = model, 0
+        self.opt = paddle.optimizer.SGD(learning_rate=1e-7, parameters=model.parameters()) if with_sgd else None
+        self.optimizers = [self.opt] if self.opt is not None else []
+
+    def __call__(self, x, dy):
+        self.calls += 1
+        y = self.model(x)
+        y.backward(dy)
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.clear_grad(set_to_zero=False)
+        else:
+            release_grads(self.model)
+        return y
+
+
+def whole_step_entry(s, name, with_sgd):
+    """The package's whole-step graph, feature-detected: forward + backward + release (matmul-only),
+    or with an SGD update (needs Paddle's arithmetic kernels)."""
+    make = getattr(package, "autocudagraph_step", None)
+    if make is None:
+        raise Unavailable(NO_STEP)
+    if with_sgd and s.cuda and cuda_skip_reason("all"):
+        raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
+    body, twin = TrainStep(s.model(), with_sgd), TrainStep(s.model(), with_sgd)
+    graphed = make(body, optimizers=body.optimizers, warmup_steps=2)
+    counted, timed = [0], timed_call(graphed, s.x, s.dy)
+
+    def step():
+        counted[0] += 1
+        return timed()
+
+    def check():  # with an update the twin catches up; then both take one more step
+        while with_sgd and twin.calls < counted[0]:
+            twin(s.x, s.dy)
+        counted[0] += 1
+        got = [graphed(s.x, s.dy).numpy()] + [p.numpy() for p in body.model.parameters()]
+        want = [twin(s.x, s.dy).numpy()] + [p.numpy() for p in twin.model.parameters()]
+        return compare(got, want, "returned y and parameters (grads are released inside the step)")
+
+    stats = getattr(graphed, "stats", None)
+    return Entry(Runner(name, step, s.sync, short), check, (lambda: dict(stats())) if stats else None,
+                 getattr(graphed, "reset", None))
+
+
+def eager_sgd_entry(s):
+    """Eager forward + backward + SGD update: what the whole-step graph with an update replaces."""
+    if s.cuda and cuda_skip_reason("all"):
+        raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
+    step = timed_call(TrainStep(s.model(), with_sgd=True), s.x, s.dy)
+    return Entry(Runner("paddle_eager_sgd", step, s.sync, short), check=None)
+
+
+#: Runner groups, each timed in its own child process: the whole-step graph is new, and a CUDA
+#: error that aborts its capture must not cost the config's other rows.
+GROUPS = ("wrappers", "step")
+NO_STEP = "paddlefleet.cudagraph has no autocudagraph_step in this version"
+
+
+def has_whole_step():
+    return hasattr(package, "autocudagraph_step")
+
+
+def runner_names(group):
+    return [name for name, _ in entries(None, group)]
+
+
+def entries(s, group):
+    """(name, factory) of every runner of a config's ``group``, in timing order."""
+    if group == "step":
+        return [("autocudagraph_step", lambda: whole_step_entry(s, "autocudagraph_step", with_sgd=False)),
+                ("paddle_eager_sgd", lambda: eager_sgd_entry(s)),
+                ("autocudagraph_step_sgd", lambda: whole_step_entry(s, "autocudagraph_step_sgd", with_sgd=True))]
+    out = [("paddle_eager", lambda: eager_entry(s)), ("autocudagraph", lambda: graphed_entry(s, "autocudagraph", {}))]
+    for opt in SPEED_OPTIONS:
+        name = f"autocudagraph_{opt.name}"
+        out.append((name, lambda name=name, opt=opt: graphed_entry(s, name, opt.options, opt.keeps_grads)))
+    return out + [("raw_replay", lambda: raw_entry(s))]
+
+
+# ----------------------------------------------------------------------------- one config
+def _checked(entry):
+    if entry.check is None:  # an eager baseline with nothing to compare against
+        return None
+    try:
+        return entry.check()
+    except Exception as err:  # noqa: BLE001 - a check that cannot run is a failed check
+        return [f"the check raised {short(err)}"]
+
+
+def _build(name, factory, warmup, out):
+    """The runner's Entry, warmed up and checked, or None with the reason in ``out``."""
+    try:
+        entry = factory()
+    except Unavailable as why:
+        out["why_null"][name] = str(why)
+        return None
+    except Exception as err:  # noqa: BLE001 - this runner's failure must not stop the others
+        out["why_null"][name] = f"could not be set up: {short(err)}"
+        return None
+    entry.runner.warm(warmup)
+    if entry.runner.error:
+        out["why_null"][name] = f"failed in warmup: {entry.runner.error}"
+        entry.cleanup()
+        return None
+    out["checks"][name] = _checked(entry)
+    return entry
+
+
+def bench_config(cfg, backend, group, warmup, rounds, steps):
+    """Builds, checks and times every runner of one config's ``group`` (NOTE [ Bench checks ]).
+
+    Returns ``{"times": {runner: {mode: summary}}, "checks": {runner: [failures]}, "why_null":
+    {runner: reason}, "counters": {runner: {...}}}``."""
+    print(f"[paddle] {cfg.name} ({group}): {cfg.describe()}", file=sys.stderr, flush=True)
+    s = Setup(cfg, backend)
+    out = {"times": {}, "checks": {}, "why_null": {}, "counters": {}}
+    built = [(name, e) for name, e in ((n, _build(n, f, max(warmup, 3), out)) for n, f in entries(s, group)) if e]
+    s.sync()
+    run_rounds([e.runner for _, e in built], rounds, steps)
+    for name, entry in built:
+        if entry.runner.error:
+            out["why_null"][name] = f"failed while timed: {entry.runner.error}"
+        else:
+            out["times"][name] = {mode: entry.runner.summary(mode) for mode in MODES}
+            after = _checked(entry)
+            if after is not None:
+                out["checks"][name] += after
+        out["counters"][name] = entry.counters()
+        entry.cleanup()
+    return out
+
+
+def tf32_probe():
+    """Max relative error of a float32 matmul against float64 on the GPU: ~3e-4 with TF32, ~1e-6 without."""
+    draw = normal(0)
+    a, b = draw(256, 256), draw(256, 256)
+    got = paddle.matmul(host_tensor(a), host_tensor(b)).numpy().astype("float64")
+    ref = a.astype("float64") @ b.astype("float64")
+    return float(abs(got - ref).max() / abs(ref).max())

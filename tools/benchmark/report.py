@@ -1,0 +1,206 @@
+"""docs/benchmarks.json (one row per config and timing mode), docs/benchmarks.md and the plot."""
+
+import json
+import os
+import subprocess
+import sys
+
+from paddlefleet.cudagraph.testing import SPEED_OPTIONS, info_lines, write_generated
+
+from .plot import LABELS
+from .timing import MODES
+
+OPTION_RUNNERS = [f"autocudagraph_{o.name}" for o in SPEED_OPTIONS]
+PADDLE_RUNNERS = (["paddle_eager", "autocudagraph"] + OPTION_RUNNERS
+                  + ["autocudagraph_step", "raw_replay", "paddle_eager_sgd", "autocudagraph_step_sgd"])
+TORCH_RUNNERS = ["torch_eager", "torch_graphed", "torch_raw_replay"]
+RUNNERS = PADDLE_RUNNERS + TORCH_RUNNERS
+
+
+# ----------------------------------------------------------------------------- rows
+def _check_text(failures):
+    if failures is None:
+        return "eager baseline: nothing to compare against"
+    if not failures:
+        return "bitwise equal to eager after warmup and after timing"
+    return "FAILED: " + "; ".join(failures[:3])
+
+
+def build_rows(configs, paddle, torch, info, run):
+    """One row per (config, mode). ``paddle``: {config: worker result}; ``torch``: the torch child's
+    result; ``info``: run facts; ``run``: steps, rounds, warmup, smoke."""
+    rows = []
+    for cfg in configs:
+        got = dict(paddle.get(cfg.name) or {})
+        tgot = (torch.get("configs") or {}).get(cfg.name) or {}
+        why = {**got.get("why_null", {}), **tgot.get("why_null", {})}
+        for name in TORCH_RUNNERS if not tgot else ():
+            why.setdefault(name, torch.get("torch_note", "the torch run did not finish"))
+        times = {**got.get("times", {}), **tgot.get("times", {})}
+        checks = {**got.get("checks", {}), **tgot.get("checks", {})}
+        for mode in MODES:
+            row = {"config": cfg.name, "mode": mode, "gpu": info.get("gpu") or "none (CPU, smoke run)"}
+            row.update({f"{name}_us": (times.get(name) or {}).get(mode, {}).get("us") for name in RUNNERS})
+            row["wrapper_host_us"] = (times.get("autocudagraph") or {}).get(mode, {}).get("host_us")
+            row.update(layers=cfg.layers, width=cfg.width, batch=cfg.batch, blocks=cfg.blocks,
+                       launch_bound=cfg.launch_bound)
+            row["host_us"] = {n: t[mode].get("host_us") for n, t in times.items()}
+            row["spread_us"] = {n: [t[mode].get("p10_us"), t[mode].get("p90_us")] for n, t in times.items()}
+            row["checks"] = {n: _check_text(f) for n, f in checks.items()}
+            row["why_null"] = {n: why.get(n, "no time recorded") for n in RUNNERS if row[f"{n}_us"] is None}
+            row["counters"] = got.get("counters", {})
+            row.update({k: info.get(k) for k in ("paddle", "paddle_commit", "commit", "date", "driver")})
+            row.update(torch=torch.get("torch"), paddle_tf32=info.get("paddle_tf32"), **run)
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- markdown
+def fmt(v):
+    if v is None:
+        return "-"
+    return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _cell(row, name):
+    check = row["checks"].get(name)
+    flag = " (NOT bitwise)" if check and check.startswith("FAILED") else ""
+    return fmt(row[f"{name}_us"]) + flag
+
+
+MAIN_COLUMNS = ["paddle_eager", "autocudagraph", "raw_replay"] + TORCH_RUNNERS
+OPTION_COLUMNS = ["autocudagraph"] + OPTION_RUNNERS + ["autocudagraph_step", "paddle_eager_sgd", "autocudagraph_step_sgd"]
+
+
+def _time_table(rows, mode, names, host=False):
+    head = [LABELS.get(n, n.replace("autocudagraph_", "")) for n in names] + (["wrapper host"] if host else [])
+    out = [f"| config | {' | '.join(head)} |", "|---|" + "---|" * len(head)]
+    for r in (r for r in rows if r["mode"] == mode):
+        cells = [_cell(r, n) for n in names] + ([fmt(r["wrapper_host_us"])] if host else [])
+        out.append(f"| {r['config']} | {' | '.join(cells)} |")
+    return out
+
+
+def _ratio_table(rows, mode):
+    out = ["| config | acg / raw | fastest option / raw | eager / acg | acg - raw (us) | torch graphed - torch raw (us) |",
+           "|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["mode"] == mode):
+        a, raw, e = r["autocudagraph_us"], r["raw_replay_us"], r["paddle_eager_us"]
+        options = [(r[f"{n}_us"], n) for n in OPTION_RUNNERS if r[f"{n}_us"] is not None]
+        best = min(options) if options else (None, "")
+        tg, tr = r["torch_graphed_us"], r["torch_raw_replay_us"]
+        out.append(f"| {r['config']} | {fmt(ratio(a, raw))} | {fmt(ratio(best[0], raw))} "
+                   f"{best[1].replace('autocudagraph_', '')} | {fmt(ratio(e, a))} | "
+                   f"{fmt(None if None in (a, raw) else a - raw)} | {fmt(None if None in (tg, tr) else tg - tr)} |")
+    return out
+
+
+def _verdict(ok):
+    return "-" if ok is None else ("met" if ok else "MISSED")
+
+
+def _targets(rows):
+    """Issue 10's targets, each with the numbers it was judged on."""
+    out = []
+    base = [r for r in rows if r["blocks"] == 1]
+    for r in (r for r in base if r["mode"] == "throughput"):
+        q = ratio(r["autocudagraph_us"], r["raw_replay_us"])
+        limit = 1.10 if r["launch_bound"] else 1.02
+        acc = ratio(r["autocudagraph_accumulate_in_graph_us"], r["raw_replay_us"])
+        out.append(f"- {r['config']} throughput: default / raw = {fmt(q)} (<= {limit}: "
+                   f"{_verdict(None if q is None else q <= limit)}); accumulate_in_graph / raw = {fmt(acc)} "
+                   f"(<= 1.05: {_verdict(None if acc is None else acc <= 1.05)})")
+        if r["launch_bound"]:
+            s = ratio(r["paddle_eager_us"], r["autocudagraph_us"])
+            out.append(f"  - eager / default = {fmt(s)} (>= 3: {_verdict(None if s is None else s >= 3)})")
+    for r in (r for r in base if r["mode"] == "latency"):
+        a, raw, tg, tr = (r[k] for k in ("autocudagraph_us", "raw_replay_us", "torch_graphed_us", "torch_raw_replay_us"))
+        ok = None if None in (a, raw, tg, tr) else a - raw < tg - tr
+        out.append(f"- {r['config']} latency: overhead over raw replay {fmt(None if None in (a, raw) else a - raw)} us "
+                   f"vs make_graphed_callables' {fmt(None if None in (tg, tr) else tg - tr)} us (smaller: {_verdict(ok)})")
+    slower = [f"{r['config']} {r['mode']}" for r in rows
+              if None not in (r["autocudagraph_us"], r["paddle_eager_us"]) and r["autocudagraph_us"] > r["paddle_eager_us"]]
+    out.append(f"- default options never slower than eager: {_verdict(not slower)}"
+               + (f" (slower: {', '.join(slower)})" if slower else ""))
+    return out
+
+
+def markdown(rows, info, torch, run, plot_note):
+    smoke = run["smoke"]
+    title = ("SMOKE RUN of tools/bench.py (simulated backend on the CPU, tiny models): NOT a benchmark, "
+             "these numbers say nothing about a GPU") if smoke else "Benchmarks: autocudagraph vs eager, raw replay and PyTorch"
+    torch_line = (f"- PyTorch {torch['torch']} (CUDA {torch.get('torch_cuda')}, {torch.get('torch_gpu')}), in a child "
+                  f"process ({torch.get('torch_env')}); TF32 for float32 matmuls {torch.get('torch_tf32')} to match Paddle"
+                  if torch.get("torch") else f"- PyTorch: {torch.get('torch_note', 'not run')}")
+    err = info.get("paddle_fp32_matmul_rel_err")
+    out = [f"# {title}", ""] + info_lines(info) + [
+        torch_line,
+        f"- Paddle TF32 for float32 matmuls: {info.get('paddle_tf32')}"
+        + (f" (measured: max relative error {err:.1e} against float64)" if err is not None else ""),
+        f"- run: {run['rounds']} rounds x {run['steps']} steps per runner and mode after {run['warmup']} warmup steps; "
+        f"took {run['elapsed_s']:.0f} s",
+        "",
+        "What the numbers are (us per training step, lower is better): one step is forward + backward of a",
+        "matmul-only MLP with an explicit output grad, then the parameter grads released (Paddle 2.6.2 runs",
+        "only cuBLAS and copies on Hopper). *throughput*: N steps back to back, one sync at the end, per step",
+        "(a training loop that never waits). *latency*: a sync after every step (a loop that logs",
+        "`loss.item()` each step); median of all steps. Runners of a config alternate order and mode every",
+        "round (NOTE [ Two timing modes ], tools/benchmark/timing.py). *raw replay* is `replay()` of one graph",
+        "of the whole step with no input copy: the floor. *wrapper host* is the host time of the graphed",
+        "forward call. `_4blocks` configs call the same MLP as 4 graphed blocks, each its own PyLayer.",
+        "Option columns are autocudagraph with that one option; *step* is the whole-step graph",
+        "(`autocudagraph_step`) of forward + backward + release, *eager_sgd* / *step_sgd* the same step with",
+        "an SGD update, eager and graphed; the whole-step runners are timed in a process of their own right",
+        "after the config's other runners. `-` is a runner that could not run (why, below).",
+        "Every graphed result is compared bit for bit with eager after warmup and after timing; a time",
+        "marked (NOT bitwise) failed that check. torch ran with Paddle's TF32 setting: compare its ratios.",
+        "",
+    ]
+    out += ["![per config: eager / autocudagraph / raw replay / torch, both modes](benchmarks.png)", ""] \
+        if plot_note is None else [f"Plot: {plot_note}", ""]
+    for mode in MODES:
+        out += [f"## {mode.capitalize()} (us per step)", ""] + _time_table(rows, mode, MAIN_COLUMNS, host=True) + [""]
+        out += [f"### {mode.capitalize()}: autocudagraph's options and the whole-step graph", ""]
+        out += _time_table(rows, mode, OPTION_COLUMNS) + [""]
+        out += [f"### {mode.capitalize()}: ratios", ""] + _ratio_table(rows, mode) + [""]
+    out += ["## Targets (issue 10)", ""] + _targets(rows) + ["", "## Checks and missing runners", ""]
+    for r in (r for r in rows if r["mode"] == MODES[0]):
+        failed = {n: c for n, c in r["checks"].items() if c.startswith("FAILED")}
+        passed = sorted(n for n, c in r["checks"].items() if c.startswith("bitwise"))
+        out.append(f"- {r['config']}: bitwise equal to eager: {', '.join(passed) or 'none'}")
+        out += [f"  - {n}: {c}" for n, c in failed.items()]
+        out += [f"  - {n}: not run: {why}" for n, why in r["why_null"].items()]
+    return out
+
+
+def plot_in_child(rows_json, png):
+    """Draws the plot in a process without Paddle (Paddle 2.6's libraries and matplotlib's image
+    writer crashed together in one process here); returns None, or why there is no plot."""
+    code = "import sys; from benchmark.plot import main; sys.exit(main(sys.argv[1], sys.argv[2]))"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, rows_json, png], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "skipped: drawing it took over 120 s"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 3:
+        return proc.stdout.strip()
+    tail = [line for line in proc.stderr.splitlines() if line.strip()][-2:]
+    return f"skipped: the plot process failed (exit {proc.returncode}: {' | '.join(tail)[:300]})"
+
+
+def write(out_dir, rows, info, torch, run):
+    """benchmarks.json, benchmarks.png (when matplotlib is there) and benchmarks.md in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "benchmarks.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+        fh.write("\n")
+    note = plot_in_child(os.path.join(out_dir, "benchmarks.json"), os.path.join(out_dir, "benchmarks.png"))
+    lines = markdown(rows, info, torch, run, note)
+    write_generated(os.path.join(out_dir, "benchmarks.md"), lines, "tools/bench.py", smoke=run["smoke"])
+    return lines, note

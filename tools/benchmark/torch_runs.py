@@ -1,0 +1,172 @@
+"""The torch side of tools/bench.py, run in a child process that never loads Paddle.
+
+The same step as the Paddle side (matmul-only MLP, forward + backward with an explicit dy, grads
+released) as torch eager, ``torch.cuda.make_graphed_callables`` (one graphed callable per block,
+as the Paddle side decorates one block at a time) and raw ``torch.cuda.CUDAGraph`` replay of the
+whole step. Each graphed result is compared bit for bit with torch eager. TF32 for float32
+matmuls is set to what Paddle does (measured on the Paddle side), so compare ratios, not
+absolute times, across the two libraries. Without CUDA (a smoke run) only eager runs; the
+graphed runners are recorded as unavailable with the reason.
+"""
+
+import json
+import sys
+
+from .timing import MODES, Runner, forward_timed, pick_configs, run_rounds, timed_call
+
+
+
+def describe(err):
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+class TorchSetup:
+    """One config's models (the same weights), data and eager reference."""
+
+    def __init__(self, torch, cfg, dev, sync):
+        self.torch, self.cfg, self.dev, self.sync = torch, cfg, dev, sync
+        nn = torch.nn
+        gen = torch.Generator().manual_seed(1234)
+        self.weights = [torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width ** 0.5 for _ in range(cfg.layers)]
+        self.x = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
+        self.dy = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
+
+        class Block(nn.Module):
+            def __init__(self, ws):
+                super().__init__()
+                self.ws = nn.ParameterList([nn.Parameter(w.clone()) for w in ws])
+
+            def forward(self, h):
+                for w in self.ws:
+                    h = torch.matmul(h, w)
+                return h
+
+        self.block = Block
+        self.eager = self.model()
+        self.reference = self.snapshot(self.eager, list(self.eager.parameters()))
+
+    def model(self):
+        per = self.cfg.layers // self.cfg.blocks
+        blocks = [self.block(self.weights[i * per:(i + 1) * per]) for i in range(self.cfg.blocks)]
+        return self.torch.nn.Sequential(*blocks).to(self.dev)
+
+    def snapshot(self, call, params):
+        """[y, every parameter's grad] of one step; grads released."""
+        y = call(self.x)
+        y.backward(self.dy)
+        got = [y.detach().clone()] + [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return got
+
+    def same(self, got):
+        equal = all(self.torch.equal(a, b) for a, b in zip(got, self.reference))
+        return [] if equal else ["results differ from torch eager"]
+
+    def step_of(self, call, params):
+        """The timed step: returns the host seconds of the forward call."""
+        def finish(y):
+            y.backward(self.dy)
+            for p in params:
+                p.grad = None
+
+        return forward_timed(call, self.x, finish)
+
+
+def eager_pair(t):
+    params = list(t.eager.parameters())
+    return t.step_of(t.eager, params), lambda: t.same(t.snapshot(t.eager, params))
+
+
+def graphed_pair(t):
+    """torch.cuda.make_graphed_callables, one graphed callable per block."""
+    torch, m = t.torch, t.model()
+    params = list(m.parameters())
+    samples = [(t.x.clone(),)] + [(torch.randn_like(t.x).requires_grad_(),) for _ in range(t.cfg.blocks - 1)]
+    blocks = torch.cuda.make_graphed_callables(tuple(m), tuple(samples))
+    call = torch.nn.Sequential(*blocks) if t.cfg.blocks > 1 else blocks[0]
+    return t.step_of(call, params), lambda: t.same(t.snapshot(call, params))
+
+
+def raw_pair(t):
+    """Raw torch.cuda.CUDAGraph replay of the whole step (the floor)."""
+    torch, m = t.torch, t.model()
+    params = list(m.parameters())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            t.snapshot(m, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = [m(t.x)]
+        static += list(torch.autograd.grad(static[0], params, t.dy))
+
+    def check():
+        graph.replay()
+        t.sync()
+        return t.same(static)
+
+    return timed_call(graph.replay), check
+
+
+def _runners(torch, cfg, dev, sync, out):
+    """(runner, check) pairs of one config; failures to set one up go to ``out['why_null']``."""
+    t = TorchSetup(torch, cfg, dev, sync)
+    pairs = []
+    for name, make in (("torch_eager", eager_pair), ("torch_graphed", graphed_pair), ("torch_raw_replay", raw_pair)):
+        if name != "torch_eager" and dev.type != "cuda":
+            out["why_null"][name] = "torch has no CUDA here (smoke run): CUDA graphs need a GPU"
+            continue
+        try:
+            step, check = make(t)
+        except Exception as err:  # noqa: BLE001 - keep the other runners
+            out["why_null"][name] = f"could not be set up: {describe(err)}"
+            continue
+        pairs.append((Runner(name, step, sync, describe), check))
+    return pairs
+
+
+def bench_config(torch, cfg, args, dev, sync):
+    print(f"[torch] {cfg.name}", file=sys.stderr, flush=True)
+    out = {"times": {}, "checks": {}, "why_null": {}}
+    pairs = []
+    for run, check in _runners(torch, cfg, dev, sync, out):
+        run.warm(args.warmup)
+        if run.error:
+            out["why_null"][run.name] = f"failed in warmup: {run.error}"
+            continue
+        out["checks"][run.name] = check()
+        pairs.append((run, check))
+    sync()
+    run_rounds([run for run, _ in pairs], args.rounds, args.steps)
+    for run, check in pairs:
+        if run.error:
+            out["why_null"][run.name] = f"failed while timed: {run.error}"
+            continue
+        out["times"][run.name] = {mode: run.summary(mode) for mode in MODES}
+        out["checks"][run.name] += check()
+    return out
+
+
+def worker(args):
+    """Entry point of the torch child: times every config, writes JSON to ``args.json_out``."""
+    import torch
+
+    cuda = args.backend == "cuda" and torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    tf32 = bool(int(args.tf32))
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "torch_tf32": tf32,
+              "torch_gpu": torch.cuda.get_device_name(0) if cuda else None, "configs": {}}
+    for cfg in pick_configs(args.configs, smoke=args.backend != "cuda"):
+        result["configs"][cfg.name] = bench_config(torch, cfg, args, dev, sync)
+        if cuda:
+            torch.cuda.empty_cache()
+    with open(args.json_out, "w") as fh:
+        json.dump(result, fh)
+    return 0

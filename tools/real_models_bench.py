@@ -1,0 +1,102 @@
+"""Speed of the docs/recipes.md recipes on a GPU: eager vs graphed training steps, same results.
+
+Run on a GPU machine from the repository root (PaddleFormers optional):
+
+    python tools/real_models_bench.py [--steps 50] [--batch 32] [--size 64]
+
+For each model the same training loop runs eagerly and with the recipe's blocks graphed (cuda
+backend), from the same state and seed; it prints ms per step (after the warmup and capture steps,
+one device sync per loop) and whether every loss and parameter was bitwise equal to eager.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import paddle
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.test_real_models import (  # noqa: E402
+    graph_all,
+    paddleformers_skip_reason,
+    stages,
+    state_of,
+    tiny_llama,
+    vision_model,
+)
+
+
+def sync():
+    if paddle.device.get_device() != "cpu":
+        paddle.device.synchronize()
+
+
+def run(model, inputs, loss_fn, steps_before):
+    paddle.seed(3)
+    opt = paddle.optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters())
+    losses = []
+    for i, x in enumerate(inputs):
+        if i == steps_before:
+            sync()
+            start = time.perf_counter()
+        loss = loss_fn(model, x)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(loss)
+    sync()
+    per_step = (time.perf_counter() - start) / (len(inputs) - steps_before) * 1e3
+    return per_step, [l.numpy() for l in losses], state_of(model)
+
+
+def compare(name, factory, blocks_of, inputs, loss_fn, backend):
+    paddle.seed(1)
+    eager = factory()
+    graphed = factory()
+    graphed.set_state_dict(eager.state_dict())
+    graph_all(blocks_of(graphed), backend, warmup_steps=1)
+    t_eager, l_eager, s_eager = run(eager, inputs, loss_fn, 2)
+    t_graph, l_graph, s_graph = run(graphed, inputs, loss_fn, 2)
+    same = all(np.array_equal(a, b) for a, b in zip(l_eager, l_graph)) and all(
+        np.array_equal(s_eager[k], s_graph[k]) for k in s_eager)
+    print(f"{name:14s} eager {t_eager:8.2f} ms/step  graphed {t_graph:8.2f} ms/step  "
+          f"speed-up {t_eager / t_graph:5.2f}x  bitwise {'yes' if same else 'NO'}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--device", default="gpu", help="cpu with --backend simulate: a smoke run")
+    parser.add_argument("--backend", default="cuda")
+    args = parser.parse_args()
+    paddle.set_device(args.device)
+    if args.device != "cpu":  # eager and graphed runs must each be reproducible to compare them
+        try:
+            paddle.set_flags({"FLAGS_cudnn_deterministic": True})
+        except ValueError:
+            print("FLAGS_cudnn_deterministic is not available: bitwise results may vary run to run")
+    rs = np.random.RandomState(0)
+    images = [(paddle.to_tensor(rs.randn(args.batch, 3, args.size, args.size).astype("float32")),
+               paddle.to_tensor(rs.randint(0, 10, (args.batch, 1)), dtype="int64")) for _ in range(args.steps)]
+
+    def ce(model, xy):
+        return paddle.nn.functional.cross_entropy(model(xy[0]), xy[1])
+
+    for name in ("resnet18", "resnet50", "mobilenet_v2"):
+        compare(name, lambda n=name: vision_model(n), lambda m, n=name: stages(n, m), images, ce, args.backend)
+    reason = paddleformers_skip_reason()
+    if reason:
+        print(f"llama          skipped: {reason}")
+        return
+    ids = [paddle.to_tensor(rs.randint(0, 64, (args.batch, 64)), dtype="int64") for _ in range(args.steps)]
+    compare("llama (tiny)", lambda: tiny_llama(attention_dropout=0.1, max_position_embeddings=128),
+            lambda m: list(m.model.layers), ids, lambda m, x: m(x, labels=x)[0], args.backend)
+
+
+if __name__ == "__main__":
+    main()
