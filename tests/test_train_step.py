@@ -546,7 +546,7 @@ class OptionsTest(unittest.TestCase):
         return paddle.optimizer.SGD(0.1, parameters=_mlp().parameters())
 
     @parameterized.expand([
-        ("no_optimizers", {}, TypeError, r"optimizers must be a non-empty list"),
+        ("no_optimizers", {}, TypeError, r"optimizers must be a list of the step's paddle\.optimizer"),
         ("one_optimizer_not_a_list", {"optimizers": "OPT"}, TypeError, r"optimizers must be a list, got the optimizer"),
         ("not_an_optimizer", {"optimizers": [object()]}, TypeError, r"optimizers\[0\] is .* not a paddle"),
         ("zero_warmup", {"warmup_steps": 0}, ValueError, r"warmup_steps must be >= 1, got 0\. The first step creates"),

@@ -27,6 +27,7 @@ where it changes); host side effects of the step (appending to a list, printing)
 warmup and capture only.
 """
 
+import gc
 import math
 import sys
 import types
@@ -49,12 +50,20 @@ _NATIVE = ("method_descriptor", "wrapper_descriptor", "builtin_function_or_metho
 _MAX_ELEMENTS = 64  # host arrays larger than this are compared by a digest
 
 
-def _op_modules():
-    modules = [("_C_ops", paddle._C_ops)]
-    legacy = getattr(paddle, "_legacy_C_ops", None)
-    if legacy is not None:
-        modules.append(("_legacy_C_ops", legacy))
-    return modules
+_OP_NAMES = []
+
+
+def _op_names():
+    """``[(prefix, module, [names of its public callables])]``, listed once (dir() is slow)."""
+    if not _OP_NAMES:
+        modules = [("_C_ops", paddle._C_ops)]
+        legacy = getattr(paddle, "_legacy_C_ops", None)
+        if legacy is not None:
+            modules.append(("_legacy_C_ops", legacy))
+        for prefix, module in modules:
+            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+            _OP_NAMES.append((prefix, module, names))
+    return _OP_NAMES
 
 
 _TENSOR = ("T",)
@@ -136,15 +145,19 @@ class OpTrace:
         return traced
 
     def __enter__(self):
+        # ~2000 wrappers: allocating them would trigger collections over Paddle's whole heap (~3 ms).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            for prefix, module in _op_modules():
-                for name in dir(module):
-                    if name.startswith("_"):
-                        continue
-                    original = getattr(module, name)
-                    if callable(original):
-                        self._saved.append((module, name, module.__dict__.get(name, original)))
-                        setattr(module, name, self._wrap(f"{prefix}.{name}", original))
+            for prefix, module, names in _op_names():
+                own = module.__dict__
+                for name in names:
+                    original = own.get(name)
+                    if original is None:
+                        original = getattr(module, name)
+                    # Read now, not cached: another patch in force (RngRewindGuard) stays in force.
+                    self._saved.append((module, name, original))
+                    setattr(module, name, self._wrap(f"{prefix}.{name}", original))
             for name in _TENSOR_OPERATORS:
                 original = paddle.Tensor.__dict__.get(name)
                 if original is not None and type(original).__name__ in _NATIVE:
@@ -155,6 +168,9 @@ class OpTrace:
         except BaseException:
             self._restore()
             raise
+        finally:
+            if collecting:
+                gc.enable()
         return self
 
     def _restore(self):

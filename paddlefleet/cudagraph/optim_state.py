@@ -105,6 +105,7 @@ class LRFeed:
         self._tensor = None
         self._dtype = None
         self._written = None
+        self._value = None
 
     def feed(self):
         t = self.opt._global_learning_rate()
@@ -112,7 +113,10 @@ class LRFeed:
             return False
         value = current_lr(self.opt)
         if t is not self._tensor:
-            self._tensor, self._dtype, self._written = t, _numpy_dtype(t), None
+            self._tensor, self._dtype, self._written, self._value = t, _numpy_dtype(t), None, None
+        elif self._value is not None and value.hex() == self._value:  # unchanged: nothing to write
+            return False
+        self._value = value.hex()
         bits = np.array(value, dtype=self._dtype)
         if self._written is not None and bits.tobytes() == self._written:
             return False

@@ -26,7 +26,8 @@ class StepOptions:
 
     Attributes:
         optimizers: the optimizers the step function steps (their learning rates are fed and
-            their state checked); Fleet's wrappers (fleet.distributed_optimizer) are accepted.
+            their state checked); Fleet's wrappers (fleet.distributed_optimizer) are accepted;
+            ``[]`` for a step without a Paddle optimizer.
         warmup_steps: eager steps per key before the capture (at least 1: the first step
             creates the optimizer state, and the capture is compared with a warmup step).
         max_graphs: keys (batch shapes, phases) that may warm up or hold graphs at once.
@@ -71,10 +72,10 @@ class StepOptions:
         if isinstance(opts, paddle.optimizer.Optimizer):
             _fail(TypeError, f"optimizers must be a list, got the optimizer {type(opts).__name__} itself. "
                              "Pass optimizers=[opt].")
-        if opts is None or not isinstance(opts, (list, tuple)) or not opts:
-            _fail(TypeError, f"optimizers must be a non-empty list of the step's paddle.optimizer.Optimizer "
-                             f"objects, got {opts!r}. The wrapper feeds their learning rates and checks their "
-                             "state; pass optimizers=[opt].")
+        if opts is None or not isinstance(opts, (list, tuple)):
+            _fail(TypeError, f"optimizers must be a list of the step's paddle.optimizer.Optimizer objects, got "
+                             f"{opts!r}. The wrapper feeds their learning rates and checks their state; pass "
+                             "optimizers=[opt] (or [] for a step that updates nothing through a Paddle optimizer).")
         for i, opt in enumerate(opts):
             if inner_optimizer(opt) is None:
                 _fail(TypeError, f"optimizers[{i}] is {opt!r} ({type(opt).__name__}), not a "
@@ -120,7 +121,7 @@ def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, m
 
     Args:
         train_step_fn: the step function; omitted when used as a decorator with options.
-        optimizers: the optimizers the step steps (required).
+        optimizers: the optimizers the step steps (required; ``[]`` when it uses none).
         warmup_steps, max_graphs, backend, dispatch_key_fn, capture_hooks: see StepOptions.
 
     Returns:

@@ -108,8 +108,7 @@ class _Warm:
 
 
 def _hand_out(outputs):
-    with paddle.no_grad():
-        copies = [o.detach().clone() for o in outputs]
+    copies = [o.detach().clone() for o in outputs]  # detached first: clone records no grad
     for c in copies:
         c.stop_gradient = True
     return copies
