@@ -24,6 +24,8 @@ class TestDemo(unittest.TestCase):
         self.assertIn("final parameters bitwise equal: True", text)
         self.assertIn("captures=1 replays=2", text)
         self.assertIn("final parameters bitwise equal: True", text.split("transformer block")[1])
+        self.assertIn("the LR and the loss scale bitwise equal: True", text.split("whole step")[1])
+        self.assertIn("whole-step graphs: warmup_calls=4 captures=2 replays=2 eager_calls=0", text)
 
     def test_module_command(self):
         reason = numpy_random_after_paddle_kills_the_process()

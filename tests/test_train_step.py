@@ -25,6 +25,7 @@ from .harness import BackendCase, backend_classes, parameterized_class
 from .test_distributed import launch_two_ranks
 
 STEP_WORKER = pathlib.Path(__file__).resolve().parent / "dist_scripts" / "step_worker.py"
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "train_step.md"
 
 
 def _data(n, shape=(4, 8), seed=5):
@@ -225,6 +226,40 @@ class WholeStepBitwiseTest(BackendCase):
         self.assertEqual((step.stats()["warmup_calls"], step.stats()["replays"]), (2, 2))
         self.assertEqual(len({float(o["loss"]) for o in outs}), 5)  # not overwritten by later replays
         self.assertTrue(all(o["loss"].stop_gradient for o in outs[3:]))  # replays hand out detached copies
+
+
+    def test_kernel_less_gpu_step_matmul_mlp_with_a_matmul_sgd_update(self):
+        # tools/step_gpu_check.py runs this on a GPU (cuBLAS and copies only).
+        from paddlefleet.cudagraph.step_gpu import whole_step_check
+
+        results = whole_step_check(width=16, layers=3, batch=4, steps=8, backend=self.backend, timed_steps=2)
+        for case, r in results.items():
+            self.assertTrue(r["equal"], f"{case}: {r['first_mismatch']}")
+            s = r["stats"]
+            self.assertEqual((s["warmup_calls"], s["captures"], s["eager_calls"]), (2, 1, 0), case)
+
+    def test_a_graphed_block_inside_the_step_becomes_part_of_the_step_graph(self):
+        from paddlefleet.cudagraph import autocudagraph
+
+        def make(params):
+            return paddle.optimizer.AdamW(0.01, parameters=params), None
+
+        def with_block(model, opt):
+            autocudagraph(model[0], backend=self.backend, warmup_steps=1)
+
+            def train_step(x):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                return loss
+
+            return train_step
+
+        eager = _run(make, steps=8, graphed=False)
+        graphed = _run(make, steps=8, backend=self.backend, step_fn=with_block)
+        self.assertRunsEqual(eager, graphed)
+        self.assertEqual(graphed[2].stats()["replays"], 5)
 
 
 class WholeStepRefusalsTest(unittest.TestCase):
@@ -539,6 +574,17 @@ class GraphGradScalerTest(unittest.TestCase):
         scaler.step(opt)
         with self.assertRaisesRegex(RuntimeError, "step\\(\\) has already been called"):
             scaler.step(opt)
+
+
+class DocExampleTest(unittest.TestCase):
+    def test_the_first_example_in_docs_train_step_runs_and_matches_eager(self):
+        text = DOC.read_text()
+        section = text.split("## A first example", 1)[1]
+        code = section.split("```python\n", 1)[1].split("```", 1)[0]
+        scope = {"__name__": "docs_train_step"}
+        exec(compile(code, str(DOC), "exec"), scope)  # the example asserts bitwise equality itself
+        step = scope["step"]
+        self.assertEqual((step.stats()["captures"], step.stats()["replays"]), (1, 9))
 
 
 class OptionsTest(unittest.TestCase):

@@ -1,4 +1,5 @@
-"""The demo: train a small model eagerly and graphed from the same seed, side by side.
+"""The demo: train a small model eagerly and graphed from the same seed, side by side - graphed
+block by block (autocudagraph) and as a whole training step (autocudagraph_step).
 
 Run with ``python -m paddlefleet.cudagraph demo``. On a machine without a GPU (or without a
 CUDA build of Paddle) the graphed run uses the simulated backend and says so.
@@ -13,6 +14,7 @@ import paddle
 from .api import autocudagraph
 from .backends import cuda_available
 from .examples import compare_transformer
+from .step_examples import compare_transformer_steps
 
 __all__ = ["Block", "DemoModel", "train", "run_demo"]
 
@@ -116,6 +118,7 @@ def _run_demo(steps, out):
             f"eager_calls={s['eager_calls']} graphs={s['graphs']}\n"
         )
     all_equal &= _transformer_section(backend, device, steps, out)
+    all_equal &= _whole_step_section(backend, device, steps, out)
     out.write("RESULT: " + ("every step bitwise equal to eager\n" if all_equal else "MISMATCH against eager\n"))
     return 0 if all_equal else 1
 
@@ -132,6 +135,24 @@ def _transformer_section(backend, device, steps, out):
         f"{len(result.eager.params)} final parameters bitwise equal: {result.equal}"
         + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
         + f"\n  graphed block: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
+        f"eager_calls={s['eager_calls']}\n"
+    )
+    return result.equal
+
+
+def _whole_step_section(backend, device, steps, out):
+    """The same kind of transformer block trained through autocudagraph_step: forward, backward,
+    global-norm clipping, AdamW with warmup + cosine learning rate and GraphGradScaler (with an
+    overflow step it must skip) in one graph per micro-batch phase of accumulation 2."""
+    paddle.set_device(device)
+    result = compare_transformer_steps(steps=steps, accumulate=2, backend=backend, inf_at=(min(3, steps - 1),))
+    s = result.graphed.stats
+    out.write(
+        f"\nwhole step (autocudagraph_step): transformer block + clipping + AdamW (warmup + cosine LR) + "
+        f"GraphGradScaler, accumulation 2, {steps} steps: every loss, parameter, optimizer state, the LR and the "
+        f"loss scale bitwise equal: {result.equal}"
+        + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
+        + f"\n  whole-step graphs: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
         f"eager_calls={s['eager_calls']}\n"
     )
     return result.equal

@@ -7,7 +7,9 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 """
 
 import collections
+import contextlib
 import logging
+import threading
 import warnings
 
 from . import arguments, saved_hooks
@@ -20,9 +22,22 @@ from .location import user_location, user_stacklevel
 from .stale import check_fresh
 from .stats import Counters, describe_entries, explain
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "inside_whole_step"]
 
 logger = logging.getLogger(__name__)
+
+_step_depth = threading.local()
+
+
+@contextlib.contextmanager
+def inside_whole_step():
+    """While a whole training step runs (autocudagraph_step), graphed callables it calls run
+    eagerly: the step's own graph captures them, in every phase of the step alike."""
+    _step_depth.n = getattr(_step_depth, "n", 0) + 1
+    try:
+        yield
+    finally:
+        _step_depth.n -= 1
 
 
 class Lifecycle:
@@ -97,6 +112,8 @@ class Lifecycle:
     def __call__(self, *args, **kwargs):
         if is_capturing():
             return self._eager(Call(args, kwargs), "called inside another capture")
+        if getattr(_step_depth, "n", 0):
+            return self._eager(Call(args, kwargs), "called inside a whole-step graph")
         if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
             self._warn_once("saved_hooks", saved_hooks.warning())
             return self._eager(Call(args, kwargs), saved_hooks.REASON)

@@ -36,6 +36,7 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from .host import host_mask
 from .host_values import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from .layers import CAPTURE_LOCK, LayerRecorder
+from .lifecycle import inside_whole_step
 from .optim_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
 from .replay import Blocked
@@ -176,7 +177,7 @@ class StepBody:
 
     @contextlib.contextmanager
     def _scope(self):
-        with self.slots.scope() as record, suppress_lr_fill(self.optimizers):
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), inside_whole_step():
             yield record
 
     def _after_host_run(self, record):

@@ -1,0 +1,68 @@
+"""The whole training step in one graph (autocudagraph_step) on a real GPU, bitwise against eager.
+
+Runs where only cuBLAS matmuls and copies work (Paddle 2.6.2 on Hopper, NOTE [ Kernel-less GPUs ]
+in paddlefleet/cudagraph/testing.py): a matmul-only MLP, forward + backward with an explicit
+``dy``, then either no update or SGD written as one matmul per parameter (NOTE [ SGD from
+matmuls ] in paddlefleet/cudagraph/step_gpu.py), grads released. Every step's output and every
+parameter after every step must be equal bit for bit; the per-step time of eager and of the
+whole-step graph is printed (throughput mode: N steps, then one sync)::
+
+    python tools/step_gpu_check.py                       # cuda backend, 16 x 512, batch 16
+    python tools/step_gpu_check.py --width 4096 --layers 8 --batch 64
+    python tools/step_gpu_check.py --backend simulate --width 32 --layers 4   # CPU smoke test
+
+The rest of a training step - AdamW, clipping, the learning-rate feed, GraphGradScaler, dropout -
+needs Paddle's elementwise, fill and random kernels: on a GPU whose Paddle has them, run the
+suite on the real backend (``PADDLEFLEET_CUDAGRAPH_BACKEND=cuda python -m pytest
+tests/test_train_step.py``), whose cuda variants run the transformer check there.
+
+Exit code: 0 when both cases are bitwise equal to eager, 1 otherwise.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import numpy.random  # noqa: E402,F401  (before paddle: NOTE [ numpy.random before paddle ])
+import paddle  # noqa: E402
+
+from paddlefleet.cudagraph.step_gpu import whole_step_check  # noqa: E402
+from paddlefleet.cudagraph.testing import device  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "simulate"))
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20, help="steps compared with eager")
+    parser.add_argument("--timed-steps", type=int, default=600, help="steps per timing")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    with device("gpu" if args.backend == "cuda" else "cpu"):
+        results = whole_step_check(width=args.width, layers=args.layers, batch=args.batch, steps=args.steps,
+                                   backend=args.backend, timed_steps=args.timed_steps)
+    print(f"paddle {paddle.__version__}, backend {args.backend}, MatMLP {args.layers} x {args.width}, "
+          f"batch {args.batch}")
+    ok = True
+    for case, r in results.items():
+        s = r["stats"]
+        verdict = "bitwise equal to eager" if r["equal"] else f"DIFFERS: {r['first_mismatch']}"
+        print(f"  {case}: {verdict}; warmup {s['warmup_calls']}, captures {s['captures']}, replays {s['replays']}, "
+              f"eager {s['eager_calls']} {s['eager_reasons'] or ''}; eager {r['eager_us']:.0f} us/step, "
+              f"whole-step graph {r['graphed_us']:.0f} us/step")
+        ok = ok and r["equal"] and s["captures"] == 1 and s["eager_calls"] == 0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
