@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-import numpy.random  # noqa: F401  (before paddle: NOTE [ numpy.random before paddle ])
+import numpy.random  # noqa: F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
 import numpy as np
 import paddle
 import paddle.distributed as dist
