@@ -207,7 +207,8 @@ class StepBody:
         warm.bindings = self._bindings.snapshot()
         watch = LayerWatch()
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
-        with LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
+        # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
                 on_gpu=entry.backend.name == "cuda") as trace:
             out = self.fn(*call.args, **call.kwargs)
         mode_changed = self._after_host_run(record)
@@ -293,7 +294,11 @@ class StepBody:
             return result, 0, 0
         self._feed()
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
-        graphs.graph.replay()
+        if graphs.trace is None:
+            graphs.graph.replay()
+        else:  # a simulated replay re-runs the step under the op trace (process-wide patches)
+            with CAPTURE_LOCK:
+                graphs.graph.replay()
         outputs = _hand_out(graphs.static_outputs)
         result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
         self._remember_between()
@@ -346,6 +351,8 @@ class _StepCapture:
         graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
         rollback = Rollback(body.optimizers, live_scalers()) if backend.capture_executes else None
         rng = state.rng_snapshot()
+        # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
+        stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
         try:
             self._capture(graphs, rollback)
         except BaseException:
@@ -353,6 +360,8 @@ class _StepCapture:
                 rollback.restore()
             else:
                 state.restore_rng(rng)
+                for scaler, stage in stages:
+                    scaler.set_python_state(stage)
             graphs.release()
             raise
         return graphs
