@@ -427,6 +427,38 @@ class WholeStepRefusalsTest(unittest.TestCase):
                                            r"parameter 'w' of Fresh was replaced", steps=7)
         self.assertIn("5 warmup", explain)  # warmup_steps=2 plus EXTRA_WARMUPS=3
 
+    def test_an_op_reading_a_host_tensor_is_refused(self):
+        def make(model, opt):
+            weights = mark_host(paddle.to_tensor([1.0, 2.0, 3.0, 4.0]))  # a CPU tensor on a GPU build
+
+            def train_step(x):
+                loss = (model(x) * weights).square().mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                return loss
+
+            return train_step
+
+        self.assertRefused(make, r"op #\d+ Tensor.__mul__ at .*test_train_step.py:\d+ reads a host \(CPU\) tensor")
+
+    def test_global_norm_clipping_with_auto_skip_clip_is_refused(self):
+        # auto_skip_clip=True compares the global norm with the clip norm on the host.
+        def make(model, opt):
+            clipped = paddle.optimizer.SGD(0.05, parameters=model.parameters(),
+                                           grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1, auto_skip_clip=True))
+
+            def train_step(x):
+                loss = model(x).square().mean()
+                loss.backward()
+                clipped.step()
+                clipped.clear_grad()
+                return loss
+
+            return train_step
+
+        self.assertRefused(make, r"Tensor\.__bool__\(\) was called during capture")
+
     def test_paddle_grad_scaler_is_refused_by_name(self):
         if not hasattr(paddle.amp, "GradScaler"):
             self.skipTest("no paddle.amp.GradScaler")
