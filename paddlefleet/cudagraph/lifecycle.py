@@ -7,13 +7,11 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 """
 
 import collections
-import contextlib
 import logging
-import threading
 import warnings
 
 from . import arguments, saved_hooks
-from .backends import is_capturing, resolve_backend
+from .backends import in_whole_step, is_capturing, resolve_backend
 from .call import Call
 from .dispatch import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
@@ -22,23 +20,9 @@ from .location import user_location, user_stacklevel
 from .stale import check_fresh
 from .stats import Counters, describe_entries, explain
 
-__all__ = ["Lifecycle", "inside_whole_step"]
+__all__ = ["Lifecycle"]
 
 logger = logging.getLogger(__name__)
-
-_step_depth = threading.local()
-
-
-@contextlib.contextmanager
-def inside_whole_step():
-    """While a whole training step runs (autocudagraph_step), graphed callables it calls run
-    eagerly: the step's own graph captures them, in every phase of the step alike."""
-    _step_depth.n = getattr(_step_depth, "n", 0) + 1
-    try:
-        yield
-    finally:
-        _step_depth.n -= 1
-
 
 class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
@@ -110,13 +94,9 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
-        if is_capturing():
-            return self._eager(Call(args, kwargs), "called inside another capture")
-        if getattr(_step_depth, "n", 0):
-            return self._eager(Call(args, kwargs), "called inside a whole-step graph")
-        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
-            self._warn_once("saved_hooks", saved_hooks.warning())
-            return self._eager(Call(args, kwargs), saved_hooks.REASON)
+        nested = self._nested()
+        if nested is not None:
+            return self._eager(Call(args, kwargs), nested)
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -148,6 +128,17 @@ class Lifecycle:
                 return self._eager(call, "max_graphs reached")
             return self._recapture(entry, call)
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
+
+    def _nested(self):
+        """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
+        if is_capturing():
+            return "called inside another capture"
+        if in_whole_step():  # the step's own graph captures it
+            return "called inside a whole-step graph"
+        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in saved_hooks.py
+            self._warn_once("saved_hooks", saved_hooks.warning())
+            return saved_hooks.REASON
+        return None
 
     def _eager(self, call, reason):
         self.counters.eager(reason)

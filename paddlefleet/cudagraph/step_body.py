@@ -29,6 +29,7 @@ from typing import Any, List, Optional
 import paddle
 
 from . import state
+from .backends import whole_step
 from .backends.simulated import refuse_host_sync
 from .errors import CaptureError
 from .grad_scaler import live_scalers
@@ -36,7 +37,6 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from .host import host_mask
 from .host_values import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from .layers import CAPTURE_LOCK, LayerRecorder
-from .lifecycle import inside_whole_step
 from .optim_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
 from .replay import Blocked
@@ -177,7 +177,7 @@ class StepBody:
 
     @contextlib.contextmanager
     def _scope(self):
-        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), inside_whole_step():
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), whole_step():
             yield record
 
     def _after_host_run(self, record):

@@ -5,7 +5,7 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import Backend, Graph, capturing, is_capturing
+from .base import Backend, Graph, capturing, in_whole_step, is_capturing, whole_step
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -16,6 +16,8 @@ __all__ = [
     "Graph",
     "capturing",
     "is_capturing",
+    "in_whole_step",
+    "whole_step",
     "resolve_backend",
     "cuda_available",
     "pool_sharing_supported",

@@ -8,7 +8,7 @@ graph's static buffers, and every replay writes its results into those same tens
 import contextlib
 import threading
 
-__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing"]
+__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -39,6 +39,22 @@ def capturing(hooks=()):
             yield
         finally:
             _state.depth -= 1
+
+
+def in_whole_step():
+    """True while a whole training step (autocudagraph_step) runs in this thread."""
+    return getattr(_state, "steps", 0) > 0
+
+
+@contextlib.contextmanager
+def whole_step():
+    """Marks the current thread as running a whole training step: graphed callables it calls run
+    eagerly, since the step's own graph captures them (in every phase of the step alike)."""
+    _state.steps = getattr(_state, "steps", 0) + 1
+    try:
+        yield
+    finally:
+        _state.steps -= 1
 
 
 class Graph:
