@@ -8,7 +8,8 @@ import json
 
 from .timing import MODES
 
-LABELS = {"paddle_eager": "Paddle eager", "autocudagraph": "autocudagraph (default)", "raw_replay": "raw replay (floor)",
+LABELS = {"paddle_eager": "Paddle eager", "autocudagraph": "autocudagraph (default)",
+          "autocudagraph_step": "autocudagraph_step (whole step)", "raw_replay": "raw replay (floor)",
           "torch_eager": "torch eager", "torch_graphed": "torch make_graphed", "torch_raw_replay": "torch raw replay"}
 PLOTTED = list(LABELS)
 
@@ -34,7 +35,7 @@ def main(rows_json, path):
     for ax, mode in zip(axes, MODES):
         by_config = {r["config"]: r for r in rows if r["mode"] == mode}
         for i, name in enumerate(PLOTTED):
-            values = [by_config[c][f"{name}_us"] or float("nan") for c in configs]
+            values = [by_config[c].get(f"{name}_us") or float("nan") for c in configs]
             ax.bar([k + (i - (len(PLOTTED) - 1) / 2) * width for k in range(len(configs))], values, width,
                    label=LABELS[name], hatch="//" if name.startswith("torch") else None)
         ax.set_yscale("log")
@@ -43,7 +44,7 @@ def main(rows_json, path):
         ax.grid(axis="y", alpha=0.3)
     axes[-1].set_xticks(range(len(configs)))
     axes[-1].set_xticklabels(configs, rotation=20, ha="right")
-    axes[0].legend(ncol=3, fontsize=8)
+    axes[0].legend(ncol=4, fontsize=8)
     fig.suptitle(f"{rows[0]['gpu']}, Paddle {rows[0]['paddle']}" + (" - SMOKE RUN, not a benchmark" if rows[0]["smoke"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
