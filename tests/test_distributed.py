@@ -64,13 +64,17 @@ def launch_two_ranks(script, log_dir, timeout=TIMEOUT_S):
         return None, out
 
 
-@unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs run tools/dist_gpu_check.py")
-class TestFleetTwoProcesses(unittest.TestCase):
+class TwoRankJob(unittest.TestCase):
+    """One two-rank launch of ``WORKER`` per class (tests/dist_scripts/job.py reports its cases);
+    ``case(name)`` gives each rank's result."""
+
+    WORKER = None
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="paddlefleet_dist_"))
         log_dir = cls.tmp / "logs"
-        cls.rc, cls.launcher_out = launch_two_ranks(WORKER, log_dir)
+        cls.rc, cls.launcher_out = launch_two_ranks(cls.WORKER, log_dir)
         cls.logs = {f.name: f.read_text(errors="replace") for f in sorted(log_dir.glob("workerlog.*"))}
         cls.results = {}
         for text in cls.logs.values():
@@ -100,10 +104,15 @@ class TestFleetTwoProcesses(unittest.TestCase):
             if not r["ok"]:
                 self.fail(f"rank {rank}, {name}: {r['detail']}\n{r.get('traceback', '')}\n{self.logs_text()}")
         skipped = {r.get("skipped") for r in got}
-        if skipped != {None}:  # the worker found Fleet unusable on this Paddle (fleet_unusable)
+        if skipped != {None}:  # the worker found what the case needs unusable on this Paddle
             self.assertEqual(len(skipped), 1, f"ranks disagree on skipping {name}: {skipped}")
             self.skipTest(skipped.pop())
         return [r["detail"] for r in got]
+
+
+@unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs run tools/dist_gpu_check.py")
+class TestFleetTwoProcesses(TwoRankJob):
+    WORKER = WORKER
 
     def test_job_ran_every_case_and_exited_cleanly(self):
         self.assertEqual(self.rc, 0, self.logs_text())

@@ -6,10 +6,7 @@ optimizer state tensor (moments, beta powers, velocities), the learning rate and
 GraphGradScaler's state. Phases are pinned with the wrapper's counters.
 """
 
-import json
 import pathlib
-import shutil
-import tempfile
 import unittest
 import warnings
 
@@ -22,7 +19,7 @@ from paddlefleet.cudagraph.errors import InputMismatchError
 from paddlefleet.cudagraph.host import mark_host
 
 from .harness import BackendCase, backend_classes, parameterized_class
-from .test_distributed import launch_two_ranks
+from .test_distributed import TwoRankJob
 
 STEP_WORKER = pathlib.Path(__file__).resolve().parent / "dist_scripts" / "step_worker.py"
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "train_step.md"
@@ -697,38 +694,14 @@ class OptionsTest(unittest.TestCase):
 
 
 @unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs the NCCL check is tools/dist_gpu_check.py")
-class DataParallelWholeStepTest(unittest.TestCase):
+class DataParallelWholeStepTest(TwoRankJob):
     """Two CPU ranks (gloo): the DataParallel all-reduce inside the graphed step, bitwise equal to
     eager on each rank (tests/dist_scripts/step_worker.py, one launch of ~7 s)."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="paddlefleet_step_dist_"))
-        log_dir = cls.tmp / "logs"
-        cls.rc, cls.launcher_out = launch_two_ranks(STEP_WORKER, log_dir)
-        cls.logs = {f.name: f.read_text(errors="replace") for f in sorted(log_dir.glob("workerlog.*"))}
-        cls.results = {}
-        for text in cls.logs.values():
-            for line in text.splitlines():
-                if line.startswith("RESULT "):
-                    r = json.loads(line[len("RESULT "):])
-                    cls.results[(r["case"], r["rank"])] = r
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.tmp, ignore_errors=True)
+    WORKER = STEP_WORKER
 
     def case(self, name):
-        got = [self.results.get((name, rank)) for rank in (0, 1)]
-        logs = "\n".join(f"---- {k} ----\n{v[-4000:]}" for k, v in self.logs.items())
-        for rank, r in enumerate(got):
-            if r is None:
-                self.fail(f"rank {rank} reported no result for {name} (exit status {self.rc})\n{logs}")
-            if not r["ok"]:
-                self.fail(f"rank {rank}, {name}: {r['detail']}\n{r.get('traceback', '')}\n{logs}")
-        if "skipped" in got[0]["detail"]:
-            self.skipTest(got[0]["detail"]["skipped"])
-        r0, r1 = (r["detail"] for r in got)
+        r0, r1 = super().case(name)
         # Each rank matched its eager run bit for bit (checked in the worker); across ranks the data
         # differ (losses) while the averaged updates keep the parameters identical.
         self.assertNotEqual(r0["loss"], r1["loss"])

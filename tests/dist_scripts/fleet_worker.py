@@ -13,10 +13,8 @@ group to the layers as their model-parallel group, so all cases share one launch
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import paddle
@@ -26,6 +24,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear, get_rng_state_tracker
 
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
+from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 
 STEPS = 4
@@ -456,23 +455,8 @@ def main():
         dist.init_parallel_env()  # paddle.DataParallel and the collectives need no Fleet
     RANK = dist.get_rank()
     only = set(sys.argv[1:])
-    failed = 0
-    for case in CASES:
-        name = case.__name__[len("case_"):]
-        if only and name not in only:
-            continue
-        if no_fleet is not None and name in NEEDS_FLEET:
-            print("RESULT " + json.dumps({"case": name, "rank": RANK, "ok": True, "skipped": no_fleet}), flush=True)
-            continue
-        try:
-            result = {"case": name, "rank": RANK, "ok": True, "detail": case()}
-        except Exception as err:  # reported, and the next case still runs
-            failed += 1
-            result = {"case": name, "rank": RANK, "ok": False, "detail": f"{type(err).__name__}: {err}",
-                      "traceback": traceback.format_exc()}
-        print("RESULT " + json.dumps(result), flush=True)
-    sys.exit(1 if failed else 0)
-
+    skip = (lambda name: no_fleet if name in NEEDS_FLEET else None) if no_fleet is not None else None
+    sys.exit(run_cases(CASES, RANK, only, skip))
 
 if __name__ == "__main__":
     main()

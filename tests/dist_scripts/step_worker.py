@@ -10,10 +10,8 @@ Each case prints one line ``RESULT {json}``; the exit status is 1 when a case fa
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
-import traceback
 
 import numpy.random  # noqa: F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
 import numpy as np
@@ -23,6 +21,7 @@ import paddle.nn.functional as F
 from paddle.distributed import fleet
 
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
+from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
 from paddlefleet.cudagraph import GraphGradScaler, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.step_examples import first_mismatch, snapshot, StepRun  # noqa: E402
 
@@ -126,12 +125,11 @@ def case_dp_whole_step_accumulation():
 
 
 def case_fleet_whole_step():
-    if FLEET_UNAVAILABLE is not None:
-        return {"skipped": FLEET_UNAVAILABLE}
     return compare(fleet_dp, micro=1, captures=1, replays=STEPS - 3)
 
 
 CASES = [case_dp_whole_step, case_dp_whole_step_accumulation, case_fleet_whole_step]
+NEEDS_FLEET = {"fleet_whole_step"}
 
 
 def main():
@@ -145,18 +143,8 @@ def main():
     else:
         fleet.init(is_collective=True, strategy=strategy)
     RANK = dist.get_rank()
-    failed = 0
-    for case in CASES:
-        name = case.__name__[len("case_"):]
-        try:
-            result = {"case": name, "rank": RANK, "ok": True, "detail": case()}
-        except Exception as err:  # reported, and the next case still runs
-            failed += 1
-            result = {"case": name, "rank": RANK, "ok": False, "detail": f"{type(err).__name__}: {err}",
-                      "traceback": traceback.format_exc()}
-        print("RESULT " + json.dumps(result), flush=True)
-    sys.exit(1 if failed else 0)
-
+    skip = (lambda name: FLEET_UNAVAILABLE if name in NEEDS_FLEET else None) if FLEET_UNAVAILABLE else None
+    sys.exit(run_cases(CASES, RANK, skip=skip))
 
 if __name__ == "__main__":
     main()
