@@ -59,13 +59,13 @@ class KeyMaker:
         except TypeError:
             return [("args", args), ("kwargs", kwargs)]
 
-    def label(self, key, call):
-        """A readable label for a new key (explain() and messages).
+    def label(self, key, call, named):
+        """A readable label for a new key (explain() and messages); ``named``: the call's
+        ``named_arguments``.
 
         Raises:
             CudaGraphError: for a host input too large to be keyed by value.
         """
-        named = self.named_arguments(call.args, call.kwargs)
         host = host_mask(call.tensors)
         if host is not None:
             check_host_inputs(call.tensors, host, leaf_names(named))

@@ -20,7 +20,7 @@ For each it returns a grad read from a static grad buffer of the backward graph,
 
 from . import grad_consumers
 from .grad_groups import unstack
-from .grads import alias, copy, rescue_grad
+from .grads import copy, hand_out, rescue_grad
 
 __all__ = ["GradPlan", "POLICIES", "choose"]
 
@@ -102,8 +102,7 @@ class GradPlan:
         param_grads = [None] * len(self.params)
         copies = self.param_copies()
         for i in self._single:
-            g = static[slots[n + i]]
-            param_grads[i] = copy(g) if copies[i] else alias(g)
+            param_grads[i] = hand_out(static[slots[n + i]], copies[i])
             copied += copies[i]
         # Stacks: one copy (or none) and one unbind per stack instead of one call per parameter.
         for stack, idxs in self.groups:

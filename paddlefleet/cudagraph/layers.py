@@ -77,10 +77,9 @@ class ParamSet:
 
     def moved(self):
         """Why the graphs no longer fit the parameters (replaced, moved or (un)frozen), or None."""
-        for slots, name, p, frozen, ptr in self._homes:
+        for i, (slots, name, p, frozen, ptr) in enumerate(self._homes):
             if slots.get(name) is not p or p.stop_gradient != frozen or p.data_ptr() != ptr:
-                owner = self._owners[[h[2] for h in self._homes].index(p)]
-                return f"parameter '{name}' of {owner} was replaced, moved or (un)frozen"
+                return f"parameter '{name}' of {self._owners[i]} was replaced, moved or (un)frozen"
         return None
 
     def names(self):

@@ -155,12 +155,13 @@ class Lifecycle:
         if backend is None:
             self._last_refusal = reason
             return None
-        refused = arguments.refusal(self._keys.named_arguments(call.args, call.kwargs))
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = arguments.refusal(named)
         if refused is not None:  # NOTE [ Argument objects ] in arguments.py
             self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
             self._last_refusal = refused
             return None
-        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call))
+        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named))
         if not self._budget_allows(entry):
             self._last_refusal = "max_graphs reached"
             return None
