@@ -18,7 +18,7 @@ import pytest
 
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from .harness import RECORD, BackendCase, MatmulOnlyCase, cuda_skip_reason
+from testkit.harness import RECORD, BackendCase, MatmulOnlyCase, cuda_skip_reason
 
 
 def pytest_addoption(parser):

@@ -19,7 +19,7 @@ from paddle.autograd import PyLayer
 import paddlefleet.cudagraph as cudagraph
 from paddlefleet.cudagraph import is_capturing
 
-from .harness import BackendCase, backend_classes, clone_leaf, parameterized_class
+from testkit.harness import BackendCase, backend_classes, clone_leaf, parameterized_class
 
 
 class FakeCustomAllReduce:

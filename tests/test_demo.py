@@ -6,9 +6,9 @@ import subprocess
 import sys
 import unittest
 
-from paddlefleet.cudagraph.demo import run_demo
+from paddlefleet.cudagraph.demo.main import run_demo
 
-from .harness import numpy_random_after_paddle_kills_the_process
+from testkit.harness import numpy_random_after_paddle_kills_the_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,7 +20,7 @@ import unittest
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
-from paddlefleet.cudagraph.block import GraphedCallable
+from paddlefleet.cudagraph.block.graphed import GraphedCallable
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

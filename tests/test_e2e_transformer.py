@@ -2,15 +2,15 @@
 
 Attention + MLP + LayerNorm + dropout, the MLP under Fleet's recompute, 20 AdamW steps with
 gradient accumulation 2: every loss and every final parameter bit for bit. The model and loop
-live in paddlefleet.cudagraph.examples, which the demo runs too.
+live in paddlefleet.cudagraph.demo.transformer_blocks, which the demo runs too.
 """
 
 import numpy as np
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import examples
+from paddlefleet.cudagraph.demo import transformer_blocks as examples
 
-from .harness import BackendCase, backend_classes, parameterized_class
+from testkit.harness import BackendCase, backend_classes, parameterized_class
 
 STEPS, ACCUMULATE = 20, 2
 

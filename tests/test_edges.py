@@ -8,7 +8,7 @@ import paddle
 
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError
 
-from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
 
 
 class Out:
@@ -81,7 +81,7 @@ class EdgeTest(BackendCase):
         # handed out as they are, and training stays bitwise (only output hooks are lost there).
         from unittest import mock
 
-        from paddlefleet.cudagraph import grads
+        from paddlefleet.cudagraph.grads import handles as grads
 
         def no_grad_kernel(*args, **kwargs):
             raise RuntimeError("(NotFound) The kernel `reshape_grad` is not registered.")

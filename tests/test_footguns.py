@@ -13,9 +13,9 @@ import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagraph
-from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
+from paddlefleet.cudagraph.io.host_tensors import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import (
+from testkit.harness import (
     add_tracker_state,
     BackendCase,
     assert_bitwise,
@@ -519,7 +519,7 @@ class TrackedDropout(paddle.nn.Layer):
 class RecordingCaptureTest(unittest.TestCase):
     def test_recompute_with_dropout_runs_eagerly_on_cuda(self):
         # A real CUDA capture only records; the simulated backend stands in for it with
-        # capture_executes=False (NOTE [ Recompute under CUDA graphs ] in state.py).
+        # capture_executes=False (NOTE [ Recompute under CUDA graphs ] in core/state.py).
         from unittest import mock
 
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
@@ -551,7 +551,7 @@ class RecordingCaptureTest(unittest.TestCase):
         eagerly from the same RNG state; returns the warnings of the capture."""
         from unittest import mock
 
-        from paddlefleet.cudagraph import state
+        from paddlefleet.cudagraph.core import state
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
         device = paddle_device("cpu")
@@ -574,7 +574,7 @@ class RecordingCaptureTest(unittest.TestCase):
         return [str(c.message) for c in caught]
 
     def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
-        # NOTE [ Random kernels under a recording capture ] in state.py; the simulated backend
+        # NOTE [ Random kernels under a recording capture ] in core/state.py; the simulated backend
         # stands in for a recording capture with capture_executes=False.
         def noisy(x):
             return x + paddle.rand(x.shape)

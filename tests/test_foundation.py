@@ -17,7 +17,7 @@ from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagr
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from .harness import (
+from testkit.harness import (
     BackendCase,
     backend_classes,
     clone_leaf,
@@ -602,7 +602,7 @@ class TestGradGroups(BackendCase):
     @parameterized.expand([("all_small", 1 << 20, [2, 3]), ("b_too_large", 4096, [2])])
     def test_same_shape_grads_are_stacked_up_to_the_size_limit(self, _, limit, sizes):
         # NOTE [ Grad groups ]: one stack per shape for grads up to GROUP_MAX_BYTES.
-        from paddlefleet.cudagraph import grad_groups
+        from paddlefleet.cudagraph.grads import stacks as grad_groups
 
         for clone in (True, False, "auto"):
             model, ref = twin_layers(TwoSizes)
@@ -851,7 +851,7 @@ class TestBackendChoice(unittest.TestCase):
     def test_places_key_by_value_not_identity(self):
         # Paddle 2.6's Place objects hash alike but compare by identity: keying on them made
         # every call a new key (measured on an H100), so the key holds str(place).
-        from paddlefleet.cudagraph.static_io import tensor_meta
+        from paddlefleet.cudagraph.io.static_inputs import tensor_meta
 
         class IdentityPlace:
             def __str__(self):

@@ -23,9 +23,9 @@ import warnings
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
-from paddlefleet.cudagraph.testing import SPEED_OPTIONS, MatMLP, close_error, cuda_skip_reason, option_unsupported
+from testkit.common import SPEED_OPTIONS, MatMLP, close_error, cuda_skip_reason, option_unsupported
 
-from .harness import RECORD, MatmulOnlyCase, backend_variants, grads_of, normal, release_grads
+from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, grads_of, normal, release_grads
 
 
 def mm(x, w):

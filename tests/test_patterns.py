@@ -17,7 +17,7 @@ from paddle.distributed.fleet.utils import recompute
 
 from paddlefleet.cudagraph import autocudagraph
 
-from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
 
 
 # ---------------------------------------------------------------------------- containers

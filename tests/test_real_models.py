@@ -17,7 +17,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 
-from .harness import BackendCase, backend_classes, parameterized_class, twin_layers
+from testkit.harness import BackendCase, backend_classes, parameterized_class, twin_layers
 
 
 def state_of(model):

@@ -15,10 +15,11 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, host, is_capturing
-from paddlefleet.cudagraph.host import MAX_HOST_KEY_ELEMENTS, mark_host
+from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutputError, is_capturing
+from paddlefleet.cudagraph.io import host_tensors as host
+from paddlefleet.cudagraph.io.host_tensors import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from .harness import add_tracker_state, BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from testkit.harness import add_tracker_state, BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -415,7 +416,7 @@ class VerifyTest(SafetyCase):
         # eager re-run, then for the eager call that replaces the replay). Paddle 2.6's
         # set_states_tracker adopts the dict it is given, so restoring the same dict twice
         # handed the second restore the states the re-run had advanced (NOTE [ Restoring
-        # the tracker ] in state.py).
+        # the tracker ] in core/state.py).
         tracker = get_rng_state_tracker()
         start = add_tracker_state(self, TrackedScaledBlock.STATE, 4242)
         eager, graphed = twin_layers(TrackedScaledBlock)

@@ -11,9 +11,10 @@ import numpy as np
 import paddle
 from paddle.distributed.fleet.utils import recompute
 
-from paddlefleet.cudagraph import is_capturing, saved_hooks
+from paddlefleet.cudagraph import is_capturing
+from paddlefleet.cudagraph.core import saved_hooks
 
-from .harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
 
 
 class Block(paddle.nn.Layer):

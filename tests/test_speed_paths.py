@@ -25,7 +25,7 @@ from parameterized import parameterized
 
 from paddlefleet.cudagraph import CudaGraphError, autocudagraph
 
-from .harness import BackendCase, backend_classes, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, backend_classes, grads_of, parameterized_class, params_of, twin_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,11 +14,13 @@ import numpy as np
 import paddle
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import GraphGradScaler, autocudagraph_step, optim_state, step_examples
+from paddlefleet.cudagraph import GraphGradScaler, autocudagraph_step
+from paddlefleet.cudagraph.demo import transformer_steps as step_examples
+from paddlefleet.cudagraph.step import optimizer_state as optim_state
 from paddlefleet.cudagraph.errors import InputMismatchError
-from paddlefleet.cudagraph.host import mark_host
+from paddlefleet.cudagraph.io.host_tensors import mark_host
 
-from .harness import BackendCase, backend_classes, parameterized_class
+from testkit.harness import BackendCase, backend_classes, parameterized_class
 from .test_distributed import TwoRankJob
 
 STEP_WORKER = pathlib.Path(__file__).resolve().parent / "dist_scripts" / "step_worker.py"
@@ -227,7 +229,7 @@ class WholeStepBitwiseTest(BackendCase):
 
     def test_kernel_less_gpu_step_matmul_mlp_with_a_matmul_sgd_update(self):
         # tools/step_gpu_check.py runs this on a GPU (cuBLAS and copies only).
-        from paddlefleet.cudagraph.step_gpu import whole_step_check
+        from testkit.step_gpu import whole_step_check
 
         results = whole_step_check(width=16, layers=3, batch=4, steps=8, backend=self.backend, timed_steps=2)
         for case, r in results.items():

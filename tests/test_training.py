@@ -22,9 +22,9 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from paddle.distributed.fleet.utils import recompute
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import state
+from paddlefleet.cudagraph.core import state
 
-from .harness import (
+from testkit.harness import (
     add_tracker_state,
     BackendCase,
     backend_classes,
@@ -152,7 +152,7 @@ class TrackerCase(BackendCase):
     def tracker_blocks_captured(self):
         """Whether a tracker rng_state block inside a graphed function is captured here: not on
         cuda with a Paddle without generator state indices (NOTE [ Random kernels under a
-        recording capture ] in state.py), where the key runs eagerly instead."""
+        recording capture ] in core/state.py), where the key runs eagerly instead."""
         return self.backend != "cuda" or state.generator_state_indices()
 
     def reseed(self, seed=11):

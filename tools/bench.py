@@ -120,7 +120,7 @@ def paddle_worker(args):
 
     from benchmark import paddle_runs
     from paddlefleet.cudagraph.options import ENV_BACKEND
-    from paddlefleet.cudagraph.testing import run_info
+    from testkit.common import run_info
 
     os.environ.pop(ENV_BACKEND, None)
     cuda = args.backend == "cuda"
@@ -175,7 +175,7 @@ def main():
     if args.paddle_worker:
         return paddle_worker(args)
     from benchmark import report
-    from paddlefleet.cudagraph.testing import check_smoke_path
+    from testkit.common import check_smoke_path
 
     start = time.perf_counter()
     smoke = args.backend != "cuda"

@@ -51,7 +51,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from paddlefleet.cudagraph.testing import (  # noqa: E402
+from testkit.common import (  # noqa: E402
     MatMLP,
     bitwise_failures,
     build,

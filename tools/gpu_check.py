@@ -32,8 +32,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from paddlefleet.cudagraph.testing import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
-from paddlefleet.cudagraph.testing import info_lines, run_info, short, write_generated  # noqa: E402
+from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
+from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
 CASES = ["tests/test_gpu_safe.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}

@@ -46,7 +46,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from paddlefleet.cudagraph.testing import (  # noqa: E402
+from testkit.common import (  # noqa: E402
     SPEED_OPTIONS,
     MatMLP,
     build,
@@ -90,7 +90,7 @@ class Internals:
         return next(iter(self.wrapper._entries.values()))
 
     def _call(self):
-        from paddlefleet.cudagraph.call import Call
+        from paddlefleet.cudagraph.core.call import Call
 
         return Call, Call((self.x,), {})
 
@@ -121,13 +121,13 @@ class Internals:
         return self._entry().graphs.grad_plan.hand_out
 
     def hand_out_outputs(self):
-        from paddlefleet.cudagraph.bridge import hand_out_outputs
+        from paddlefleet.cudagraph.block.bridge import hand_out_outputs
 
         graphs = self._entry().graphs
         return lambda: hand_out_outputs(graphs)
 
     def hookable(self):
-        from paddlefleet.cudagraph.grads import hookable
+        from paddlefleet.cudagraph.grads.handles import hookable
 
         out = self._entry().graphs.static_outputs[0]
         return lambda: hookable(out)

@@ -7,7 +7,7 @@ and exits 2 when the kernels do not run)::
     python tools/rng_gpu_check.py                 # cuda backend on the GPU
     python tools/rng_gpu_check.py --backend simulate   # CPU smoke test of the script
 
-Cases (NOTE [ Random kernels under a recording capture ] in state.py, NOTE [ Generator state
+Cases (NOTE [ Random kernels under a recording capture ] in core/state.py, NOTE [ Generator state
 index after replay ] in backends/cuda.py):
 
 1. dropout on the default generator: masks equal eager call by call and differ per replay;

@@ -31,8 +31,8 @@ if REPO not in sys.path:
 import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
 import paddle  # noqa: E402
 
-from paddlefleet.cudagraph.step_gpu import whole_step_check  # noqa: E402
-from paddlefleet.cudagraph.testing import device  # noqa: E402
+from testkit.step_gpu import whole_step_check  # noqa: E402
+from testkit.common import device  # noqa: E402
 
 
 def main(argv=None):

@@ -8,16 +8,16 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/recip
 
 __version__ = "0.1.0"
 
-from . import grad_consumers
+from .grads import hook_registry
 from .api import autocudagraph
 from .backends import is_capturing
-from .grad_scaler import GraphGradScaler
+from .step.grad_scaler import GraphGradScaler
 from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBackwardError, StaleOutputError
 from .options import GraphOptions
-from .step import autocudagraph_step
+from .step.graphed_step import autocudagraph_step
 
-# NOTE [ Grad consumers ] in grad_consumers.py: hooks registered from now on are recorded.
-grad_consumers.install()
+# NOTE [ Grad consumers ] in hook_registry.py: hooks registered from now on are recorded.
+hook_registry.install()
 
 __all__ = [
     "__version__",

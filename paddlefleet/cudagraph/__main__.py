@@ -10,7 +10,7 @@ def main(argv=None):
     demo = sub.add_parser("demo", help="train a small model eagerly and graphed, side by side")
     demo.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    from .demo import run_demo
+    from .demo.main import run_demo
 
     return run_demo(steps=args.steps)
 

@@ -5,7 +5,7 @@ import weakref
 
 import paddle
 
-from .block import GraphedCallable
+from .block.graphed import GraphedCallable
 from .options import GraphOptions
 
 __all__ = ["autocudagraph"]

@@ -48,13 +48,13 @@ class GraphOptions:
         clone_param_grads: "auto" (default): hand parameter grads back as aliases of the static
             grad buffers, copying only where a later replay could overwrite a tensor someone
             still holds (a grad autograd adopted as ``p.grad``, a parameter whose gradient hooks
-            may keep the grad: NOTE [ Grad hand-out ] in grad_plan.py); True: always copies;
+            may keep the grad: NOTE [ Grad hand-out ] in grads/hand_out_plan.py); True: always copies;
             False: always aliases (a hook that keeps a grad sees the next replay's values).
             Grads of inputs are always copies.
         accumulate_in_graph: the backward graph adds each parameter's grad into a persistent
             accumulator (``p.main_grad`` where Fleet keeps one, else ``p.grad``) and parameters
             leave the autograd bridge: the fastest path; their gradient hooks no longer run
-            (NOTE [ Accumulation inside the graph ] in accumulate.py says what to keep).
+            (NOTE [ Accumulation inside the graph ] in grads/accumulate.py says what to keep).
         verify_replays: compare the first N replays of each key with an eager re-run.
         max_bytes: optional budget for the static buffers of all keys; least recently used keys
             are evicted beyond it.

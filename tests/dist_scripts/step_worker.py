@@ -23,7 +23,7 @@ from paddle.distributed import fleet
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
 from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
 from paddlefleet.cudagraph import GraphGradScaler, autocudagraph_step  # noqa: E402
-from paddlefleet.cudagraph.step_examples import first_mismatch, snapshot, StepRun  # noqa: E402
+from paddlefleet.cudagraph.demo.transformer_steps import first_mismatch, snapshot, StepRun  # noqa: E402
 
 STEPS = 6
 RANK = 0

@@ -22,7 +22,7 @@ import paddle
 
 import paddlefleet.cudagraph as package
 from paddlefleet.cudagraph import autocudagraph
-from paddlefleet.cudagraph.testing import (
+from testkit.common import (
     SPEED_OPTIONS,
     MatMLP,
     bitwise_failures,

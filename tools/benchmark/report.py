@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from paddlefleet.cudagraph.testing import SPEED_OPTIONS, info_lines, write_generated
+from testkit.common import SPEED_OPTIONS, info_lines, write_generated
 
 from .plot import LABELS
 from .timing import MODES

@@ -32,7 +32,7 @@ if REPO not in sys.path:
 
 import paddle  # noqa: E402
 
-from paddlefleet.cudagraph.testing import close_error, device, host_tensor, short  # noqa: E402
+from testkit.common import close_error, device, host_tensor, short  # noqa: E402
 
 HAS_CUDA = paddle.is_compiled_with_cuda()
 

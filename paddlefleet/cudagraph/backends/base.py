@@ -85,7 +85,7 @@ class Backend:
         name: "cuda" or "simulate".
         shares_pools: whether graphs made with one pool share memory.
         capture_executes: whether capture runs the body's kernels (simulate) or only records
-            them (cuda). See NOTE [ RNG across capture ] in capture.py.
+            them (cuda). See NOTE [ RNG across capture ] in block/capture.py.
     """
 
     name = "base"

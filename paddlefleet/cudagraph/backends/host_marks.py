@@ -1,7 +1,7 @@
 """Tensors the simulated backend treats as host (CPU) memory.
 
 On the simulated backend every tensor is on the CPU. A test marks the ones a GPU program would
-keep on the host (NOTE [ Host tensors ] in host.py); the simulated graph then freezes reads of
+keep on the host (NOTE [ Host tensors ] in io/host_tensors.py); the simulated graph then freezes reads of
 them at capture, as a GPU graph does. Marks do not propagate to the results of ops.
 """
 

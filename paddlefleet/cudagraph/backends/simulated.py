@@ -42,7 +42,7 @@ _HOST_SYNC = (
 
 class _HostReads:
     """Values the body read from host tensors (mark_host) at capture, handed back in the same
-    order on replay: a GPU graph does not re-run host code (NOTE [ Host tensors ] in host.py)."""
+    order on replay: a GPU graph does not re-run host code (NOTE [ Host tensors ] in io/host_tensors.py)."""
 
     def __init__(self):
         self.values = []

@@ -1,0 +1,104 @@
+"""The autograd bridge: a PyLayer whose forward replays the forward graph and whose backward
+replays the backward graph and hands grads back for every input and parameter.
+
+NOTE [ Parameters through the bridge ]
+The parameters of the Layers a call uses are inputs of the PyLayer, so their grads come back
+through autograd like any other: Paddle accumulates them into ``p.grad``, runs gradient hooks,
+DataParallel's reducer and ``main_grad`` hooks exactly as in eager. The backward graph itself
+never writes ``p.grad``.
+
+NOTE [ One forward in flight ]
+A forward replay's saved activations live in the graphs' static buffers until its backward
+replay reads them. Each forward replay bumps ``graphs.generation`` and leaves a token that the
+PyLayer ctx keeps alive; a backward whose generation is not the latest raises
+PendingBackwardError instead of reading activations a later replay overwrote.
+"""
+
+import weakref
+
+import paddle
+from paddle.autograd import PyLayer
+
+from ..errors import CudaGraphError, PendingBackwardError
+from ..grads.handles import alias, copy
+
+__all__ = ["GraphedFunction", "hand_out_outputs"]
+
+
+class _Token:
+    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx)."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self):
+        self.done = False
+
+
+def hand_out_outputs(graphs):
+    """The output tensors given to the caller: copies, or aliases of the static buffers."""
+    if graphs.clone_outputs:
+        return [copy(t) for t in graphs.static_outputs]
+    if graphs.host_outputs:  # host outputs are always copies (NOTE [ Host tensors ] in io/host_tensors.py)
+        host = graphs.host_outputs
+        return [copy(t) if i in host else alias(t) for i, t in enumerate(graphs.static_outputs)]
+    return [alias(t) for t in graphs.static_outputs]
+
+
+class GraphedFunction(PyLayer):
+    """``apply(graphs, *tensors, *bridged params[, anchor])``: static inputs must already hold the
+    call's values."""
+
+    @staticmethod
+    def forward(ctx, graphs, *inputs):
+        graphs.fwd_graph.replay()
+        graphs.generation += 1
+        token = _Token()
+        graphs.inflight = weakref.ref(token)
+        ctx.token = token
+        ctx.graphs = graphs
+        ctx.generation = graphs.generation
+        outputs = hand_out_outputs(graphs)
+        non_diff = [o for o, d in zip(outputs, graphs.out_differentiable) if not d]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        graphs = ctx.graphs
+        if paddle.is_grad_enabled():
+            # Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.
+            raise CudaGraphError(
+                "autocudagraph: a backward with create_graph=True (double backward, e.g. a gradient "
+                "penalty) reached a graphed call. The backward graph returns plain tensors, so second-order "
+                "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
+                "it, or call the function outside the wrapper (wrapped.__wrapped__)."
+            )
+        if graphs.bwd_graph is None or ctx.generation != graphs.generation:
+            raise PendingBackwardError(
+                f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "
+                f"#{graphs.generation} of the same graph overwrote its saved activations. Run backward "
+                "before calling the graphed function again with the same key, or wrap the extra calls "
+                "in dispatch_key_fn returning None."
+            )
+        with paddle.no_grad():
+            buffers = iter(graphs.static_grad_outputs)
+            for grad, differentiable in zip(grads, graphs.out_differentiable):
+                if not differentiable:
+                    continue
+                buf = next(buffers)
+                if grad is None:
+                    buf.zero_()
+                elif grad is not buf:
+                    buf.copy_(grad, False)
+        acc = graphs.accumulators
+        if acc is not None:
+            acc.check_before_backward()
+        graph, plan, adopted = graphs.backward_set()
+        plan.before_replay(adopted)
+        graph.replay()
+        ctx.token.done = True
+        if acc is not None:
+            acc.after_backward()
+        grads = plan.hand_out()
+        return grads if graphs.anchor is None else grads + (None,)

@@ -1,0 +1,86 @@
+"""Replay of a block: what must hold before a key's graphs can serve a call, the copy of the
+call's tensors into the static inputs, the bridge call and the hand-out of the outputs.
+
+NOTE [ Replay preconditions ]
+A graph reads fixed addresses. Before a replay: the parameters the capture saw must still be
+the same tensors at the same addresses with the same stop_gradient, and an adopted input must
+be passed again (NOTE [ Adopted inputs ] in io/static_inputs.py) — otherwise the key is captured
+again. While the backward of the key's previous forward replay is pending, the call runs
+eagerly (NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
+proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
+structure are checked (InputMismatchError).
+"""
+
+import collections
+
+import paddle
+
+from .bridge import GraphedFunction, hand_out_outputs
+from ..errors import InputMismatchError
+from ..grads.handles import hookable
+from ..core.location import user_call_site
+from ..io.static_inputs import unflatten
+
+__all__ = ["Blocked", "replay_blocker", "run_graphs"]
+
+#: Why a call cannot replay now: ``action`` "recapture", "recapture_once" (the key falls back when
+#: it was captured again before) or "eager", the reason, and a warning to give once (or None).
+Blocked = collections.namedtuple("Blocked", "action reason warning", defaults=(None,))
+
+
+def replay_blocker(graphs, call, check_inputs):
+    """None when ``call`` can replay ``graphs``, else a Blocked (NOTE [ Replay preconditions ]).
+
+    Raises:
+        InputMismatchError: with ``check_inputs`` (dispatch_key_fn), for a call that does not fit.
+    """
+    if check_inputs:
+        if call.spec != graphs.in_spec:
+            raise InputMismatchError(
+                "autocudagraph: the call's argument structure differs from the one its key was "
+                "captured with. Include the structure in the key that dispatch_key_fn returns."
+            )
+        graphs.static_inputs.check(call.tensors)
+    moved = graphs.params.moved()
+    if moved is None and graphs.static_inputs.adopted:
+        name = graphs.static_inputs.moved(call.tensors)
+        if name is not None:
+            moved = f"input '{name}' is another tensor than the one the graph reads in place"
+    if moved is not None:
+        return Blocked("recapture", moved)
+    if graphs.accumulators is not None:
+        moved = graphs.accumulators.moved()
+        if moved is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
+            return Blocked("recapture_once", moved, (
+                f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
+                "happens again, the key runs eagerly). Zero accumulators in place instead: optimizer.clear_grad() "
+                "with set_to_zero=True, main_grad.zero_()."))
+    if graphs.backward_pending():
+        return Blocked("eager", "previous replay's backward still pending")
+    return None
+
+
+def run_graphs(graphs, call, copy, name, label):
+    """Runs the graphs for ``call`` and returns ``(result, copied, skipped)``: what the call
+    returns and how many input copies were made and skipped (none when ``copy`` is False: the
+    capture call's tensors are already in the static inputs)."""
+    tensors = call.tensors
+    copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
+    if graphs.bwd_graph is not None and paddle.is_grad_enabled():
+        anchor = () if graphs.anchor is None else (graphs.anchor,)
+        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridged, *anchor)
+        if isinstance(outputs, paddle.Tensor):
+            outputs = [outputs]
+        # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
+        # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
+        outputs = [hookable(o) if h else o for o, h in zip(outputs, graphs.out_hookable)]
+    else:
+        graphs.fwd_graph.replay()
+        outputs = hand_out_outputs(graphs)
+        for o in outputs:
+            o.stop_gradient = True
+    if graphs.handed_out is not None:  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        # After the replay: this call's inputs may be the previous outputs (y = f(f(x))).
+        graphs.handed_out.overwrite(name, label, user_call_site())
+        graphs.handed_out.hand_out(outputs, graphs.host_outputs)
+    return unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped

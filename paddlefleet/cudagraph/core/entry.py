@@ -1,0 +1,108 @@
+r"""Per-key state: the Phase enum and the GraphEntry, which owns its transitions.
+
+The lifecycle of a key (core/lifecycle.py asks for each move; the entry makes it)::
+
+    WARMUP --(warmup_steps eager calls)--> capture --ok--> REPLAY
+                                              \--fails--> FALLBACK (eager from then on)
+    REPLAY --(parameter or adopted input moved / evicted)--> RECAPTURE --> capture (no warmup)
+    REPLAY --(verify mismatch / static buffers over max_bytes)--> FALLBACK
+"""
+
+import dataclasses
+import enum
+import weakref
+from typing import Any, Optional
+
+__all__ = ["Phase", "GraphEntry"]
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"
+    REPLAY = "replay"
+    RECAPTURE = "recapture"
+    FALLBACK = "fallback"
+
+
+@dataclasses.dataclass(eq=False)
+class GraphEntry:
+    """One key: its phase, what its capture made (``graphs``), and its counts.
+
+    Attributes:
+        key: the dispatch key; label: a readable form of it for explain() and messages.
+        backend: the backend that captures and replays this key.
+        graphs: what the capture made (BlockGraphs for blocks), None before capture and after a
+            release; it has ``release()``, ``nbytes()``, ``backward_pending()``, ``layers`` (whose
+            training flags key later calls), ``describe()`` (a line for explain()) and
+            ``grad_copies()``.
+        last_inputs: weak references to the tensors of the latest warmup or capture call
+            (NOTE [ Adopted inputs ] in io/static_inputs.py).
+    """
+
+    key: Any
+    backend: Any
+    label: str = ""
+    phase: Phase = Phase.WARMUP
+    graphs: Any = None
+    fallback_reason: Optional[str] = None
+    last_inputs: Any = None
+    last_used: int = 0
+    verify_left: int = 0
+    warmup_calls: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    replays: int = 0
+    input_copies: int = 0
+    input_copies_skipped: int = 0
+    evictions: int = 0
+    verified: int = 0
+
+    @property
+    def has_graphs(self):
+        return self.graphs is not None
+
+    def nbytes(self):
+        """Bytes held by this key's static buffers (pool internals not included)."""
+        return self.graphs.nbytes() if self.graphs is not None else 0
+
+    def backward_pending(self):
+        """True while a forward replay of this key waits for its backward."""
+        return self.graphs is not None and self.graphs.backward_pending()
+
+    def remember_inputs(self, tensors):
+        self.last_inputs = [weakref.ref(t) for t in tensors]
+
+    # ------------------------------------------------------------------ transitions
+    def warmed_up(self, tensors):
+        """Counts one eager warmup call."""
+        self.warmup_calls += 1
+        self.remember_inputs(tensors)
+
+    def captured(self, graphs, verify_replays):
+        """The capture succeeded: replay from now on."""
+        self.graphs = graphs
+        self.phase = Phase.REPLAY
+        self.captures += 1
+        self.verify_left = verify_replays
+
+    def release(self):
+        """Drops graphs, pool and static buffers (the entry keeps its counts)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+
+    def to_recapture(self):
+        """Drops the graphs; the next call of this key captures again (no warmup)."""
+        self.release()
+        self.phase = Phase.RECAPTURE
+        self.fallback_reason = None
+
+    def evict(self):
+        """Dropped to stay within max_bytes; captured again when next called."""
+        self.to_recapture()
+        self.evictions += 1
+
+    def fall_back(self, reason):
+        """Moves this key to eager for good."""
+        self.release()
+        self.phase = Phase.FALLBACK
+        self.fallback_reason = reason

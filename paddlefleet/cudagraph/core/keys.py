@@ -1,0 +1,133 @@
+"""Keys: which graph a call may use, or None for eager. Policy only: no device work here.
+
+The default key is the argument structure (non-tensor values included), each tensor's shape,
+dtype, place and stop_gradient (small host tensors by value), and the state that changes what a
+call computes: grad mode, AMP autocast, and the ``training`` flag of every Layer involved.
+``dispatch_key_fn(bound_arguments)`` replaces the argument part; the state part is always kept.
+"""
+
+import collections
+import inspect
+
+import paddle
+
+from . import state
+from ..io.host_tensors import check_host_inputs, host_key, host_mask
+from ..errors import CudaGraphError
+from ..io.static_inputs import leaf_names, tensor_meta
+from .stats import describe_call
+
+__all__ = ["KeyMaker", "BoundSignature"]
+
+
+class KeyMaker:
+    """Makes the key of each call of one wrapped callable.
+
+    Args:
+        fn: the wrapped function (taking the owner first when ``bound``).
+        key_fn: the user's ``dispatch_key_fn`` or None.
+        bound: whether ``fn`` is called with an owner that is not part of the arguments.
+        layers: Layers whose training flag keys every call from the start (the owner).
+    """
+
+    def __init__(self, fn, key_fn, bound, layers):
+        self._fn = fn
+        self._key_fn = key_fn
+        self._bound = bound
+        self._signature = None
+        self.layers = list(layers)
+
+    def signature(self):
+        """The signature a call is made with: the function's, without the owner when bound."""
+        if self._signature is None:
+            sig = inspect.signature(self._fn)
+            if self._bound:
+                sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+            self._signature = sig
+        return self._signature
+
+    def bound_arguments(self, args, kwargs):
+        """``inspect.BoundArguments`` of a call, defaults applied, the owner left out."""
+        bound = self.signature().bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound
+
+    def named_arguments(self, args, kwargs):
+        """``[(name, value)]`` of a call's arguments, for messages."""
+        try:
+            return list(self.bound_arguments(args, kwargs).arguments.items())
+        except TypeError:
+            return [("args", args), ("kwargs", kwargs)]
+
+    def label(self, key, call, named):
+        """A readable label for a new key (explain() and messages); ``named``: the call's
+        ``named_arguments``.
+
+        Raises:
+            CudaGraphError: for a host input too large to be keyed by value.
+        """
+        host = host_mask(call.tensors)
+        if host is not None:
+            check_host_inputs(call.tensors, host, leaf_names(named))
+        host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
+        return describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
+
+    def state_key(self):
+        return (
+            paddle.is_grad_enabled(),
+            state.amp_state(),
+            tuple(layer.training for layer in self.layers),
+        )
+
+    def key(self, args, kwargs, tensors, spec):
+        """The call's key, or None when dispatch_key_fn says to run it eagerly."""
+        if self._key_fn is None:
+            places = [t.place for t in tensors]
+            metas = tuple(tensor_meta(t, p) for t, p in zip(tensors, places))
+            host = host_mask(tensors, places=places)
+            if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
+                metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
+            return (spec, metas, self.state_key())
+        user_key = self._key_fn(self.bound_arguments(args, kwargs))
+        if user_key is None:
+            return None
+        try:
+            hash(user_key)
+        except TypeError as err:
+            raise CudaGraphError(
+                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
+                "Return a tuple, string or number (or None to run the call eagerly)."
+            ) from None
+        return ("user", user_key, self.state_key())
+
+    def track(self, layers, entries):
+        """Adds Layers found during a capture to those whose training flag keys every call, and
+        returns ``entries`` re-keyed with their current flags, so that keys made before (other
+        keys still in warmup included) keep matching."""
+        added = [l for l in layers if all(l is not t for t in self.layers)]
+        if not added:
+            return entries
+        self.layers.extend(added)
+        extra = tuple(layer.training for layer in added)
+        rebuilt = collections.OrderedDict()
+        for key, entry in entries.items():
+            grad_mode, amp, flags = key[2]
+            entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
+            rebuilt[entry.key] = entry
+        return rebuilt
+
+
+class BoundSignature:
+    """``__signature__`` of a wrapper whose KeyMaker is ``self._keys``: the signature of what it
+    wraps, bound where it is bound (a Layer's ``forward`` without ``self``), as
+    ``inspect.signature`` of the unwrapped bound method gives. Callers that bind arguments
+    against it (Paddle's reentrant ``recompute``) then see the arguments the wrapper takes."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None  # inspect.signature(the class) goes on to the class's own __init__
+        try:
+            return obj._keys.signature()
+        except (TypeError, ValueError):
+            # No signature to give (a builtin): inspect falls back to __wrapped__, which raises alike.
+            raise AttributeError("__signature__") from None

@@ -1,0 +1,304 @@
+"""Lifecycle: the phase machine of one wrapped callable, per key.
+
+``__call__`` decides per call: no key -> eager; new key -> warmup, then capture; known key ->
+replay; a key that fell back -> eager. What a phase does for one kind of call is the *body*'s
+(block/graphed.py for autocudagraph blocks): this module owns only the phases, the transitions (which
+the entry makes), the fallback with its reason, and the budgets (max_graphs, max_bytes).
+"""
+
+import collections
+import logging
+import warnings
+
+from ..io import arguments
+from . import saved_hooks
+from ..backends import in_whole_step, is_capturing, resolve_backend
+from .call import Call
+from .keys import BoundSignature, KeyMaker
+from .entry import GraphEntry, Phase
+from ..errors import ReplayShapeError
+from .location import user_location, user_stacklevel
+from ..io.stale_outputs import check_fresh
+from .stats import Counters, describe_entries, explain
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger(__name__)
+
+class Lifecycle:
+    """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
+
+    Args:
+        body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
+            whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
+            ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
+            ``replay``, ``verified_replay``.
+        fn: the wrapped function (keys read its signature).
+    """
+
+    __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
+
+    def __init__(self, body, fn):
+        self._body = body
+        self._entries = collections.OrderedDict()
+        self._warned = set()
+        self._last_refusal = None
+        self._tick = 0
+        self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
+        self.counters = Counters()
+        self.__wrapped__ = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__name__ = body.name
+
+    # ------------------------------------------------------------------ public
+    @property
+    def options(self):
+        return self._body.options
+
+    @property
+    def _options(self):  # one source: the body reads the same options
+        return self._body.options
+
+    @_options.setter
+    def _options(self, options):
+        self._body.options = options
+
+    def stats(self):
+        """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
+        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+        out = self.counters.snapshot()
+        out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
+        out["keys"] = len(self._entries)
+        out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
+        # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+        out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
+        return out
+
+    def report(self):
+        """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
+        return describe_entries(self._entries.values())
+
+    def explain(self):
+        """A readable report: every key's phase and counts, and a reason for every eager call
+        (stats.explain shows an example)."""
+        return explain(self.__name__, self.stats(), self._entries.values(), self.counters)
+
+    def reset(self):
+        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
+        is still pending keeps its graphs until that backward has run (they go with it)."""
+        for entry in self._entries.values():
+            if not entry.backward_pending():
+                entry.release()
+        self._entries.clear()
+        self._warned.clear()
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ phases
+    def __call__(self, *args, **kwargs):
+        nested = self._nested()
+        if nested is not None:
+            return self._eager(Call(args, kwargs), nested)
+        if self._options.dispatch_key_fn is not None:
+            # One canonical form per call (defaults applied, positional where possible), so that
+            # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
+            bound = self._keys.bound_arguments(args, kwargs)
+            args, kwargs = bound.args, bound.kwargs
+        call = Call(args, kwargs)
+        check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        key = self._keys.key(args, kwargs, call.tensors, call.spec)
+        if key is None:
+            return self._eager(call, "dispatch_key_fn returned None")
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key, call)
+            if entry is None:
+                return self._eager(call, self._last_refusal)
+        self._tick += 1
+        entry.last_used = self._tick
+        self._entries.move_to_end(key)
+        if entry.phase is Phase.REPLAY:
+            return self._replay(entry, call)
+        if entry.phase is Phase.WARMUP:
+            if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
+                entry.warmed_up(call.tensors)
+                self.counters.warmup_calls += 1
+                return self._body.warmup(entry, call)
+            return self._capture(entry, call)
+        if entry.phase is Phase.RECAPTURE:
+            if not self._budget_allows(entry):
+                return self._eager(call, "max_graphs reached")
+            return self._recapture(entry, call)
+        return self._eager(call, f"key fell back: {entry.fallback_reason}")
+
+    def _nested(self):
+        """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
+        if is_capturing():
+            return "called inside another capture"
+        if in_whole_step():  # the step's own graph captures it
+            return "called inside a whole-step graph"
+        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py
+            self._warn_once("saved_hooks", saved_hooks.warning())
+            return saved_hooks.REASON
+        return None
+
+    def _eager(self, call, reason):
+        self.counters.eager(reason)
+        return self._body.run(call.args, call.kwargs)
+
+    def _warn_once(self, topic, message):
+        if topic in self._warned:
+            return
+        self._warned.add(topic)
+        warnings.warn(f"autocudagraph({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
+
+    def _new_entry(self, key, call):
+        backend, reason = resolve_backend(self._options.backend, call.tensors)
+        if backend is None:
+            self._last_refusal = reason
+            return None
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = arguments.refusal(named)
+        if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
+            self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
+            self._last_refusal = refused
+            return None
+        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named))
+        if not self._budget_allows(entry):
+            self._last_refusal = "max_graphs reached"
+            return None
+        self._entries[key] = entry
+        return entry
+
+    def _capture(self, entry, call):
+        last_inputs = entry.last_inputs
+        entry.remember_inputs(call.tensors)
+        try:
+            named = self._keys.named_arguments(call.args, call.kwargs)
+            graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
+        except Exception as err:  # contained: this key runs eagerly from now on
+            reason = f"{type(err).__name__}: {err}"
+            where = user_location(err.__traceback__)
+            if where is not None:
+                reason += f" (at {where})"
+            entry.fall_back(reason)
+            logger.debug("capture of %s failed", self.__name__, exc_info=True)
+            self._warn_once(
+                ("capture", id(entry)),
+                f"capture of key {entry.label} failed: {reason.rstrip('.')}. The key runs eagerly from now on "
+                "(results stay correct, without the speed-up). Fix the cause and call .reset() to capture "
+                "again, or return None from dispatch_key_fn for such calls.",
+            )
+            return self._eager(call, "capture failed")
+        entry.captured(graphs, self._options.verify_replays)
+        self.counters.captures += 1
+        self._entries = self._keys.track(graphs.layers, self._entries)
+        if not self._enforce_max_bytes(entry):
+            return self._eager(call, "static buffers exceed max_bytes")
+        return self._graph_call(entry, call, copy=False)
+
+    def _replay(self, entry, call):
+        blocked = self._body.blocker(entry, call)
+        if blocked is not None and blocked.warning is not None:
+            self._warn_once(("blocked", blocked.reason), blocked.warning)
+        if blocked is not None and blocked.action == "recapture_once" and entry.recaptures:
+            entry.fall_back(f"{blocked.reason}, again after a re-capture")
+            return self._eager(call, "key fell back: its graphs could not be kept valid")
+        if blocked is not None and blocked.action in ("recapture", "recapture_once"):
+            entry.to_recapture()
+            logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
+            return self._recapture(entry, call)
+        if blocked is not None:
+            if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
+                self._warn_once(
+                    "inflight",
+                    "called again with the same key before the backward of the previous call ran; this call runs "
+                    "eagerly so the graph's saved activations are not overwritten. Run backward between calls, "
+                    "or give such calls their own key.",
+                )
+            return self._eager(call, blocked.reason)
+        return self._graph_call(entry, call, copy=True)
+
+    def _recapture(self, entry, call):
+        entry.recaptures += 1
+        self.counters.recaptures += 1
+        return self._capture(entry, call)
+
+    def _graph_call(self, entry, call, copy):
+        try:
+            if entry.verify_left <= 0:
+                return self._run_graphs(entry, call, copy)
+            entry.verify_left -= 1
+            result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+        except ReplayShapeError as err:  # NOTE [ A replay that changes shape ] in block/replay_fallback.py
+            reason = f"{type(err).__name__}: {err}"
+            entry.fall_back(reason)
+            self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
+                            "The key runs eagerly from now on (results stay correct, without the speed-up).")
+            return self._eager(call, "a replay changed an output's shape")
+        self.counters.verified_replays += 1
+        entry.verified += 1
+        if mismatch is None:
+            return result
+        self.counters.verify_mismatches += 1
+        entry.fall_back(mismatch)
+        self._warn_once(
+            ("verify", id(entry)),
+            f"the graph of key {entry.label} does not reproduce eager: {mismatch}. This key now runs eagerly. "
+            "A graph repeats what capture saw: Python branches or values read from CPU tensors or Python "
+            "state, and tensors rebound between calls, are frozen at capture. Make the function depend only "
+            "on its tensor arguments and Layers, or return None from dispatch_key_fn for such calls.",
+        )
+        return self._eager(call, "verification found a mismatch")
+
+    def _run_graphs(self, entry, call, copy):
+        result, copied, skipped = self._body.replay(entry, call, copy)
+        if copy:
+            entry.replays += 1
+            self.counters.replays += 1
+        entry.input_copies += copied
+        entry.input_copies_skipped += skipped
+        self.counters.input_copies += copied
+        self.counters.input_copies_skipped += skipped
+        return result
+
+    # ------------------------------------------------------------------ budgets
+    def _budget_allows(self, entry):
+        live = sum(1 for e in self._entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY))
+        if live < self._options.max_graphs:
+            return True
+        self._warn_once(
+            "max_graphs",
+            f"max_graphs={self._options.max_graphs} keys are already warming up or holding graphs; further "
+            "keys run eagerly (correct, without the speed-up). Raise max_graphs, or return fewer distinct "
+            "keys from dispatch_key_fn (e.g. pad shapes to a few sizes).",
+        )
+        return False
+
+    def _enforce_max_bytes(self, entry):
+        """Evicts least recently used keys until the static buffers fit max_bytes; returns False
+        (and moves ``entry`` to eager) when ``entry`` alone does not fit."""
+        budget = self._options.max_bytes
+        if budget is None:
+            return True
+        own = entry.nbytes()
+        if own > budget:
+            reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
+            entry.fall_back(reason)
+            self._warn_once(
+                ("max_bytes", id(entry)),
+                f"key {entry.label} runs eagerly: {reason}. Raise max_bytes, or split the function so each "
+                "graph holds less.",
+            )
+            return False
+        holders = [e for e in self._entries.values() if e.has_graphs]
+        total = sum(e.nbytes() for e in holders)
+        for victim in sorted(holders, key=lambda e: e.last_used):
+            if total <= budget:
+                break
+            if victim is entry or victim.backward_pending():
+                continue
+            total -= victim.nbytes()
+            victim.evict()
+            self.counters.evictions += 1
+            logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
+        return True

@@ -1,0 +1,73 @@
+"""Host (CPU) tensors among a call's inputs and outputs.
+
+NOTE [ Host tensors ]
+A CUDA graph records device work only. Whatever the function computes on the host while it is
+captured - a shape, a Python branch on a CPU tensor, ``int(cpu_tensor)`` - happens once, at
+capture, and every replay repeats the device work that followed from it. So:
+
+* a CPU tensor among the inputs is part of the key *by value* (at most
+  ``MAX_HOST_KEY_ELEMENTS`` elements; a larger one is refused when a graph would be made), and
+  it is never copied anywhere on replay: the graph was made for exactly that value;
+* a CPU tensor among the outputs keeps the value it had at capture (correct when it depends only
+  on shapes and keyed values); the caller gets a host copy of it, never a device transfer.
+
+A tensor is a host tensor when it is on the CPU (or pinned memory) while the call has tensors on
+a GPU. The simulated backend runs everything on the CPU, so there a test marks host tensors with
+``mark_host``; the simulated graph then freezes reads of them at capture as a GPU would.
+"""
+
+import paddle
+
+from ..backends.host_marks import any_marked, is_marked_host, mark_host
+from ..errors import CudaGraphError
+from .static_inputs import numel
+
+__all__ = ["MAX_HOST_KEY_ELEMENTS", "mark_host", "is_marked_host", "host_mask", "host_key", "check_host_inputs"]
+
+#: Largest CPU input tensor (in elements) that a call's key holds by value.
+MAX_HOST_KEY_ELEMENTS = 1024
+
+_CUDA_BUILD = paddle.is_compiled_with_cuda()
+
+def host_mask(tensors, on_gpu=None, places=None):
+    """One bool per tensor: is it a host tensor (NOTE [ Host tensors ])? None when none is.
+
+    Args:
+        tensors: the call's tensors.
+        on_gpu: whether the graph runs on a GPU; None to decide from ``tensors`` (any on a GPU).
+        places: the tensors' places when the caller has them (``Tensor.place`` costs ~1 us).
+    """
+    mask = None
+    if any_marked():
+        mask = [is_marked_host(t) for t in tensors]
+    if _CUDA_BUILD:
+        gpu = [p.is_gpu_place() for p in (places if places is not None else [t.place for t in tensors])]
+        if on_gpu is None:
+            on_gpu = any(gpu)
+        if on_gpu and not all(gpu):
+            cpu = [not g for g in gpu]
+            mask = cpu if mask is None else [a or b for a, b in zip(mask, cpu)]
+    if mask is None or not any(mask):
+        return None
+    return mask
+
+
+def host_key(t):
+    """The by-value key part of a host tensor, or ``("too large", numel)``."""
+    n = numel(t)
+    if n > MAX_HOST_KEY_ELEMENTS:
+        return ("too large", n)
+    return ("value", t.numpy().tobytes())
+
+
+def check_host_inputs(tensors, mask, names):
+    """Raises CudaGraphError for a host input too large to be keyed by value."""
+    for i, (t, is_host) in enumerate(zip(tensors, mask)):
+        if is_host and numel(t) > MAX_HOST_KEY_ELEMENTS:
+            name = names[i] if i < len(names) else f"tensor #{i}"
+            raise CudaGraphError(
+                f"autocudagraph: input '{name}' is a CPU tensor with {numel(t)} elements, more than the "
+                f"{MAX_HOST_KEY_ELEMENTS} a key can hold by value. A graph bakes in what the host read at "
+                "capture, so CPU inputs select the graph by value. Move it to the GPU, pass a Python "
+                "value, or return None from dispatch_key_fn for such calls."
+            )

@@ -1,0 +1,479 @@
+"""Nested IO: flatten a call's arguments or results into tensors + a hashable spec, and back;
+static input buffers and the copy-in that skips same-address inputs.
+
+NOTE [ Static input surface ]
+A graph reads its inputs from fixed addresses. At capture every tensor argument gets a static
+buffer (a contiguous copy); each replay first copies the call's tensors into those buffers.
+A caller that passes the static buffer itself (or a tensor at the same address with the same
+layout) pays no copy.
+
+NOTE [ Adopted inputs ]
+An argument that was the very same tensor in the last warmup call and in the capture call (a
+weight passed as an argument, an input buffer the caller refills in place) is *adopted*: its
+own storage is the static buffer, as a parameter's is, so calls that pass it again copy nothing
+and see its in-place updates. A graph never copies another tensor into an adopted one (that
+would overwrite the caller's tensor): when a call passes a different tensor there, the key is
+captured again with an ordinary static buffer for that argument. Host (CPU) inputs are keyed by
+value (NOTE [ Host tensors ] in io/host_tensors.py) and never copied.
+"""
+
+import dataclasses
+
+import numpy as np
+import paddle
+
+from ..errors import CaptureError, InputMismatchError
+
+__all__ = ["flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes"]
+
+_TENSOR = "T"
+_CONST = "C"
+_NODE = "N"  # a container rebuilt with its own type: (_NODE, type, names, children)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_SCALAR_TYPES = frozenset(_SCALARS)
+_Tensor = paddle.Tensor
+
+
+def _const_key(value):
+    if isinstance(value, (float, complex, np.floating, np.complexfloating)):
+        # By bits, not by ==: 0.0 == -0.0 (1/x differs) and nan != nan (a new key every call).
+        c = complex(value)
+        return (type(value), c.real.hex(), c.imag.hex())
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, paddle.nn.Layer):
+        return ("layer", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", type(value).__qualname__, id(value))
+    return ("value", type(value).__qualname__, value)
+
+
+# NOTE [ Containers keep their type ]
+# flatten() keeps the type of every container it walks, and unflatten() rebuilds each with that
+# type, so a call's arguments reach the captured function, and its results reach the caller, as
+# the same kinds of objects eager would give: a ModelOutput-style dict subclass keeps its
+# attribute access, a namedtuple its fields, a dataclass its class.
+#   exact tuple / list / dict   rebuilt directly (the fast path: no lookup)
+#   namedtuple                  cls._make(items)
+#   other tuple / list subclass cls(items)
+#   dict subclass               cls(**items) for a dataclass (ModelOutput style), else cls(pairs)
+#   dataclass holding a tensor  cls.__new__(cls), then each field set (frozen ones too)
+#   dataclass without tensors   a value like any other object (passed through as itself)
+# A rebuild must give back an equal object: same type, same items or fields, and no state the
+# recipe loses (an attribute besides its items, an __init__ that needs other arguments). Capture
+# checks every container of the call's arguments and of its result (check_rebuild) and refuses
+# one that does not come back equal, naming its type, so the key runs eagerly. Attributes of a
+# container are not part of the key: a later call whose containers differ only there replays.
+_SEQ, _MAP, _DATACLASS, _OTHER = "seq", "map", "dataclass", "other"
+_KINDS = {}  # type -> kind
+_FIELDS = {}  # dataclass type -> field names
+_RECIPES = {}  # container type -> rebuild(names, items)
+
+
+def _kind(cls):
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, (list, tuple)):
+            kind = _SEQ
+        elif issubclass(cls, dict):
+            kind = _MAP
+        elif dataclasses.is_dataclass(cls) and isinstance(cls, type):
+            kind = _DATACLASS
+            _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+        else:
+            kind = _OTHER
+        _KINDS[cls] = kind
+    return kind
+
+
+def _flatten(value, tensors, consts):
+    cls = type(value)
+    if cls is _Tensor:
+        tensors.append(value)
+        return _TENSOR
+    if cls is tuple or cls is list:
+        return (cls, tuple([_flatten(v, tensors, consts) for v in value]))
+    if cls is dict:
+        return (dict, tuple(value), tuple([_flatten(v, tensors, consts) for v in value.values()]))
+    if isinstance(value, _Tensor):  # a Parameter, or another Tensor subclass
+        tensors.append(value)
+        return _TENSOR
+    if cls not in _SCALAR_TYPES:
+        kind = _kind(cls)
+        if kind is _SEQ:
+            return (_NODE, cls, None, tuple([_flatten(v, tensors, consts) for v in value]))
+        if kind is _MAP:
+            return (_NODE, cls, tuple(dict.keys(value)),
+                    tuple([_flatten(v, tensors, consts) for v in dict.values(value)]))
+        if kind is _DATACLASS:
+            node = _flatten_dataclass(value, cls, tensors, consts)
+            if node is not None:
+                return node
+    consts.append(value)
+    return (_CONST, _const_key(value))
+
+
+def _flatten_dataclass(value, cls, tensors, consts):
+    """The node of a dataclass holding a tensor, or None (it is then a value like any object)."""
+    names = _FIELDS[cls]
+    n_tensors, n_consts = len(tensors), len(consts)
+    missing = object()
+    fields = [getattr(value, name, missing) for name in names]
+    if any(f is missing for f in fields):
+        return None
+    children = tuple([_flatten(f, tensors, consts) for f in fields])
+    if len(tensors) > n_tensors:
+        return (_NODE, cls, names, children)
+    del consts[n_consts:]
+    return None
+
+
+def flatten(tree):
+    """Returns ``(tensors, consts, spec)``: the tensor leaves in order, the other leaves in
+    order, and a hashable spec of the structure (container types and non-tensor values
+    included; NOTE [ Containers keep their type ])."""
+    tensors, consts = [], []
+    spec = _flatten(tree, tensors, consts)
+    return tensors, consts, spec
+
+
+def _recipe(cls):
+    """``rebuild(names, items)`` for a container type (NOTE [ Containers keep their type ])."""
+    recipe = _RECIPES.get(cls)
+    if recipe is not None:
+        return recipe
+    kind = _kind(cls)
+    if kind is _SEQ and issubclass(cls, tuple) and hasattr(cls, "_make") and hasattr(cls, "_fields"):
+        recipe = lambda names, items: cls._make(items)  # noqa: E731
+    elif kind is _SEQ:
+        recipe = lambda names, items: cls(items)  # noqa: E731
+    elif kind is _MAP and dataclasses.is_dataclass(cls):
+        recipe = lambda names, items: cls(**dict(zip(names, items)))  # noqa: E731
+    elif kind is _MAP:
+        recipe = lambda names, items: cls(zip(names, items))  # noqa: E731
+    else:
+        def recipe(names, items):
+            obj = cls.__new__(cls)
+            for name, item in zip(names, items):
+                object.__setattr__(obj, name, item)  # also for frozen dataclasses
+            return obj
+    _RECIPES[cls] = recipe
+    return recipe
+
+
+def _unflatten(spec, tensors, consts):
+    if spec is _TENSOR:
+        return next(tensors)
+    tag = spec[0]
+    if tag is tuple:
+        return tuple([_unflatten(s, tensors, consts) for s in spec[1]])
+    if tag is list:
+        return [_unflatten(s, tensors, consts) for s in spec[1]]
+    if tag is dict:
+        return {k: _unflatten(s, tensors, consts) for k, s in zip(spec[1], spec[2])}
+    if tag == _CONST:
+        return next(consts)
+    _, cls, names, children = spec
+    return _recipe(cls)(names, [_unflatten(s, tensors, consts) for s in children])
+
+
+def holds_tensor(value, depth=2):
+    """True when a non-tensor leaf (an object flatten() keeps as a constant) holds a tensor in its
+    attributes or dataclass fields, looked for ``depth`` levels down. Such a tensor would be
+    neither a static input nor a replayed output: the graph would keep the capture-time one."""
+    if depth < 0 or isinstance(value, _SCALARS) or isinstance(value, paddle.nn.Layer):
+        return False
+    if isinstance(value, paddle.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_tensor(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(holds_tensor(v, depth - 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return any(holds_tensor(v, depth - 1) for v in fields.values())
+    return False
+
+
+def unflatten(spec, tensors, consts):
+    """Inverse of flatten()."""
+    return _unflatten(spec, iter(tensors), iter(consts))
+
+
+def _child_name(prefix, cls, names, i):
+    if names is None:
+        return f"{prefix}[{i}]"
+    if issubclass(cls, dict):
+        return f"{prefix}[{names[i]!r}]"
+    return f"{prefix}.{names[i]}"
+
+
+def _names(spec, prefix, out):
+    if spec is _TENSOR:
+        out.append(prefix)
+        return
+    tag = spec[0]
+    if tag is tuple or tag is list:
+        for i, s in enumerate(spec[1]):
+            _names(s, f"{prefix}[{i}]", out)
+    elif tag is dict:
+        for k, s in zip(spec[1], spec[2]):
+            _names(s, f"{prefix}[{k!r}]", out)
+    elif tag == _NODE:
+        _, cls, names, children = spec
+        for i, s in enumerate(children):
+            _names(s, _child_name(prefix, cls, names, i), out)
+
+
+def leaf_names(named_arguments):
+    """Names of the tensor leaves of ``{argument name: value}``, in flatten() order
+    (e.g. ``x``, ``batch['ids']``, ``args[1]``, ``out.logits``)."""
+    out = []
+    for name, value in named_arguments:
+        _names(flatten(value)[2], name, out)
+    return out
+
+
+# ---------------------------------------------------------------------------- rebuild checks
+
+_MISSING = object()
+
+
+def check_rebuild(value, label):
+    """Raises CaptureError when a container in ``value`` would not come back from unflatten()
+    as an equal object of its own type (NOTE [ Containers keep their type ]).
+
+    Args:
+        value: an argument of the call, or its result.
+        label: how to name ``value`` in the message ("argument batch", "the result").
+    """
+    _check_node(value, flatten(value)[2], label)
+
+
+def _items(value, kind, names):
+    if kind is _SEQ:
+        return list(value)
+    if kind is _MAP:
+        return list(dict.values(value))
+    return [getattr(value, n) for n in names]
+
+
+def _check_node(value, spec, path):
+    if spec is _TENSOR or spec[0] == _CONST:
+        return
+    tag = spec[0]
+    if tag is tuple or tag is list:
+        items, paths = list(value), [f"{path}[{i}]" for i in range(len(value))]
+        children = spec[1]
+    elif tag is dict:
+        items, paths = list(value.values()), [f"{path}[{k!r}]" for k in value]
+        children = spec[2]
+    else:
+        _, cls, names, children = spec
+        items = _items(value, _kind(cls), names)
+        paths = [_child_name(path, cls, names, i) for i in range(len(items))]
+        problem = _rebuild_problem(value, cls, names, items)
+        if problem is not None:
+            raise CaptureError(
+                f"autocudagraph: {path} (type {cls.__name__}) cannot be rebuilt as an equal object: "
+                f"{problem}. A graphed call hands its arguments to the function, and its results to you, in "
+                "containers rebuilt around the graph's static buffers, so this one would arrive changed. Use a "
+                "dict, list, tuple, namedtuple or dataclass whose fields hold all of its state, or make "
+                f"{_how(cls)} return an equal object; until then this key runs eagerly."
+            )
+    for item, child, child_path in zip(items, children, paths):
+        _check_node(item, child, child_path)
+
+
+def _how(cls):
+    """How _recipe() rebuilds ``cls``, for messages."""
+    name = cls.__name__
+    kind = _kind(cls)
+    if kind is _SEQ:
+        return f"{name}._make(items)" if hasattr(cls, "_make") and hasattr(cls, "_fields") else f"{name}(items)"
+    if kind is _MAP:
+        return f"{name}(**items)" if dataclasses.is_dataclass(cls) else f"{name}(key-value pairs)"
+    return f"{name}.__new__ with its fields set"
+
+
+def _rebuild_problem(value, cls, names, items):
+    """What differs between ``value`` and its rebuild from ``items``, or None."""
+    how = _how(cls)
+    try:
+        rebuilt = _recipe(cls)(names, items)
+    except Exception as err:  # the user's constructor: reported as our conversion's failure
+        return f"{how} raised {type(err).__name__}: {err}"
+    if type(rebuilt) is not cls:
+        return f"{how} returned a {type(rebuilt).__name__}"
+    kind = _kind(cls)
+    if kind is _MAP and tuple(dict.keys(rebuilt)) != names:
+        return f"{how} gave keys {list(dict.keys(rebuilt))} instead of {list(names)}"
+    got = _items(rebuilt, kind, names)
+    if len(got) != len(items) or any(a is not b for a, b in zip(got, items)):
+        return f"{how} did not keep the items it was given"
+    return _state_problem(value, rebuilt, kind, names, how)
+
+
+def _state_problem(value, rebuilt, kind, names, how):
+    """An attribute of ``value`` (besides dataclass fields and attributes mirroring its items)
+    that ``rebuilt`` does not have alike, or None."""
+    own = getattr(value, "__dict__", None)
+    new = getattr(rebuilt, "__dict__", None)
+    own = own if isinstance(own, dict) else {}
+    new = new if isinstance(new, dict) else {}
+    fields = set(names) if kind is _DATACLASS else ()
+    for attr in sorted(set(own) | set(new), key=str):
+        if attr in fields:
+            continue
+        a, b = own.get(attr, _MISSING), new.get(attr, _MISSING)
+        if a is b:
+            continue
+        if kind is _MAP and a is dict.get(value, attr, _MISSING) and b is dict.get(rebuilt, attr, _MISSING):
+            continue  # an attribute that mirrors the item of the same name (ModelOutput style)
+        if type(a) in _SCALAR_TYPES and type(a) is type(b) and _const_key(a) == _const_key(b):
+            continue
+        if a is _MISSING:
+            return f"{how} adds the attribute {attr!r}"
+        return f"it holds the attribute {attr!r} ({type(a).__name__}) besides its items, which {how} does not restore"
+    return None
+
+
+def place_key(place):
+    """A hashable value that compares equal for equal places.
+
+    Paddle 2.6's Place objects hash alike but compare by identity (measured on 2.6.2), so they
+    cannot be a key themselves; ``str(place)`` costs ~4 us, a GPU's device id well under 1 us.
+    """
+    if place.is_gpu_place():
+        return place.gpu_device_id()
+    if place.is_cpu_place():
+        return "cpu"
+    return str(place)
+
+
+def tensor_meta(t, place=None):
+    """The parts of a tensor that a graph fixes: shape, dtype, place, stop_gradient."""
+    return (tuple(t.shape), t.dtype, place_key(t.place if place is None else place), t.stop_gradient)
+
+
+def numel(t):
+    """Number of elements, from the shape (Tensor.numel() is a device op)."""
+    size = 1
+    for d in t.shape:
+        size *= d
+    return size
+
+
+def nbytes(t):
+    """Bytes of a tensor's elements."""
+    return numel(t) * t.element_size()
+
+
+def _alloc(t):
+    with paddle.no_grad():
+        buf = t.detach().clone()
+    buf.stop_gradient = t.stop_gradient
+    return buf
+
+
+def _adopt(t):
+    buf = t.detach()  # same storage, a leaf of its own
+    buf.stop_gradient = t.stop_gradient
+    return buf
+
+
+class StaticInputs:
+    """The static input buffers of one key and the copy into them.
+
+    Args:
+        tensors: the call's tensors at capture.
+        names: the argument name of each tensor.
+        adopt: per tensor, use its own storage as the buffer (NOTE [ Adopted inputs ]).
+        host: per tensor, a host input keyed by value: never copied, checked by check().
+
+    Attributes:
+        buffers: one contiguous tensor per tensor argument, in flatten() order.
+        names: the argument name of each buffer (for error messages).
+        adopted: indices of adopted arguments.
+        host: indices of host arguments.
+    """
+
+    def __init__(self, tensors, names, adopt=None, host=None):
+        adopt = adopt or [False] * len(tensors)
+        host = host or [False] * len(tensors)
+        self.buffers = [_adopt(t) if a else _alloc(t) for t, a in zip(tensors, adopt)]
+        self.names = list(names)
+        self._ptrs = [b.data_ptr() for b in self.buffers]
+        self.adopted = [i for i, a in enumerate(adopt) if a]
+        self.host = [i for i, h in enumerate(host) if h]
+        self._versions = [b._inplace_version() for b in self.buffers]
+        # What copy_in() looks at: (index, buffer, address) of the arguments it may copy.
+        self._slots = [(i, b, p) for i, (b, p) in enumerate(zip(self.buffers, self._ptrs)) if not host[i]]
+
+    def name(self, i):
+        return self.names[i] if i < len(self.names) else f"tensor #{i}"
+
+    def written(self):
+        """Names of the buffers written in place since they were made (by the function)."""
+        return [self.name(i) for i, (b, v) in enumerate(zip(self.buffers, self._versions)) if b._inplace_version() != v]
+
+    def moved(self, tensors):
+        """Name of the first adopted argument for which the call passes another tensor, or None."""
+        for i in self.adopted:
+            t = tensors[i]
+            if t.data_ptr() != self._ptrs[i] or not t.is_contiguous():
+                return self.name(i)
+        return None
+
+    def check(self, tensors):
+        """Raises InputMismatchError when a tensor's shape, dtype or stop_gradient differs from its
+        buffer (or a host tensor's value from the captured one)."""
+        for i, (t, b) in enumerate(zip(tensors, self.buffers)):
+            if t.shape != b.shape or t.dtype != b.dtype:
+                name = self.name(i)
+                raise InputMismatchError(
+                    f"autocudagraph: input '{name}' was captured with shape {list(b.shape)} and dtype "
+                    f"{b.dtype} but got shape {list(t.shape)} and dtype {t.dtype}; shapes and dtypes "
+                    "are fixed per graph. Include them in the key that dispatch_key_fn returns, or pad "
+                    "to a captured size."
+                )
+            if t.stop_gradient != b.stop_gradient:
+                name = self.name(i)
+                raise InputMismatchError(
+                    f"autocudagraph: input '{name}' was captured with stop_gradient={b.stop_gradient} but got "
+                    f"stop_gradient={t.stop_gradient}; the backward graph fixes which inputs get grads, so "
+                    "this call would silently lose or invent a grad. Include stop_gradient in the key that "
+                    "dispatch_key_fn returns."
+                )
+        if len(tensors) != len(self.buffers):
+            raise InputMismatchError(
+                f"autocudagraph: the call passed {len(tensors)} tensors but the graph was captured with "
+                f"{len(self.buffers)}. Include the argument structure in the key that dispatch_key_fn returns."
+            )
+        for i in self.host:
+            if tensors[i].numpy().tobytes() != self.buffers[i].numpy().tobytes():
+                raise InputMismatchError(
+                    f"autocudagraph: CPU input '{self.name(i)}' holds {tensors[i].numpy().tolist()} but the graph "
+                    f"of this key was captured with {self.buffers[i].numpy().tolist()}; a graph bakes in the "
+                    "values of CPU inputs. Include them in the key that dispatch_key_fn returns."
+                )
+
+    def copy_in(self, tensors):
+        """Copies the call's tensors into the buffers; returns ``(copied, skipped)``."""
+        copied, skipped = 0, len(self.host)  # host inputs: same value by key, nothing to copy
+        with paddle.no_grad():
+            for i, b, ptr in self._slots:
+                t = tensors[i]
+                if t is b or (t.data_ptr() == ptr and t.is_contiguous()):
+                    skipped += 1
+                    continue
+                b.copy_(t, False)
+                copied += 1
+        return copied, skipped
+
+    def nbytes(self):
+        """Bytes of the buffers this object allocated (adopted arguments are the caller's)."""
+        adopted = set(self.adopted)
+        return sum(nbytes(b) for i, b in enumerate(self.buffers) if i not in adopted)

@@ -1,0 +1,459 @@
+"""The whole training step as the second kind of body of the phase machine (core/lifecycle.py): what
+warmup, capture, replay and eager mean for a step that runs forward, backward, clipping, the
+optimizer and loss scaling.
+
+NOTE [ One step, one graph ]
+The step function runs inside a *step scope* in every phase: the optimizers' learning-rate
+fill is suppressed and the rate fed from the host before the run (NOTE [ Learning rate under a
+step graph ] in step/optimizer_state.py), and grad clears follow the wrapper's grad-slot mode (NOTE
+[ Grad slots across steps ] in step/grad_slots.py). Warmup steps are eager steps that also record
+what the step does on the host (NOTE [ Host values of a step ] in step/host_reads.py) and whether
+it created state (NOTE [ Persistent state of a step ] in step/rollback.py). The capture runs the
+step on static copies of the batch's tensors and checks it against the last warmup step.
+
+NOTE [ The capture call of a step ]
+On the simulated backend a capture executes the step: that run *is* this call's step (it
+consumed the RNG and updated the parameters as eager would), so its results are handed out and
+the graph is not replayed for this call. A CUDA capture only records: the graph is replayed
+once for this call, and Paddle's random kernels start from the offsets the capture recorded,
+which the generator already moved past (NOTE [ RNG across capture ] in block/capture.py). A failed
+capture on the simulated backend is taken back (step_state.Rollback) before the call runs
+eagerly.
+"""
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, List, Optional
+
+import paddle
+
+from ..core import state
+from ..backends import whole_step
+from ..backends.simulated import refuse_host_sync
+from ..errors import CaptureError
+from .grad_scaler import live_scalers
+from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
+from ..io.host_tensors import host_mask
+from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
+from ..core.layers import CAPTURE_LOCK, LayerRecorder
+from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
+                          suppress_lr_fill)
+from ..block.replay import Blocked
+from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
+from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
+
+__all__ = ["StepBody", "StepGraphs"]
+
+
+@dataclasses.dataclass(eq=False)
+class StepGraphs:
+    """What one capture of a step made.
+
+    Attributes:
+        graph, pool, backend: the step's graph.
+        static_inputs, static_outputs, out_spec, out_consts: the batch buffers and the results.
+        grad_mode: the grad-slot mode at capture; watched: ``[(param, grad address)]`` checked
+            before replays (in persistent mode: the grad storage the graph adds into).
+        params: ``[(param, address)]`` the graph updates in place.
+        bindings: the step function's globals/closure at capture; trace: the capture's ops.
+        pending: the capture call's result when the capture executed the step (simulate).
+        live: what the capture run made and the graph keeps reading.
+    """
+
+    backend: Any
+    pool: Any = None
+    graph: Any = None
+    static_inputs: Any = None
+    static_outputs: List[Any] = dataclasses.field(default_factory=list)
+    out_spec: Any = None
+    out_consts: Optional[list] = None
+    layers: list = dataclasses.field(default_factory=list)
+    grad_mode: str = CLOSED
+    watched: list = dataclasses.field(default_factory=list)
+    params: list = dataclasses.field(default_factory=list)
+    bindings: dict = dataclasses.field(default_factory=dict)
+    trace: Any = None
+    pending: Any = None
+    moved_beta_pows: int = 0
+    live: dict = dataclasses.field(default_factory=dict)
+
+    def backward_pending(self):
+        return False  # a step runs its own backward
+
+    def grad_copies(self):
+        return 0
+
+    def describe(self):
+        moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
+        return f"whole step, grad slots {self.grad_mode}{moved}"
+
+    def nbytes(self):
+        total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
+        return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
+
+    def release(self):
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.pool = self.static_inputs = self.pending = None
+        self.static_outputs, self.live = [], {}
+
+
+@dataclasses.dataclass
+class _Warm:
+    """What the latest warmup step of a key did."""
+
+    trace: Any = None
+    bindings: dict = dataclasses.field(default_factory=dict)
+    changes: str = ""
+
+
+def _hand_out(outputs):
+    copies = [o.detach().clone() for o in outputs]  # detached first: clone records no grad
+    for c in copies:
+        c.stop_gradient = True
+    return copies
+
+
+@contextlib.contextmanager
+def _refuse_paddle_scaler():
+    """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
+    saved = []
+    classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
+    for cls in classes:
+        for name in ("step", "minimize", "update"):
+            original = cls.__dict__.get(name)
+            if original is None:
+                continue
+
+            def refusing(self, *args, __original=original, __name=name, **kwargs):
+                if getattr(self, "_enable", False):
+                    raise CaptureError(
+                        f"autocudagraph: paddle.amp.GradScaler.{__name}() was called during capture. It reads "
+                        "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
+                        "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
+                        "on the device) in a graphed step."
+                    )
+                return __original(self, *args, **kwargs)
+
+            saved.append((cls, name, original))
+            setattr(cls, name, refusing)
+    try:
+        yield
+    finally:
+        for cls, name, original in reversed(saved):
+            setattr(cls, name, original)
+
+
+class StepBody:
+    """Warmup, capture, replay and eager run of one training-step function.
+
+    Args:
+        fn: the step function; options: StepOptions.
+    """
+
+    bound = False
+
+    def __init__(self, fn, options):
+        self.fn = fn
+        self.options = options
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self.optimizers = [inner_optimizer(opt) for opt in options.optimizers]  # Fleet wrappers unwrapped
+        self.slots = GradSlots()
+        self._feeds = [LRFeed(opt) for opt in self.optimizers]
+        self._bindings = BindingWatch(fn)
+        self._warm = weakref.WeakKeyDictionary()
+        self._scoped = False  # once a key warms up, eager calls run in the step scope too
+        self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
+        self._warn_once = None
+
+    def layers(self):
+        return []
+
+    # ------------------------------------------------------------------ scope
+    def _feed(self):
+        for feed in self._feeds:
+            feed.feed()
+
+    @contextlib.contextmanager
+    def _scope(self):
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), whole_step():
+            yield record
+
+    def _after_host_run(self, record):
+        changed = self.slots.observe(record)
+        self._between = representative_grads(self.optimizers)
+        return changed
+
+    def _remember_between(self):
+        self._between = [(p, grad_ptr(p)) for p, _ in self._between]
+
+    # ------------------------------------------------------------------ eager and warmup
+    def run(self, args, kwargs):
+        """The step, eagerly (fallback and keys without graphs)."""
+        if not self._scoped:
+            return self.fn(*args, **kwargs)
+        self._feed()
+        with self._scope() as record:
+            out = self.fn(*args, **kwargs)
+        self._after_host_run(record)
+        return out
+
+    def warmup(self, entry, call):
+        """An eager step that also records its ops and whether it created state."""
+        self._scoped = True
+        self._feed()
+        warm = self._warm.setdefault(entry, _Warm())
+        warm.bindings = self._bindings.snapshot()
+        watch = LayerWatch()
+        before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
+        # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
+                on_gpu=entry.backend.name == "cuda") as trace:
+            out = self.fn(*call.args, **call.kwargs)
+        mode_changed = self._after_host_run(record)
+        after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
+        warm.trace = trace
+        warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
+        if mode_changed:
+            warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
+        return out
+
+    def ready(self, entry):
+        """May ``entry`` capture now? Not while its warmup steps still create state (up to
+        EXTRA_WARMUPS more of them; after that the capture refuses with what changed)."""
+        warm = self._warm.get(entry)
+        if warm is None or not warm.changes:
+            return True
+        return entry.warmup_calls >= self.options.warmup_steps + EXTRA_WARMUPS
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, entry, call, named, last_inputs, warn_once):
+        """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
+        returns its StepGraphs or raises."""
+        self._warn_once = warn_once
+        warm = self._warm.get(entry)
+        if warm is None or warm.trace is None:
+            raise CaptureError(
+                "autocudagraph: this key has no warmup step to compare the capture with (it is captured again "
+                "after a reset). Call reset() on the step to warm it up again."
+            )
+        if warm.changes:
+            raise CaptureError(
+                f"autocudagraph: every warmup step of this key created or replaced state: {warm.changes}. A graph "
+                "keeps reading the tensors that exist at capture, so the step would silently train stale ones. "
+                "Create parameters and optimizer state before training (or in the first step only), and update "
+                "tensors in place (paddle.assign(new, output=t)) instead of rebinding them."
+            )
+        changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
+        if changed is not None:
+            raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+        for opt in self.optimizers:
+            check_supported(opt)
+        with CAPTURE_LOCK:
+            return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
+
+    # ------------------------------------------------------------------ replay
+    def blocker(self, entry, call):
+        """None when ``call`` can replay ``entry``'s graph now, else a replay.Blocked."""
+        graphs = entry.graphs
+        if self.options.dispatch_key_fn is not None:
+            graphs.static_inputs.check(call.tensors)
+        if graphs.grad_mode != self.slots.mode:
+            return Blocked("recapture", "the step started leaving grads between calls (gradient accumulation)")
+        changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
+        if changed is not None:
+            reason = _binding_message(changed, "the capture and this call")
+            return Blocked("eager", f"binding '{changed[0]}' changed since capture", reason)
+        for p, ptr in graphs.params:
+            if p.data_ptr() != ptr:
+                return Blocked("recapture", f"parameter {p.name} was replaced or moved")
+        if graphs.grad_mode == CLOSED:
+            for p, ptr in self._between:
+                if grad_ptr(p) != ptr:
+                    return Blocked("eager", "grads changed between calls", (
+                        f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
+                        "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
+                        "backward and clear_grad inside the step function."))
+        else:
+            for p, ptr in graphs.watched:
+                if grad_ptr(p) != ptr:
+                    return Blocked("recapture_once", f"the grad storage of {p.name} was released or replaced", (
+                        f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
+                        "False) or a backward outside the step), so the graph's grad buffers no longer are the "
+                        "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
+                        "inside the step function."))
+        return None
+
+    def replay(self, entry, call, copy):
+        """Runs ``entry``'s graph for ``call``: ``(result, inputs copied, copies skipped)``."""
+        graphs = entry.graphs
+        if graphs.pending is not None:  # NOTE [ The capture call of a step ]
+            result, graphs.pending = graphs.pending, None
+            self._remember_between()
+            return result, 0, 0
+        self._feed()
+        copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
+        if graphs.trace is None:
+            graphs.graph.replay()
+        else:  # a simulated replay re-runs the step under the op trace (process-wide patches)
+            with CAPTURE_LOCK:
+                graphs.graph.replay()
+        outputs = _hand_out(graphs.static_outputs)
+        result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
+        self._remember_between()
+        replayed = graphs.live.get("trace")
+        if graphs.trace is not None and replayed is not graphs.trace:
+            self._check_simulated_replay(entry, graphs.trace, replayed)
+        return result, copied, skipped
+
+    def _check_simulated_replay(self, entry, captured, replayed):
+        diff = describe_trace_difference(captured, replayed, "capture", "replay")
+        if diff is None:
+            return
+        reason = f"a replay read other host values than the capture: {diff}"
+        entry.fall_back(reason)
+        if self._warn_once is not None:
+            self._warn_once(("replay-host", id(entry)), (
+                f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
+                "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
+                "values that change as tensors (or as arguments: they become part of the key)."))
+
+    def verified_replay(self, entry, call, run_graphs):
+        raise NotImplementedError("autocudagraph_step does not support verify_replays")
+
+
+def _binding_message(changed, between):
+    name, old, new = changed
+    return (
+        f"autocudagraph: the step function reads '{name}', which was rebound between {between} "
+        f"({short_repr(old)} -> {short_repr(new)}). A graph replays what the capture saw, so the new value would "
+        "be ignored. Pass it as an argument (a Python value becomes part of the key; a tensor is copied in), or "
+        "keep it in a tensor updated in place."
+    )
+
+
+class _StepCapture:
+    """One capture of a step (NOTE [ The capture call of a step ])."""
+
+    def __init__(self, body, backend, call, names, warm):
+        self.body = body
+        self.backend = backend
+        self.call = call
+        self.names = names
+        self.warm = warm
+        self.on_gpu = backend.name == "cuda"
+
+    def run(self):
+        body, backend = self.body, self.backend
+        graphs = StepGraphs(backend=backend, pool=backend.new_pool(), grad_mode=body.slots.mode)
+        place = _device_place(body.optimizers) if self.on_gpu else None
+        graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
+        rollback = Rollback(body.optimizers, live_scalers()) if backend.capture_executes else None
+        rng = state.rng_snapshot()
+        # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
+        stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
+        try:
+            self._capture(graphs, rollback)
+        except BaseException:
+            if rollback is not None:
+                rollback.restore()
+            else:
+                state.restore_rng(rng)
+                for scaler, stage in stages:
+                    scaler.set_python_state(stage)
+            graphs.release()
+            raise
+        return graphs
+
+    def _capture(self, graphs, rollback):
+        body, call = self.body, self.call
+        host = host_mask(call.tensors, on_gpu=self.on_gpu)
+        static = StaticInputs(call.tensors, self.names, host=host)
+        args, kwargs = call.rebuild(static.buffers)
+        live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
+
+        def step_body():
+            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+                out = fn(*args, **kwargs)
+            tensors, consts, spec = flatten(out)
+            live.update(trace=trace, record=record, spec=(spec, consts))
+            return tensors
+
+        watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
+        before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
+        guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
+        refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
+        body._feed()
+        graphs.graph = self.backend.new_graph(graphs.pool)
+        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler():
+            outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
+        if isinstance(guard, state.RngRewindGuard):
+            guard.check()
+        self._check(live, before, watch, graphs)
+        graphs.static_inputs = static
+        graphs.static_outputs = list(outputs)
+        graphs.out_spec, graphs.out_consts = live["spec"]
+        graphs.layers = _unique(watch.layers)
+        graphs.trace = live["trace"] if self.backend.capture_executes else None
+        graphs.bindings = body._bindings.snapshot()
+        graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
+        body._after_host_run(live["record"])
+        graphs.watched = list(body._between)
+        if self.backend.capture_executes:
+            graphs.pending = unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), graphs.out_consts)
+
+    def _check(self, live, before, watch, graphs):
+        body = self.body
+        trace = live["trace"]
+        host = trace.host_inputs()
+        if host:
+            i, op, line = host[0]
+            raise CaptureError(
+                f"autocudagraph: op #{i} {op}{f' at {line}' if line else ''} reads a host (CPU) tensor inside the "
+                "step. A graph reads host memory once, at capture. Keep the step's tensors on the device."
+            )
+        after = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
+        changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
+        if changes:
+            raise CaptureError(
+                f"autocudagraph: the capture step created or replaced state: {changes}. A graph keeps using the "
+                "tensors that existed at capture, so later steps would silently train stale ones. Create "
+                "parameters and optimizer state before training, and update tensors in place."
+            )
+        diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
+        if diff is not None:
+            raise CaptureError(
+                f"autocudagraph: the step reads a host value that changes between steps: {diff}. A graph replays "
+                "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
+                "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
+            )
+        if live["record"].leaves_grads and graphs.grad_mode == CLOSED:
+            raise CaptureError(
+                "autocudagraph: the capture step left grads for the next call, but its warmup steps cleared them. "
+                "A step must clear grads on every call or on none of a key's calls; give accumulation phases "
+                "their own key (e.g. a Python bool argument)."
+            )
+        for value in live["spec"][1]:
+            if holds_tensor(value):
+                raise CaptureError(
+                    f"autocudagraph: the step returns a {type(value).__name__} object holding tensors; it would be "
+                    "returned as captured, with frozen values. Return tensors in a tuple, list or dict."
+                )
+
+
+def _device_place(optimizers):
+    for opt in optimizers:
+        for p in optimizer_params(opt):
+            if p.place.is_gpu_place():
+                return paddle.CUDAPlace(p.place.gpu_device_id())
+    return None
+
+
+def _unique(layers):
+    seen, out = set(), []
+    for layer in layers:
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            out.append(layer)
+    return out

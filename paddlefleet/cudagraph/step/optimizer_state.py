@@ -1,0 +1,209 @@
+"""Optimizer state around a whole-step graph: the learning rate fed through its device tensor,
+Adam's beta powers moved to the device, and the optimizer configurations a graph cannot replay.
+
+NOTE [ Learning rate under a step graph ]
+A dygraph optimizer keeps its learning rate in a 0-d tensor (``opt._global_learning_rate()``,
+created by the first ``step()``) that every update kernel reads on the device. For a float
+learning rate nothing writes that tensor again (``set_lr`` fills it, outside the step). With a
+``paddle.optimizer.lr`` scheduler, every ``step()`` calls ``_create_global_learning_rate``,
+which fills the tensor with ``float(scheduler())`` (``_C_ops.full_`` with the value as a host
+argument; verified on Paddle 2.6.2 and 3.3.1 by tracing). Captured, that fill would be replayed
+with the capture-time value: the scheduler would be frozen. So while a step runs under
+autocudagraph_step, ``_create_global_learning_rate`` does nothing once the tensor exists
+(``suppress_lr_fill``), and before every run - warmup, capture, replay, eager - ``LRFeed``
+writes ``float(opt.get_lr())`` into the tensor with a host-to-device copy outside the graph,
+skipped when the value has not changed. The value is the one Paddle's fill would write
+(``float(scheduler())`` rounded to the tensor's dtype), so the learning rate is bitwise what
+eager uses.
+
+NOTE [ Beta powers on the host ]
+Adam, AdamW and Lamb create ``beta1_pow_acc`` / ``beta2_pow_acc`` with ``device='cpu'``
+(``_add_moments_pows``, Paddle 2.6.2 and 3.3.1). With CPU beta powers the GPU adam/adamw kernel
+takes their values by value and updates them on the host (read in Paddle's
+``phi/kernels/gpu/adamw_kernel.cu``): a graph would replay a frozen bias correction while the
+host copy advanced only at capture - silently wrong. With device beta powers the kernel reads
+them from device memory and updates them with a device kernel (same arithmetic, so the same
+bits). ``move_beta_pows_to_device`` replaces each host beta-power accumulator by a device copy
+of the same name before the capture; eager steps afterwards use the device copy too.
+"""
+
+import numpy as np
+import paddle
+
+from ..backends.host_marks import is_marked_host, mark_host
+from ..errors import CaptureError
+
+__all__ = [
+    "inner_optimizer",
+    "optimizer_params",
+    "state_tensors",
+    "LRFeed",
+    "suppress_lr_fill",
+    "move_beta_pows_to_device",
+    "check_supported",
+]
+
+_BETA_POWS = ("beta1_pow_acc", "beta2_pow_acc")
+
+
+def inner_optimizer(opt):
+    """The paddle.optimizer.Optimizer inside Fleet's wrappers (HybridParallelOptimizer and
+    friends keep it in ``_inner_opt``), or None when there is none."""
+    seen = 0
+    while not isinstance(opt, paddle.optimizer.Optimizer) and seen < 8:
+        opt = getattr(opt, "_inner_opt", None)
+        if opt is None:
+            return None
+        seen += 1
+    return opt if isinstance(opt, paddle.optimizer.Optimizer) else None
+
+
+def optimizer_params(opt):
+    """The parameters an optimizer updates, in its order (parameter groups flattened)."""
+    groups = getattr(opt, "_param_groups", None)
+    if groups and isinstance(groups[0], dict):
+        return [p for group in groups for p in group["params"]]
+    return list(opt._parameter_list or [])
+
+
+def state_tensors(opt):
+    """``[(label, tensor)]`` of what an update writes: parameters, accumulators (moments, beta
+    powers, velocities) and master weights; the learning rate is not among them."""
+    out = [(f"parameter {p.name}", p) for p in optimizer_params(opt)]
+    for acc_name, per_param in getattr(opt, "_accumulators", {}).items():
+        for pname, t in per_param.items():
+            out.append((f"{acc_name} of {pname}", t))
+    for pname, t in getattr(opt, "_master_weights", {}).items():
+        out.append((f"master weight of {pname}", t))
+    return out
+
+
+def _numpy_dtype(t):
+    for dtype, np_dtype in ((paddle.float32, np.float32), (paddle.float64, np.float64), (paddle.float16, np.float16)):
+        if t.dtype == dtype:
+            return np_dtype
+    raise CaptureError(
+        f"autocudagraph: the learning-rate tensor has dtype {t.dtype}, which autocudagraph_step cannot feed. "
+        "Paddle's optimizers keep it in float32 or float64; use one of those."
+    )
+
+
+def current_lr(opt):
+    """``float`` of what Paddle writes into the learning-rate tensor at a step."""
+    lr = opt._learning_rate
+    if isinstance(lr, paddle.optimizer.lr.LRScheduler):
+        return float(lr())
+    return float(lr)
+
+
+class LRFeed:
+    """Writes an optimizer's learning rate into its device tensor before a run (NOTE [ Learning
+    rate under a step graph ]); ``feed()`` returns True when it wrote."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self._tensor = None
+        self._dtype = None
+        self._written = None
+        self._value = None
+
+    def feed(self):
+        t = self.opt._global_learning_rate()
+        if t is None:  # before the first step: the step creates and fills it itself
+            return False
+        value = current_lr(self.opt)
+        if t is not self._tensor:
+            self._tensor, self._dtype, self._written, self._value = t, _numpy_dtype(t), None, None
+        elif self._value is not None and value.hex() == self._value:  # unchanged: nothing to write
+            return False
+        self._value = value.hex()
+        bits = np.array(value, dtype=self._dtype)
+        if self._written is not None and bits.tobytes() == self._written:
+            return False
+        host = paddle.to_tensor(bits, place=paddle.CPUPlace())
+        with paddle.no_grad():
+            t.copy_(host.reshape(t.shape), False)
+        self._written = bits.tobytes()
+        return True
+
+
+class suppress_lr_fill:
+    """While active, the optimizers' ``_create_global_learning_rate`` does nothing once their
+    learning-rate tensor exists (it is fed by LRFeed instead)."""
+
+    def __init__(self, optimizers):
+        self._optimizers = list(optimizers)
+        self._saved = []
+
+    def __enter__(self):
+        for opt in self._optimizers:
+            own = opt.__dict__.get("_create_global_learning_rate")
+            original = opt._create_global_learning_rate
+
+            def guarded(opt=opt, original=original):
+                if opt._global_learning_rate() is None:
+                    return original()
+                return None
+
+            self._saved.append((opt, own))
+            opt._create_global_learning_rate = guarded
+        return self
+
+    def __exit__(self, *exc):
+        for opt, own in reversed(self._saved):
+            if own is None:
+                opt.__dict__.pop("_create_global_learning_rate", None)
+            else:
+                opt._create_global_learning_rate = own
+        self._saved = []
+        return False
+
+
+def _is_host(t, on_gpu):
+    return is_marked_host(t) or (on_gpu and t.place.is_cpu_place())
+
+
+def move_beta_pows_to_device(opt, place, on_gpu):
+    """Replaces host beta-power accumulators by device copies of the same name (NOTE [ Beta
+    powers on the host ]); returns how many were moved. ``place``: the graph's device (None on
+    the simulated backend, where host tensors are those marked with mark_host)."""
+    moved = 0
+    for acc_name, per_param in getattr(opt, "_accumulators", {}).items():
+        if not any(acc_name.endswith(b) for b in _BETA_POWS):
+            continue
+        for pname, t in list(per_param.items()):
+            if not _is_host(t, on_gpu):
+                continue
+            with paddle.no_grad():
+                new = t._copy_to(place, True) if place is not None else t.clone()
+            new.name = t.name
+            new.stop_gradient = True
+            per_param[pname] = new
+            moved += 1
+    return moved
+
+
+def check_supported(opt):
+    """Raises CaptureError for optimizer settings whose state a graph cannot keep current."""
+    name = type(opt).__name__
+    if getattr(opt, "_use_multi_tensor", False):
+        raise CaptureError(
+            f"autocudagraph: {name}(use_multi_tensor=True) keeps its state in merged lists "
+            "(_beta1_pow_acc_dict ...) that autocudagraph_step does not move to the device or check. "
+            "Use use_multi_tensor=False for a graphed step."
+        )
+    for attr in ("_beta1", "_beta2"):
+        if isinstance(getattr(opt, attr, None), paddle.Tensor):
+            raise CaptureError(
+                f"autocudagraph: {name} has {attr[1:]} as a Tensor; its step reads it with .item() on the host, "
+                "so a graph would freeze it. Pass a Python float."
+            )
+
+
+def mark_beta_pows_host(opt):
+    """Marks an optimizer's beta powers as host tensors (tests on the simulated backend model
+    the CPU beta powers a GPU build keeps)."""
+    for acc_name, per_param in getattr(opt, "_accumulators", {}).items():
+        if any(acc_name.endswith(b) for b in _BETA_POWS):
+            for t in per_param.values():
+                mark_host(t)

@@ -1,0 +1,155 @@
+"""The state a training step keeps between calls: which tensors it is (so that a step that
+creates or replaces state is refused), and its values (so that a failed simulated capture can
+be taken back).
+
+NOTE [ Persistent state of a step ]
+A whole-step graph reads and writes the tensors that exist when it is captured - parameters,
+Layer buffers, optimizer accumulators and master weights, the learning-rate tensor, and (in
+persistent grad mode, NOTE [ Grad slots across steps ]) the grads - at their capture-time
+addresses, on every replay. A step that creates such a tensor (Adam's moments on the first
+``opt.step()``, a Layer that makes a parameter on some call) or rebinds one (``self.w =
+self.w * 2``) would leave Python holding tensors the graph never touches. So:
+
+* a warmup step is *stable* when the fingerprint (identity and address of every such tensor)
+  is the same before and after it; a key is captured only after a stable warmup step (an
+  unstable one - the first step, which creates the optimizer state - earns up to
+  ``EXTRA_WARMUPS`` more warmup steps);
+* the capture step itself must leave the fingerprint unchanged, else it is refused, naming
+  what was created or replaced.
+
+On the simulated backend a capture *executes* the step; when it fails after running (a host
+read, a refusal above), ``Rollback`` puts back the values of that state and the RNG, so the
+eager call that replaces it does not apply the step twice.
+"""
+
+import paddle
+
+from ..core import state
+from .grad_slots import grad_ptr
+from .optimizer_state import optimizer_params, state_tensors
+
+__all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "LayerWatch", "Rollback"]
+
+#: Warmup steps a key may add when its warmup steps keep creating state.
+EXTRA_WARMUPS = 3
+
+
+def _ptr(t):
+    return t.data_ptr() if t._is_initialized() else None
+
+
+def fingerprint(optimizers, layers=(), with_grads=False, lr_tensors=True):
+    """``{label: identity}`` of the persistent state of a step."""
+    out = {}
+    for k, opt in enumerate(optimizers):
+        for label, t in state_tensors(opt):
+            out[f"optimizer {k}: {label}"] = (id(t), _ptr(t))
+        if lr_tensors:
+            lr = opt._global_learning_rate()
+            out[f"optimizer {k}: learning-rate tensor"] = None if lr is None else (id(lr), _ptr(lr))
+        if with_grads:
+            for p in optimizer_params(opt):
+                out[f"grad of {p.name}"] = grad_ptr(p)
+    for layer in layers:
+        out.update(_layer_identity(layer))
+    return out
+
+
+def _layer_identity(layer):
+    out = {}
+    owner = type(layer).__name__
+    for name, p in layer.named_parameters():
+        out[f"parameter '{name}' of {owner}"] = (id(p), _ptr(p))
+    for name, b in layer.named_buffers():
+        out[f"buffer '{name}' of {owner}"] = (id(b), _ptr(b) if b is not None else None)
+    return out
+
+
+def describe_changes(before, after, limit=3):
+    """A readable list of what differs between two fingerprints ("" when nothing does)."""
+    changes = []
+    for label, value in after.items():
+        if label not in before:
+            changes.append(f"{label} was created")
+        elif before[label] != value:
+            old = before[label]
+            if old is None:
+                changes.append(f"{label} was created")
+            elif value is None:
+                changes.append(f"{label} was released")
+            else:
+                changes.append(f"{label} was replaced by another tensor")
+    for label in before:
+        if label not in after:
+            changes.append(f"{label} was removed")
+    if len(changes) > limit:
+        changes = changes[:limit] + [f"and {len(changes) - limit} more"]
+    return "; ".join(changes)
+
+
+class LayerWatch:
+    """Collects the Layers a step calls and their state identity before their first call (use
+    as the ``snapshot`` of layers.LayerRecorder); ``values`` also snapshots buffer values."""
+
+    def __init__(self, values=None):
+        self.before = {}
+        self.layers = []
+        self._values = values
+
+    def add(self, layer):
+        self.layers.append(layer)
+        self.before.update(_layer_identity(layer))
+        if self._values is not None:
+            self._values.add(layer)
+
+    def after(self):
+        out = {}
+        for layer in self.layers:
+            out.update(_layer_identity(layer))
+        return out
+
+
+class _Nothing:
+    def add(self, layer):
+        pass
+
+
+NO_WATCH = _Nothing()
+
+
+class Rollback:
+    """Values of a step's state taken before a simulated capture, put back by ``restore()``:
+    optimizer state and grads, learning-rate tensors, Layer buffers (``buffers``), the state of
+    graph-safe loss scalers, and every RNG state."""
+
+    def __init__(self, optimizers, scalers=()):
+        self.buffers = state.BufferSnapshot(enabled=True)
+        self._rng = state.rng_snapshot()
+        self._tensors = []
+        self._grads = []
+        with paddle.no_grad():
+            for opt in optimizers:
+                tensors = [t for _, t in state_tensors(opt)]
+                lr = opt._global_learning_rate()
+                tensors += [lr] if lr is not None else []
+                self._tensors += [(t, t.clone()) for t in tensors if t._is_initialized()]
+                for p in optimizer_params(opt):
+                    g = p.grad
+                    self._grads.append((p, None if g is None or not g._is_initialized() else g.clone()))
+            for scaler in scalers:
+                self._tensors += [(t, t.clone()) for t in scaler.state_tensors()]
+        self._scaler_states = [(s, s.python_state()) for s in scalers]
+
+    def restore(self):
+        with paddle.no_grad():
+            for t, saved in self._tensors:
+                t.copy_(saved, False)
+            for p, saved in self._grads:
+                if saved is None:
+                    p.clear_gradient(False)
+                elif p.grad is not None and p.grad._is_initialized():
+                    p.grad.copy_(saved, False)
+        for scaler, py_state in self._scaler_states:
+            scaler.set_python_state(py_state)
+        self.buffers.restore()
+        state.restore_rng(self._rng)
