@@ -6,8 +6,10 @@ optimizer state tensor (moments, beta powers, velocities), the learning rate and
 GraphGradScaler's state. Phases are pinned with the wrapper's counters.
 """
 
+import os
 import pathlib
 import unittest
+from unittest import mock
 import warnings
 
 import numpy as np
@@ -19,6 +21,7 @@ from paddlefleet.cudagraph.demo import transformer_steps as step_examples
 from paddlefleet.cudagraph.step import optimizer_state as optim_state
 from paddlefleet.cudagraph.errors import InputMismatchError
 from paddlefleet.cudagraph.io.host_tensors import mark_host
+from paddlefleet.cudagraph.options import ENV_BACKEND
 
 from testkit.harness import BackendCase, backend_classes, parameterized_class
 from .test_distributed import TwoRankJob
@@ -673,7 +676,10 @@ class OptionsTest(unittest.TestCase):
         model = _mlp(dropout=0.0)
         opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
         step = autocudagraph_step(lambda x: model(x).mean(), optimizers=[opt])
-        step(_data(1)[0])
+        # backend=None itself is under test: the suite-wide override would replace it.
+        with mock.patch.dict(os.environ):
+            os.environ.pop(ENV_BACKEND, None)
+            step(_data(1)[0])
         self.assertEqual(step.stats()["eager_reasons"], {"no GPU tensors or no CUDA build (backend=None runs eagerly)": 1})
 
     def test_dispatch_key_fn_checks_inputs_against_the_static_buffers(self):
