@@ -5,7 +5,7 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import Backend, Graph, capturing, in_whole_step, is_capturing, whole_step
+from .base import Backend, Graph, capturing, function_errors, in_whole_step, is_capturing, whole_step
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -15,6 +15,7 @@ __all__ = [
     "Backend",
     "Graph",
     "capturing",
+    "function_errors",
     "is_capturing",
     "in_whole_step",
     "whole_step",

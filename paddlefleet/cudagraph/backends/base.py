@@ -8,7 +8,10 @@ graph's static buffers, and every replay writes its results into those same tens
 import contextlib
 import threading
 
-__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step"]
+from ..errors import CudaGraphError, FunctionRaised
+
+__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step",
+           "function_errors"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -39,6 +42,20 @@ def capturing(hooks=()):
             yield
         finally:
             _state.depth -= 1
+
+
+@contextlib.contextmanager
+def function_errors():
+    """Around the graphed function's own call during a capture: an exception it raises (other
+    than our refusals) leaves as FunctionRaised, so that the backend and the phase machine can
+    tell it from a failure of the capture (NOTE [ The function's own exceptions ] in
+    core/lifecycle.py)."""
+    try:
+        yield
+    except CudaGraphError:
+        raise
+    except Exception as err:
+        raise FunctionRaised(err) from err
 
 
 def in_whole_step():

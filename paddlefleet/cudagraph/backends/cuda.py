@@ -9,13 +9,19 @@ installed Paddle can do instead of comparing version strings:
 """
 
 import gc
+import logging
 
 import paddle
 
-from ..errors import CaptureError
+from ..errors import CaptureError, CudaGraphError, FunctionRaised
+from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capturing
+from .host_guard import gpu_is_host, host_guard
+from .value_shapes import refuse_value_shapes
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
+
+logger = logging.getLogger(__name__)
 
 
 def _core_graph_class():
@@ -54,6 +60,90 @@ def _indexed_generator(place):
     return generator if hasattr(generator, "get_state_index") else None
 
 
+def _stream_handle(place):
+    """The raw handle (an int) of the stream Paddle captures on, or None when unknown."""
+    try:
+        stream = paddle.device.cuda.current_stream(place)
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:
+            handle = getattr(getattr(stream, "stream_base", None), "cuda_stream", None)
+        return int(handle) if handle else None
+    except Exception:  # no CUDA stream API here: the driver checks are skipped
+        return None
+
+
+def _paddle_capturing():
+    try:
+        from paddle.base import core
+    except ImportError:  # pragma: no cover - Paddle without paddle.base
+        return False
+    probe = getattr(core, "is_cuda_graph_capturing", None)
+    return bool(probe()) if probe is not None else False
+
+
+#: Words of the errors Paddle raises when a capture, not the function, failed.
+_CAPTURE_WORDS = ("captur", "cuda graph", "cudagraph", "cuda error", "cudaerror", "externalerror")
+
+
+def _about_capture(err):
+    inner = err.error if isinstance(err, FunctionRaised) else err
+    text = f"{type(inner).__name__} {inner}".lower()
+    return any(word in text for word in _CAPTURE_WORDS)
+
+
+def _device_failure(err, broken):
+    inner = err.error if isinstance(err, FunctionRaised) else err
+    why = f" ({broken})" if broken else ""
+    return (
+        f"autocudagraph: the CUDA capture failed{why}: {type(inner).__name__}: {str(inner).strip()[:300]}. "
+        "The capture was ended and dropped, and this call ran eagerly. Something in the function cannot be "
+        "captured (a host read or copy, a sync, an op that allocates outside the graph's pool); move it out "
+        "of the graphed function, or return None from dispatch_key_fn for such calls."
+    )
+
+
+def _end_failed_capture(graph, stream, ended=False):
+    """Ends a capture whose body (or end) failed, leaving Paddle and the stream as before it began.
+    Returns None when the capture was still valid and ended cleanly, else what broke it.
+
+    NOTE [ Ending a broken capture ]
+    A CUDA error inside a capture (a sync, a copy on the legacy stream: error 900/906) invalidates
+    it. Paddle's end_capture then fails in cudaStreamEndCapture and keeps its capturing graph
+    (CUDAGraph::EndCapture moves it out only after a successful end, in 2.6 and 3.x): Paddle
+    believes a capture is open, its allocator for the capture is gone ("Required
+    cuda_graph_allocator_ shall not be nullptr" on the next allocation) and the process aborts at
+    exit in CUDAGraph::Reset. host_guard refuses the known causes before they reach CUDA; for any
+    other, the stream gets a fresh, empty capture (driver calls, cuda_driver.py) that Paddle's
+    end_capture can end: an empty graph is dropped without instantiation, the capturing graph is
+    handed back and reset, which releases its pool. The runtime's last error is cleared.
+    """
+    why = None
+    status = cuda_driver.capture_status(stream)
+    if not ended and status in (cuda_driver.ACTIVE, None):
+        try:
+            graph.capture_end()
+            graph.reset()
+            return None
+        except Exception as err:  # the capture was broken: recovered below
+            why = f"{type(err).__name__}: {str(err).strip()[:200]}"
+    elif status == cuda_driver.INVALIDATED:
+        why = "the capture was invalidated on the device"
+    if _paddle_capturing() and stream:
+        if cuda_driver.capture_status(stream) != cuda_driver.NONE:
+            cuda_driver.end_stream_capture(stream)
+        if cuda_driver.begin_stream_capture(stream):
+            try:
+                _, core_graph = _core_graph_class()
+                core_graph.end_capture().reset()
+            except Exception:  # reported below: Paddle still capturing
+                logger.debug("ending the restarted capture failed", exc_info=True)
+    cuda_driver.clear_last_error()
+    if _paddle_capturing():
+        logger.error("autocudagraph: a failed CUDA capture could not be ended; Paddle still reports a capture "
+                     "in progress and later CUDA work in this process may fail (%s)", why)
+    return why or "the capture was ended by the device"
+
+
 class _CudaGraph(Graph):
     def __init__(self, place, pool):
         self._place = place
@@ -81,22 +171,22 @@ class _CudaGraph(Graph):
             graph = graphs.CUDAGraph(place=self._place, mode="thread_local", pool_id=self._pool)
         else:
             graph = graphs.CUDAGraph(place=self._place, mode="thread_local")
+        stream = _stream_handle(self._place)
         graph.capture_begin()
-        ended = False
         try:
-            result = body()
+            # NOTE [ Host access during capture ] in host_guard.py; NOTE [ Shapes from tensor values ].
+            with host_guard(gpu_is_host), refuse_value_shapes(gpu_is_host):
+                result = body()
+        except BaseException as err:
+            broken = _end_failed_capture(graph, stream)
+            if isinstance(err, CudaGraphError) or (broken is None and not _about_capture(err)):
+                raise  # our refusal, or the function's own exception (FunctionRaised)
+            raise CaptureError(_device_failure(err, broken)) from err
+        try:
             graph.capture_end()
-            ended = True
-        finally:
-            if not ended:
-                # NOTE [ Ending a failed capture ]: a capture left open makes the next
-                # operation on the stream fail with CUDA error 900 and aborts the process.
-                # End it before anything else touches the stream, then drop the graph.
-                try:
-                    graph.capture_end()
-                    graph.reset()
-                except Exception:  # the original error is the one worth reporting
-                    pass
+        except Exception as err:
+            broken = _end_failed_capture(graph, stream, ended=True)
+            raise CaptureError(_device_failure(err, broken)) from err
         self._graph = graph
         return result
 

@@ -5,9 +5,10 @@ Capture runs the body once and keeps the tensors it returned: they are the stati
 Replay runs the same body again - on the same static input tensors, because the body closes
 over them - and copies every result *in place* into the tensors the capture returned. So a
 caller that holds a static buffer sees it overwritten by the next replay, exactly as with a
-real CUDA graph. Host-synchronising calls are refused during capture, as a capturing CUDA
-stream refuses them (CUDA error 900), and so are ops whose output shape depends on tensor values
-(NOTE [ Shapes from tensor values ] in value_shapes.py); a replay whose outputs change shape
+real CUDA graph. Host reads, host-to-device copies and syncs are refused during capture, as a
+capturing CUDA stream refuses them (NOTE [ Host access during capture ] in host_guard.py), and
+so are ops whose output shape depends on tensor values (NOTE [ Shapes from tensor values ] in
+value_shapes.py); a replay whose outputs change shape
 raises ReplayShapeError instead of copying into the captured buffers.
 
 Unlike a GPU graph, replay re-runs the body's Python: Python values it reads (globals,
@@ -16,29 +17,15 @@ capture saw. Reads of host tensors (``host_marks.mark_host``) are frozen as on a
 back the values read at capture, and host results keep their capture-time values.
 """
 
-import contextlib
-
 import paddle
 
 from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing
+from .host_guard import host_guard
 from .host_marks import is_marked_host
 from .value_shapes import check_replay_shapes, refuse_value_shapes
 
-__all__ = ["SimulatedBackend", "refuse_host_sync"]
-
-# (owner, attribute) pairs whose calls synchronise the host with the device.
-_HOST_SYNC = (
-    (paddle.Tensor, "numpy"),
-    (paddle.Tensor, "item"),
-    (paddle.Tensor, "tolist"),
-    (paddle.Tensor, "__float__"),
-    (paddle.Tensor, "__int__"),
-    (paddle.Tensor, "__bool__"),
-    (paddle.Tensor, "__index__"),
-    (paddle.device, "synchronize"),
-)
-
+__all__ = ["SimulatedBackend"]
 
 class _HostReads:
     """Values the body read from host tensors (mark_host) at capture, handed back in the same
@@ -70,42 +57,6 @@ class _HostReads:
         return value
 
 
-def _refusing(owner, name, original, host_reads):
-    where = f"paddle.device.{name}()" if owner is paddle.device else f"Tensor.{name}()"
-
-    def refuse(*args, **kwargs):
-        if host_reads is not None and owner is paddle.Tensor and args and is_marked_host(args[0]):
-            return host_reads.read(original, args, kwargs)
-        raise CaptureError(
-            f"autocudagraph: {where} was called during capture. It waits for the device, which a "
-            "capturing CUDA stream refuses (CUDA error 900). Keep host reads out of the graphed "
-            "function, or move them after the call."
-        )
-
-    return refuse
-
-
-@contextlib.contextmanager
-def refuse_host_sync(host_reads=None):
-    """Makes host-synchronising calls raise CaptureError until the block exits; reads of
-    host tensors (mark_host) go to ``host_reads`` when given."""
-    saved = []
-    try:
-        for owner, name in _HOST_SYNC:
-            if hasattr(owner, name):
-                original = getattr(owner, name)
-                saved.append((owner, name, owner.__dict__.get(name, None), original))
-                setattr(owner, name, _refusing(owner, name, original, host_reads))
-        cuda_mod = getattr(paddle.device, "cuda", None)
-        if cuda_mod is not None and hasattr(cuda_mod, "synchronize"):
-            saved.append((cuda_mod, "synchronize", cuda_mod.__dict__.get("synchronize"), cuda_mod.synchronize))
-            cuda_mod.synchronize = _refusing(paddle.device, "cuda.synchronize", None, None)
-        yield
-    finally:
-        for owner, name, own, original in reversed(saved):
-            setattr(owner, name, own if own is not None else original)
-
-
 def _flat_tensors(result):
     if isinstance(result, paddle.Tensor):
         return [result]
@@ -122,7 +73,8 @@ class _SimulatedGraph(Graph):
     def capture(self, body, hooks=()):
         host_reads = _HostReads()
         # NOTE [ Shapes from tensor values ] in value_shapes.py
-        with capturing(hooks), refuse_host_sync(host_reads), refuse_value_shapes(is_marked_host):
+        # NOTE [ Host access during capture ] in host_guard.py
+        with capturing(hooks), host_guard(is_marked_host, host_reads), refuse_value_shapes(is_marked_host):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
@@ -140,7 +92,7 @@ class _SimulatedGraph(Graph):
             if self._host_reads is None:
                 fresh = _flat_tensors(self._body())
             else:
-                with refuse_host_sync(self._host_reads.replaying()):
+                with host_guard(is_marked_host, self._host_reads.replaying()):
                     fresh = _flat_tensors(self._body())
         check_replay_shapes(self._static, fresh)  # before any copy: the static buffers stay as they were
         with paddle.no_grad():

@@ -30,6 +30,7 @@ import logging
 
 import paddle
 
+from ..backends import function_errors
 from ..grads import stacks as grad_stacks
 from ..core import state
 from ..grads.accumulate import Accumulators
@@ -151,7 +152,7 @@ class _BlockCapture:
         fn, owner, live = self.fn, self.owner, {}
 
         def forward_body():
-            with paddle.set_grad_enabled(grad_enabled):
+            with paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
             if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/static_inputs.py

@@ -16,7 +16,7 @@ from ..backends import in_whole_step, is_capturing, resolve_backend
 from .call import Call
 from .keys import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
-from ..errors import ReplayShapeError
+from ..errors import FunctionRaised, ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
 from .stats import Counters, describe_entries, explain
@@ -24,6 +24,18 @@ from .stats import Counters, describe_entries, explain
 __all__ = ["Lifecycle"]
 
 logger = logging.getLogger(__name__)
+
+# NOTE [ The function's own exceptions ]
+# An exception the graphed function raises during its capture call (a ValueError of the user's own,
+# a shape error eager raises too) is the call's result, not a failure of the capture: eager would
+# raise it, once. The capture marks it (backends.function_errors -> FunctionRaised); the capture is
+# ended and dropped as for any failure, and the exception reaches the caller unchanged. The call is
+# not re-run (its Python side effects happen once, as in eager) and the key stays in warmup: the
+# next call captures again. Our refusals (CudaGraphError) and errors of the capture itself (a CUDA
+# error that broke it, backends/cuda.py) stay contained: the key runs eagerly with the reason. On
+# the cuda backend a capture records without executing, so device work the function did before
+# raising is not applied (eager would have applied it); the simulated backend executes it and then
+# takes back what a capture takes back (RNG, Layer buffers, a step's optimizer state).
 
 class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
@@ -172,9 +184,12 @@ class Lifecycle:
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
+        raised = None
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
+        except FunctionRaised as err:  # NOTE [ The function's own exceptions ]
+            raised = err.error
         except Exception as err:  # contained: this key runs eagerly from now on
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
@@ -189,6 +204,9 @@ class Lifecycle:
                 "again, or return None from dispatch_key_fn for such calls.",
             )
             return self._eager(call, "capture failed")
+        if raised is not None:
+            self.counters.eager("the function raised during capture")
+            raise raised  # outside the handler: the caller sees the function's exception as eager raises it
         entry.captured(graphs, self._options.verify_replays)
         self.counters.captures += 1
         self._entries = self._keys.track(graphs.layers, self._entries)

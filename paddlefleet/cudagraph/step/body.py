@@ -29,8 +29,7 @@ from typing import Any, List, Optional
 import paddle
 
 from ..core import state
-from ..backends import whole_step
-from ..backends.simulated import refuse_host_sync
+from ..backends import function_errors, whole_step
 from ..errors import CaptureError
 from .grad_scaler import live_scalers
 from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
@@ -374,7 +373,8 @@ class _StepCapture:
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
 
         def step_body():
-            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace, \
+                    function_errors():
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
@@ -383,10 +383,9 @@ class _StepCapture:
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
-        refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
         body._feed()
         graphs.graph = self.backend.new_graph(graphs.pool)
-        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler():
+        with LayerRecorder(watch, NO_WATCH), guard, _refuse_paddle_scaler():
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()

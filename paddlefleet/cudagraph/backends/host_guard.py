@@ -1,0 +1,261 @@
+"""Host reads and host-to-device copies, refused in Python while a graph is captured.
+
+NOTE [ Host access during capture ]
+A CUDA graph records device work. Reading a device tensor on the host (``.numpy()``, ``.item()``,
+``float(t)``, ``if t:``, ``print(t)``, ``.cpu()``) waits for the device, and copying host data to
+the device (``paddle.to_tensor(array)``, ``paddle.assign(list)``, ``cpu_tensor.cuda()``,
+``t.set_value(array)``) is a copy from pageable host memory on the legacy stream. A capturing
+stream refuses both: CUDA error 900 or 906 (measured on an H100 with Paddle 2.6.2), which
+invalidates the capture. Paddle then cannot end it (``cudaStreamEndCapture`` fails inside
+``CUDAGraph::EndCapture``, which keeps its capturing graph): every later allocation fails with
+"Required cuda_graph_allocator_ shall not be nullptr" and the process aborts at exit in
+``CUDAGraph::Reset``. So while a capture is open, ``host_guard`` makes those calls raise a
+CaptureError *before* they reach CUDA: the capture stays valid, is ended and dropped cleanly
+(backends/cuda.py), and the key runs eagerly with the reason. The simulated backend installs the
+same guard, so CI refuses exactly what a GPU refuses.
+
+Host tensors (a CPU tensor in a GPU program; ``mark_host`` on the simulated backend) stay
+readable: their reads are host work, which a graph bakes in at capture (NOTE [ Host tensors ] in
+io/host_tensors.py); ``host_reads`` (simulated backend) hands the captured values back on replay.
+A tensor created on the host inside the function (``paddle.to_tensor(a, place="cpu")``) is a
+host tensor; copying it to the device is refused like any host-to-device copy.
+
+The patches are installed only inside ``host_guard()`` and always restored on exit.
+"""
+
+import contextlib
+
+import paddle
+
+from ..errors import CaptureError
+from .host_marks import is_marked_host, mark_host
+
+__all__ = ["host_guard", "gpu_is_host", "D2H_FIX", "H2D_FIX"]
+
+#: Tensor methods that read a tensor's values on the host.
+_READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__",
+          "__array__", "cpu", "pin_memory")
+
+D2H_FIX = "Keep host reads out of the graphed function, or move them after the call."
+H2D_FIX = ("Create the tensor outside the graphed function and pass it in as an argument (its values are "
+           "then copied in before every replay), or build it with device ops (paddle.full, paddle.zeros).")
+
+
+def _read_error(what):
+    return CaptureError(
+        f"autocudagraph: {what} was called during capture. It reads a device tensor on the host, which waits "
+        "for the device; a capturing CUDA stream refuses that (CUDA error 900/906) and the capture breaks. "
+        + D2H_FIX
+    )
+
+
+def _copy_error(what):
+    return CaptureError(
+        f"autocudagraph: {what} was called during capture. It copies host data to the device; a capturing "
+        "CUDA stream refuses that copy (CUDA error 906), and a graph could never replay it with new values. "
+        + H2D_FIX
+    )
+
+
+def _sync_error(what):
+    return CaptureError(
+        f"autocudagraph: {what} was called during capture. It waits for the device, which a capturing "
+        "CUDA stream refuses (CUDA error 900). " + D2H_FIX
+    )
+
+
+def _what(value):
+    """``a numpy array``, ``a list``, ``a Python float``: what a host value is, for messages."""
+    if type(value).__module__ == "numpy":
+        return "a numpy array" if type(value).__name__ == "ndarray" else f"a numpy {type(value).__name__}"
+    if isinstance(value, (bool, int, float, complex)):
+        return f"a Python {type(value).__name__}"
+    return f"a {type(value).__name__}"
+
+
+def gpu_is_host(t):
+    """On a GPU: is ``t`` host memory (CPU or pinned)?"""
+    return not t.place.is_gpu_place()
+
+
+def _host_place(place):
+    """True for a place that names host memory ("cpu", CPUPlace, CUDAPinnedPlace); False for a
+    device place and for None (the current device)."""
+    if place is None:
+        return False
+    if isinstance(place, str):
+        return place.lower().startswith(("cpu", "gpu_pinned"))
+    for name in ("CPUPlace", "CUDAPinnedPlace"):
+        cls = getattr(paddle, name, None)
+        if cls is not None and isinstance(place, cls):
+            return True
+    for probe in ("is_cpu_place", "is_cuda_pinned_place"):
+        method = getattr(place, probe, None)
+        if method is not None and method():
+            return True
+    return False
+
+
+def _device_of(args, kwargs):
+    """The place a ``Tensor.to(...)`` / ``_copy_to(...)`` call names, or None (no place named)."""
+    for value in list(args) + [kwargs.get("device"), kwargs.get("place")]:
+        if isinstance(value, str) and value.lower().startswith(("cpu", "gpu", "cuda")):
+            return value
+        if value is not None and not isinstance(value, (str, bool, int, paddle.Tensor)) and (
+                hasattr(value, "is_cpu_place") or _host_place(value)):
+            return value
+    return None
+
+
+class _Guard:
+    """The patched entry points of one host_guard() block."""
+
+    def __init__(self, is_host, host_reads):
+        self.is_host = is_host
+        self.host_reads = host_reads
+        self.saved = []
+
+    def patch(self, owner, name, make):
+        original = owner.__dict__.get(name)
+        if original is None and not hasattr(owner, name):
+            return
+        current = getattr(owner, name)
+        self.saved.append((owner, name, original))
+        setattr(owner, name, make(current))
+
+    def restore(self):
+        for owner, name, original in reversed(self.saved):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self.saved = []
+
+    # ------------------------------------------------------------------ device -> host
+    def read(self, name):
+        guard = self
+
+        def make(original):
+            def read(self, *args, **kwargs):
+                if not guard.is_host(self):
+                    raise _read_error(f"Tensor.{name}()")
+                if guard.host_reads is not None and name not in ("cpu", "pin_memory"):
+                    return guard.host_reads.read(original, (self,) + args, kwargs)
+                return original(self, *args, **kwargs)
+
+            return read
+
+        return make
+
+    def sync(self, what):
+        def make(original):
+            def sync(*args, **kwargs):
+                raise _sync_error(what)
+
+            return sync
+
+        return make
+
+    # ------------------------------------------------------------------ host -> device
+    def to_tensor(self, original):
+        guard = self
+
+        def to_tensor(data, *args, **kwargs):
+            place = kwargs.get("place", args[1] if len(args) > 1 else None)
+            on_host = _host_place(place)
+            if isinstance(data, paddle.Tensor):
+                source_host = guard.is_host(data)
+                if source_host and not on_host:
+                    raise _copy_error("paddle.to_tensor() of a host tensor")
+                if on_host and not source_host:
+                    raise _read_error("paddle.to_tensor(device tensor, place=cpu)")
+            elif not on_host:
+                raise _copy_error(f"paddle.to_tensor() of {_what(data)}")
+            out = original(data, *args, **kwargs)
+            return mark_host(out) if on_host else out
+
+        return to_tensor
+
+    def assign(self, original):
+        guard = self
+
+        def assign(x, output=None):
+            target_host = output is not None and guard.is_host(output)
+            if not isinstance(x, paddle.Tensor):
+                if not target_host:
+                    raise _copy_error(f"paddle.assign() of {_what(x)}")
+            elif guard.is_host(x) != target_host and output is not None:
+                raise _copy_error("paddle.assign() between host and device")
+            return original(x, output)
+
+        return assign
+
+    def set_value(self, original):
+        guard = self
+
+        def set_value(self, value, *args, **kwargs):
+            if not guard.is_host(self) and (not isinstance(value, paddle.Tensor) or guard.is_host(value)):
+                raise _copy_error(f"Tensor.set_value() of {_what(value)}")
+            return original(self, value, *args, **kwargs)
+
+        return set_value
+
+    def copy_(self, original):
+        guard = self
+
+        def copy_(self, src, *args, **kwargs):
+            if isinstance(src, paddle.Tensor) and guard.is_host(src) != guard.is_host(self):
+                raise (_copy_error if guard.is_host(src) else _read_error)("Tensor.copy_() between host and device")
+            return original(self, src, *args, **kwargs)
+
+        return copy_
+
+    def move(self, name):
+        guard = self
+
+        def make(original):
+            def move(self, *args, **kwargs):
+                to_host = True if name == "cpu" else (False if name == "cuda" else None)
+                if to_host is None:
+                    place = _device_of(args, kwargs)
+                    to_host = None if place is None else _host_place(place)
+                if to_host is not None and to_host != guard.is_host(self):
+                    if to_host:
+                        raise _read_error(f"Tensor.{name}()")
+                    raise _copy_error(f"Tensor.{name}() of a host tensor")
+                return original(self, *args, **kwargs)
+
+            return move
+
+        return make
+
+
+@contextlib.contextmanager
+def host_guard(is_host, host_reads=None):
+    """Refuses host reads, host-to-device copies and device syncs with a CaptureError until the
+    block exits (NOTE [ Host access during capture ]).
+
+    Args:
+        is_host: ``is_host(tensor)`` -> is it host memory (readable, never copied to the device)?
+        host_reads: where reads of host tensors go (the simulated backend freezes them), or None.
+    """
+    guard = _Guard(is_host, host_reads)
+    try:
+        for name in _READS:
+            guard.patch(paddle.Tensor, name, guard.move(name) if name == "cpu" else guard.read(name))
+        for name in ("cuda", "to", "_copy_to"):
+            guard.patch(paddle.Tensor, name, guard.move(name))
+        guard.patch(paddle.Tensor, "set_value", guard.set_value)
+        guard.patch(paddle.Tensor, "copy_", guard.copy_)
+        for module in (paddle, paddle.tensor, getattr(paddle.tensor, "creation", None)):
+            if module is not None:
+                guard.patch(module, "to_tensor", guard.to_tensor)
+                guard.patch(module, "assign", guard.assign)
+        guard.patch(paddle.device, "synchronize", guard.sync("paddle.device.synchronize()"))
+        cuda_mod = getattr(paddle.device, "cuda", None)
+        if cuda_mod is not None:
+            guard.patch(cuda_mod, "synchronize", guard.sync("paddle.device.cuda.synchronize()"))
+        yield
+    finally:
+        guard.restore()
+
