@@ -12,7 +12,7 @@ import inspect
 import paddle
 
 from . import state
-from ..io.host_tensors import check_host_inputs, host_key, host_mask
+from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
@@ -64,11 +64,13 @@ class KeyMaker:
         ``named_arguments``.
 
         Raises:
-            CudaGraphError: for a host input too large to be keyed by value.
+            CudaGraphError: for a host input (CPU tensor, numpy array) too large to be keyed by value.
         """
         host = host_mask(call.tensors)
         if host is not None:
             check_host_inputs(call.tensors, host, leaf_names(named))
+        if key[0] != "user":
+            check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/static_inputs.py
         host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
         return describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
 

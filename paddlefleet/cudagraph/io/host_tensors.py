@@ -16,16 +16,15 @@ a GPU. The simulated backend runs everything on the CPU, so there a test marks h
 ``mark_host``; the simulated graph then freezes reads of them at capture as a GPU would.
 """
 
+import numpy as np
 import paddle
 
 from ..backends.host_marks import any_marked, is_marked_host, mark_host
 from ..errors import CudaGraphError
-from .static_inputs import numel
+from .static_inputs import MAX_HOST_KEY_ELEMENTS, numel
 
-__all__ = ["MAX_HOST_KEY_ELEMENTS", "mark_host", "is_marked_host", "host_mask", "host_key", "check_host_inputs"]
-
-#: Largest CPU input tensor (in elements) that a call's key holds by value.
-MAX_HOST_KEY_ELEMENTS = 1024
+__all__ = ["MAX_HOST_KEY_ELEMENTS", "mark_host", "is_marked_host", "host_mask", "host_key", "check_host_inputs",
+           "check_host_arrays"]
 
 _CUDA_BUILD = paddle.is_compiled_with_cuda()
 
@@ -71,3 +70,27 @@ def check_host_inputs(tensors, mask, names):
                 "capture, so CPU inputs select the graph by value. Move it to the GPU, pass a Python "
                 "value, or return None from dispatch_key_fn for such calls."
             )
+
+
+def check_host_arrays(named):
+    """Raises CudaGraphError for a numpy array argument too large to be keyed by value (NOTE [ Numpy
+    arguments ] in io/static_inputs.py); ``named``: the call's ``[(argument name, value)]``."""
+    for name, value in named:
+        _check_array(name, value)
+
+
+def _check_array(name, value):
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_array(f"{name}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_array(f"{name}[{k!r}]", v)
+    elif type(value) is np.ndarray and value.size > MAX_HOST_KEY_ELEMENTS:
+        raise CudaGraphError(
+            f"autocudagraph: argument '{name}' is a numpy array with {value.size} elements (shape "
+            f"{list(value.shape)}), more than the {MAX_HOST_KEY_ELEMENTS} a key can hold by value. A graph bakes in "
+            "what the function reads from host data at capture, so host arrays select the graph by value. Pass it "
+            "as a tensor (paddle.to_tensor(array) before the call: it is copied into the graph on every call), or "
+            "return None from dispatch_key_fn for such calls."
+        )

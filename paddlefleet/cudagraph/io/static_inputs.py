@@ -24,7 +24,7 @@ import paddle
 
 from ..errors import CaptureError, InputMismatchError
 
-__all__ = ["flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes"]
+__all__ = ["MAX_HOST_KEY_ELEMENTS", "flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes"]
 
 _TENSOR = "T"
 _CONST = "C"
@@ -34,7 +34,28 @@ _SCALAR_TYPES = frozenset(_SCALARS)
 _Tensor = paddle.Tensor
 
 
+#: Largest host array or CPU tensor (in elements) that a call's key holds by value (NOTE [ Host
+#: tensors ] in io/host_tensors.py; NOTE [ Numpy arguments ]).
+MAX_HOST_KEY_ELEMENTS = 1024
+
+# NOTE [ Numpy arguments ]
+# A numpy array argument is host data: whatever the function reads from it (a shape, a scale,
+# ``float(a[0])``) is baked into the graph at capture, as a CPU tensor's values are. So an array is
+# part of the key by value (dtype, shape and bytes), never by identity: a buffer refilled in place,
+# or a fresh array that reuses a freed one's id, selects the graph made for its contents (or a new
+# one). An array larger than MAX_HOST_KEY_ELEMENTS is refused when a key would be made
+# (check_host_arrays), naming the argument: pass it as a tensor, which is copied into the graph.
+
+
+def _array_key(value):
+    if value.size <= MAX_HOST_KEY_ELEMENTS:
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    return ("ndarray too large", value.dtype.str, value.shape, id(value))
+
+
 def _const_key(value):
+    if type(value) is np.ndarray:  # NOTE [ Numpy arguments ]
+        return _array_key(value)
     if isinstance(value, (float, complex, np.floating, np.complexfloating)):
         # By bits, not by ==: 0.0 == -0.0 (1/x differs) and nan != nan (a new key every call).
         c = complex(value)

@@ -1,0 +1,344 @@
+"""The capture-failure matrix: every reason a capture is refused or fails x {block, whole step} x
+{simulate, cuda}. Each case expects what eager gives: every output, grad and parameter bitwise equal
+to an eager twin, no exception (except the function's own, which reaches the caller once), no capture
+left open, and a process that exits 0 (the subprocess cases; an abort at exit is how a capture left
+open shows on a GPU).
+
+The cases are matmul-only (NOTE [ Kernel-less GPUs ] in testkit/common.py): tools/gpu_check.py runs
+them on a real GPU. A case whose eager run needs more of Paddle's kernels says so and is skipped, with
+that reason, on a GPU whose Paddle lacks them. Numpy arguments (NOTE [ Numpy arguments ] in
+io/static_inputs.py) are tested at the end.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import CudaGraphError, autocudagraph, autocudagraph_step, is_capturing
+from testkit.common import MatMLP, build, cuda_skip_reason
+from testkit.differential import Trainee, assert_same_state, differential_run, state_of
+from testkit.harness import MatmulOnlyCase, backend_variants, normal, release_grads
+from testkit.step_gpu import MatmulSGD
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST = np.full((8, 8), 0.25, "float32")  # host data the functions read
+
+
+class Boom(ValueError):
+    """The function's own exception."""
+
+
+def _scalar(y, u, v):
+    return paddle.matmul(paddle.matmul(u, y), v)  # u: [4], v: [8]: a 0-D tensor, matmuls only
+
+
+def _host_tensor():
+    return paddle.to_tensor(HOST, place=paddle.CPUPlace())
+
+
+# name -> (inject(y, u, v) -> tensor like y, what the refusal names, backends, kernels the eager run needs).
+# Each inject does one thing a capture cannot take, then returns a tensor computed from y by matmuls.
+CASES = {
+    "numpy": (lambda y, u, v: (y.numpy(), y)[1], "Tensor.numpy()", ("simulate", "cuda"), "matmul"),
+    "item": (lambda y, u, v: (_scalar(y, u, v).item(), y)[1], "Tensor.item()", ("simulate", "cuda"), "matmul"),
+    "float": (lambda y, u, v: (float(_scalar(y, u, v)), y)[1], "Tensor.__float__()", ("simulate", "cuda"), "matmul"),
+    "bool": (lambda y, u, v: (bool(_scalar(y, u, v)), y)[1], "Tensor.__bool__()", ("simulate", "cuda"), "matmul"),
+    "int": (lambda y, u, v: (int(_scalar(y, u, v)), y)[1], "Tensor.__int__()", ("simulate", "cuda"), "matmul"),
+    "cpu": (lambda y, u, v: (y.cpu(), y)[1], "Tensor.cpu()", ("simulate", "cuda"), "matmul"),
+    "print": (lambda y, u, v: (print(y.numpy().shape), y)[1], "Tensor.numpy()", ("simulate", "cuda"), "matmul"),
+    "to_tensor_numpy": (lambda y, u, v: paddle.matmul(y, paddle.to_tensor(HOST)), "paddle.to_tensor() of a numpy array",
+                        ("simulate", "cuda"), "matmul"),
+    "to_tensor_host_tensor": (lambda y, u, v: paddle.matmul(y, paddle.to_tensor(_host_tensor())),
+                              "paddle.to_tensor() of a host tensor", ("simulate", "cuda"), "matmul"),
+    "cuda_of_host_tensor": (lambda y, u, v: paddle.matmul(y, _host_tensor().cuda()), "Tensor.cuda()", ("cuda",),
+                            "matmul"),
+    "assign_numpy": (lambda y, u, v: paddle.matmul(y, paddle.assign(HOST)), "paddle.assign() of a numpy array",
+                     ("simulate", "cuda"), "all"),
+    "synchronize": (lambda y, u, v: (paddle.device.cuda.synchronize(), y)[1], "synchronize()", ("cuda",), "matmul"),
+    "value_shaped_op": (lambda y, u, v: y + 0 * paddle.nonzero(y).shape[0], "paddle.nonzero()", ("simulate", "cuda"),
+                        "all"),
+    "random_kernel": (lambda y, u, v: y + 0 * paddle.rand([1]), "random kernel", ("cuda",), "all"),
+}
+
+
+class FailureCase(MatmulOnlyCase):
+    """Helpers shared by the block and the step matrix."""
+
+    #: Cases that are not refusals of this kind of call (``{name: why}``).
+    not_here = {}
+
+    def setUp(self):
+        super().setUp()
+        ctx = warnings.catch_warnings(record=True)
+        self.caught = ctx.__enter__()
+        self.addCleanup(ctx.__exit__, None, None, None)
+        warnings.simplefilter("always")
+
+    def case(self, name):
+        if name in self.not_here:
+            self.skipTest(self.not_here[name])
+        inject, names, backends, kernels = CASES[name]
+        if self.backend not in backends:
+            self.skipTest(f"{name}: not a refusal on the {self.backend} backend (its eager run differs there)")
+        if self.backend == "cuda" and kernels == "all":
+            reason = cuda_skip_reason("all")
+            if reason:
+                self.skipTest(f"{name}: its eager run needs Paddle's own kernels: {reason}")
+        return inject, names
+
+    def assertClean(self):
+        """No capture left open, in our flag and in Paddle's."""
+        self.assertFalse(is_capturing())
+        if self.backend == "cuda":
+            from paddle.base import core
+
+            self.assertFalse(core.is_cuda_graph_capturing(), "Paddle still believes a capture is open")
+
+    def assertFellBack(self, wrapper, names):
+        stats = wrapper.stats()
+        self.assertEqual(stats["captures"], 0, wrapper.explain())
+        reasons = " ".join(stats["eager_reasons"])
+        self.assertIn(names, reasons, wrapper.explain())
+
+    def assertHealthy(self):
+        """A fresh wrapper captures and replays after the failure: nothing was left behind."""
+        def mm(x, w):
+            return paddle.matmul(x, w)
+
+        g = self.graphed(mm, warmup_steps=1)
+        draw = normal(99)
+        for _ in range(3):
+            x, w = self.tensor(draw(4, 8)), self.tensor(draw(8, 8))
+            self.assertBitwise(g(x, w), mm(x, w), "a later wrapper")
+        self.assertCounters(g, captures=1, replays=1)
+
+
+class BlockFailures(FailureCase):
+    """A graphed function ``inject(x @ w)``: every call and every grad equals eager's."""
+
+    def check(self, name):
+        inject, names = self.case(name)
+
+        def f(x, w, u, v):
+            return inject(paddle.matmul(x, w), u, v)
+
+        g = self.graphed(f, warmup_steps=1)
+        draw = normal(5)
+        for k in range(4):
+            arrays = [draw(4, 8), draw(8, 8), draw(4), draw(8)]
+            dy = draw(4, 8)
+            outs, grads = [], []
+            for fn in (g, f):
+                x, w = self.tensor(arrays[0], grad=True), self.tensor(arrays[1], grad=True)
+                y = fn(x, w, self.tensor(arrays[2]), self.tensor(arrays[3]))
+                y.backward(self.tensor(dy))
+                outs.append(y)
+                grads.append([x.grad, w.grad])
+            self.assertBitwise(outs[0], outs[1], f"{name} call {k} y")
+            self.assertBitwise(grads[0], grads[1], f"{name} call {k} grads")
+            self.assertClean()
+        self.assertFellBack(g, names)
+        self.assertHealthy()
+
+    def test_function_error_reaches_the_caller_once(self):
+        """The function's own exception during the capture call is raised to the caller once (not re-run);
+        the key captures on its next call and replays equal to eager."""
+        calls = []
+
+        def f(x, w):
+            calls.append(1)
+            if len(calls) == 2:
+                raise Boom("the function's own error")
+            return paddle.matmul(x, w)
+
+        g = self.graphed(f, warmup_steps=1)
+        draw = normal(6)
+        x, w = self.tensor(draw(4, 8)), self.tensor(draw(8, 8))
+        g(x, w)
+        with self.assertRaisesRegex(Boom, "the function's own error"):
+            g(x, w)
+        self.assertEqual(len(calls), 2, "the failing call ran the function once")
+        self.assertClean()
+        for _ in range(3):
+            self.assertBitwise(g(x, w), paddle.matmul(x, w), "after the error")
+        self.assertEqual(g.stats()["captures"], 1, g.explain())
+        self.assertFalse([w for w in self.caught if "Boom" in str(w.message)], "reported as a capture failure")
+
+
+class StepFailures(FailureCase):
+    """A whole training step (a MatMLP, an explicit dy, a matmul-made SGD update) with ``inject``
+    after the forward: every output and all model state (testkit.differential) equals eager's."""
+
+    not_here = {"random_kernel": "a whole step keeps random kernels (docs/train_step.md); blocks refuse them on cuda"}
+
+    def build(self, inject):
+        def make():
+            model = build(lambda: MatMLP([8, 8, 8]), 11)
+            opt = MatmulSGD(model.parameters(), 0.125)
+
+            def step(x, u, v, dy):
+                y = inject(model(x), u, v)
+                y.backward(dy)
+                opt.step()
+                opt.clear_grad()
+                return y
+
+            return Trainee(step, {"model": model})
+
+        return make
+
+    def batches(self, n=4):
+        draw = normal(7)
+        return [tuple(self.tensor(a) for a in (draw(4, 8), draw(4), draw(8), draw(4, 8))) for _ in range(n)]
+
+    def check(self, name):
+        inject, names = self.case(name)
+        wrappers = []
+
+        def graph(trainee):
+            wrappers.append(autocudagraph_step(trainee.step, optimizers=[], warmup_steps=1, backend=self.backend))
+            return wrappers[0]
+
+        differential_run(self.build(inject), self.batches(), graph, after_step=lambda *_: self.assertClean())
+        self.assertFellBack(wrappers[0], names)
+        self.assertHealthy()
+
+    def test_function_error_reaches_the_caller_once(self):
+        """The step's own exception during its capture call is raised to the caller once; the next step
+        captures, and all state stays equal to an eager twin that raised at the same step."""
+        def raising_at_step_1():
+            calls = []
+
+            def inject(y, u, v):
+                calls.append(1)
+                if len(calls) == 2:  # step 1: the graphed twin's capture call
+                    raise Boom("the step's own error")
+                return y
+
+            return inject
+
+        eager, graphed = self.build(raising_at_step_1())(), self.build(raising_at_step_1())()
+        step = autocudagraph_step(graphed.step, optimizers=[], warmup_steps=1, backend=self.backend)
+        for i, batch in enumerate(self.batches(5)):
+            results = []
+            for fn in (eager.step, step):
+                try:
+                    results.append(fn(*batch))
+                except Boom:
+                    results.append("raised")
+            self.assertBitwise(results[1], results[0], f"step {i} output")
+                # Both twins raised at step 1 before their update: the capture left no trace either.
+            assert_same_state(state_of(graphed.objects), state_of(eager.objects), f"after step {i}")
+            self.assertClean()
+        self.assertEqual(step.stats()["captures"], 1, step.explain())
+
+
+def _matrix_test(name):
+    def test(self):
+        self.check(name)
+
+    _, names, backends, kernels = CASES[name]
+    need = " (needs Paddle's own kernels on a GPU)" if kernels == "all" else ""
+    test.__doc__ = f"{name}: refused ({names}) on {', '.join(backends)}, every result equal to eager{need}."
+    return test
+
+
+for _name in CASES:
+    setattr(BlockFailures, f"test_{_name}", _matrix_test(_name))
+    setattr(StepFailures, f"test_{_name}", _matrix_test(_name))
+
+
+# ----------------------------------------------------------------------------- a fresh process
+_SCRIPT = textwrap.dedent('''
+    import sys, warnings
+    import numpy.random
+    import numpy as np
+    import paddle
+    from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
+    from testkit.common import device
+    warnings.simplefilter("ignore")
+    backend = sys.argv[1]
+    A = np.full((8, 8), 0.25, "float32")
+    with device("gpu" if backend == "cuda" else "cpu"):
+        def f(x, w):
+            y = paddle.matmul(x, w)
+            y.numpy()
+            return paddle.matmul(y, paddle.to_tensor(A))
+        g = autocudagraph(f, backend=backend, warmup_steps=1)
+        s = autocudagraph_step(f, optimizers=[], backend=backend, warmup_steps=1)
+        x = paddle.to_tensor(np.ones((4, 8), "float32"))
+        w = paddle.to_tensor(np.eye(8, dtype="float32"))
+        for wrapper in (g, s):
+            for _ in range(4):
+                assert wrapper(x, w).numpy().tobytes() == f(x, w).numpy().tobytes()
+            assert wrapper.stats()["captures"] == 0, wrapper.explain()
+    print("CONTAINED")
+''')
+
+
+class ProcessExit(MatmulOnlyCase):
+    def test_failed_captures_leave_a_process_that_exits_0(self):
+        """A host read and a host copy inside a block and a whole step, in a fresh process: results equal
+        eager, and the process exits 0 (a capture left open aborts it at exit on a GPU)."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, self.backend], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        self.assertEqual(proc.returncode, 0, tail)
+        self.assertIn("CONTAINED", proc.stdout, tail)
+
+
+# ----------------------------------------------------------------------------- numpy arguments
+class NumpyArguments(MatmulOnlyCase):
+    """NOTE [ Numpy arguments ] in io/static_inputs.py: an array argument keys the graph by value."""
+
+    @staticmethod
+    def branchy(x, w, flag):
+        y = paddle.matmul(x, w)
+        return paddle.matmul(y, w) if flag[0] > 0 else y  # host data read at capture, baked into the graph
+
+    def calls(self, g, flags):
+        draw = normal(8)
+        x, w = self.tensor(draw(4, 8)), self.tensor(draw(8, 8))
+        for k, flag in enumerate(flags):
+            self.assertBitwise(g(x, w, flag), self.branchy(x, w, flag), f"call {k} with {flag.tolist()}")
+
+    def test_buffer_refilled_in_place_selects_the_graph_of_its_contents(self):
+        """One numpy buffer refilled between calls: each content gets its own graph; none replays a graph
+        captured with other contents."""
+        g = self.graphed(self.branchy, warmup_steps=1)
+        buf = np.array([1], "int64")
+
+        def refilled():
+            for value in [1, 1, 1, 0, 0, 0, 1]:
+                buf[0] = value
+                yield buf
+
+        self.calls(g, refilled())
+        self.assertCounters(g, keys=2, captures=2, replays=3)
+
+    def test_fresh_arrays_reusing_freed_ids_select_by_value(self):
+        """A fresh array per call (freed ids are reused): equal contents share a graph, others get theirs."""
+        g = self.graphed(self.branchy, warmup_steps=1)
+        self.calls(g, (np.array([v], "int64") for v in [1, 1, 1, 0, 0, 0, 1]))
+        self.assertCounters(g, keys=2, captures=2, replays=3)
+
+    def test_large_array_argument_is_refused_naming_it(self):
+        """A numpy argument too large to key by value raises, naming the argument and the fix."""
+        g = self.graphed(lambda x, table: paddle.matmul(x, x), warmup_steps=0)
+        x = self.tensor(np.ones((2, 2), "float32"))
+        with self.assertRaisesRegex(CudaGraphError, "argument 'table' is a numpy array with 2048 elements.*Pass it "
+                                                    "as a tensor"):
+            g(x, np.zeros(2048, "float32"))
+        self.assertEqual(g.stats()["keys"], 0)
+
+
+for _base in (BlockFailures, StepFailures, ProcessExit, NumpyArguments):
+    globals().update(backend_variants(_base))
+del FailureCase, BlockFailures, StepFailures, ProcessExit, NumpyArguments, _base, _name
