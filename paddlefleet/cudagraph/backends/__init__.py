@@ -5,7 +5,7 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import Backend, Graph, capturing, function_errors, in_whole_step, is_capturing, whole_step
+from .base import Backend, Graph, capture_open, capturing, function_errors, in_whole_step, is_capturing, whole_step
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -14,6 +14,7 @@ __all__ = [
     "ENV_BACKEND",
     "Backend",
     "Graph",
+    "capture_open",
     "capturing",
     "function_errors",
     "is_capturing",

@@ -11,7 +11,7 @@ import threading
 from ..errors import CudaGraphError, FunctionRaised
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step",
-           "function_errors"]
+           "function_errors", "capture_open"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -28,7 +28,10 @@ def is_capturing():
 
     Communication code can read it to take its graph-safe path (see ``capture_hooks``).
     """
-    return getattr(_state, "depth", 0) > 0
+    capturing_now = getattr(_state, "depth", 0) > 0
+    if capturing_now:
+        _state.asked = True  # NOTE [ The function's own exceptions ] in core/lifecycle.py
+    return capturing_now
 
 
 @contextlib.contextmanager
@@ -44,18 +47,29 @@ def capturing(hooks=()):
             _state.depth -= 1
 
 
+def capture_open():
+    """is_capturing() for the library's own checks: the same answer, not recorded as the function
+    asking (NOTE [ The function's own exceptions ] in core/lifecycle.py)."""
+    return getattr(_state, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def function_errors():
     """Around the graphed function's own call during a capture: an exception it raises (other
     than our refusals) leaves as FunctionRaised, so that the backend and the phase machine can
     tell it from a failure of the capture (NOTE [ The function's own exceptions ] in
     core/lifecycle.py)."""
+    asked, _state.asked = getattr(_state, "asked", False), False
     try:
         yield
     except CudaGraphError:
         raise
     except Exception as err:
+        if _state.asked:  # code that asked is_capturing() and then raised refuses the capture itself
+            raise
         raise FunctionRaised(err) from err
+    finally:
+        _state.asked = asked
 
 
 def in_whole_step():

@@ -12,7 +12,7 @@ import warnings
 
 from ..io import arguments
 from . import saved_hooks
-from ..backends import in_whole_step, is_capturing, resolve_backend
+from ..backends import capture_open, in_whole_step, resolve_backend
 from .call import Call
 from .keys import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 # raise it, once. The capture marks it (backends.function_errors -> FunctionRaised); the capture is
 # ended and dropped as for any failure, and the exception reaches the caller unchanged. The call is
 # not re-run (its Python side effects happen once, as in eager) and the key stays in warmup: the
-# next call captures again. Our refusals (CudaGraphError) and errors of the capture itself (a CUDA
-# error that broke it, backends/cuda.py) stay contained: the key runs eagerly with the reason. On
+# next call captures again. Our refusals (CudaGraphError), errors of the capture itself (a CUDA
+# error that broke it, backends/cuda.py) and an exception raised by code that asked is_capturing()
+# during the call (communication code refusing a capture) stay contained: the key runs eagerly
+# with the reason. On
 # the cuda backend a capture records without executing, so device work the function did before
 # raising is not applied (eager would have applied it); the simulated backend executes it and then
 # takes back what a capture takes back (RNG, Layer buffers, a step's optimizer state).
@@ -144,7 +146,7 @@ class Lifecycle:
 
     def _nested(self):
         """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
-        if is_capturing():
+        if capture_open():
             return "called inside another capture"
         if in_whole_step():  # the step's own graph captures it
             return "called inside a whole-step graph"
