@@ -9,7 +9,10 @@ CPU smoke test of the same script (the same cases on the simulated backend)::
     python tools/gpu_check.py --backend simulate --out /tmp/gpu_check.md
 
 It runs the suite's cases marked ``gpu_safe`` (tests/test_gpu_safe.py: matmul-only, every result
-bitwise against eager, phases pinned with the wrapper's counters) with
+bitwise against eager, phases pinned with the wrapper's counters; tests/test_capture_failures.py: every
+reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
+exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
+process that must exit 0) with
 PADDLEFLEET_CUDAGRAPH_BACKEND set to the backend, in a child pytest process that reports each case
 as it ends (conftest's ``--results-jsonl``). If the child dies (a CUDA error inside a capture can
 abort the process), the case that was running is recorded as an error and the rest run in a new
@@ -35,7 +38,7 @@ from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
-CASES = ["tests/test_gpu_safe.py"]  # modules holding the gpu_safe cases
+CASES = ["tests/test_gpu_safe.py", "tests/test_capture_failures.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
