@@ -8,6 +8,7 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 
 import collections
 import logging
+import traceback
 import warnings
 
 from ..io import arguments
@@ -208,6 +209,10 @@ class Lifecycle:
             return self._eager(call, "capture failed")
         if raised is not None:
             self.counters.eager("the function raised during capture")
+            if entry.backend.name == "cuda":
+                # Its frames hold tensors of the dropped capture's pool; freeing one while a later
+                # capture is open aborts (NOTE [ Garbage collection around capture ] in backends/cuda.py).
+                traceback.clear_frames(raised.__traceback__)
             raise raised  # outside the handler: the caller sees the function's exception as eager raises it
         entry.captured(graphs, self._options.verify_replays)
         self.counters.captures += 1
