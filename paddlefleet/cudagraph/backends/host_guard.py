@@ -101,8 +101,7 @@ def _device_of(args, kwargs):
     for value in list(args) + [kwargs.get("device"), kwargs.get("place")]:
         if isinstance(value, str) and value.lower().startswith(("cpu", "gpu", "cuda")):
             return value
-        if value is not None and not isinstance(value, (str, bool, int, paddle.Tensor)) and (
-                hasattr(value, "is_cpu_place") or _host_place(value)):
+        if type(value).__name__.endswith("Place"):  # CPUPlace, CUDAPlace, CUDAPinnedPlace, Place
             return value
     return None
 
@@ -114,14 +113,31 @@ class _Guard:
         self.is_host = is_host
         self.host_reads = host_reads
         self.saved = []
+        self.depth = 0  # > 0 inside an allowed call: what it calls in turn is its own business
 
     def patch(self, owner, name, make):
         original = owner.__dict__.get(name)
         if original is None and not hasattr(owner, name):
             return
         current = getattr(owner, name)
+        checked = make(current)
+        guard = self
+
+        def entry(*args, **kwargs):
+            if guard.depth:
+                return current(*args, **kwargs)
+            return checked(*args, **kwargs)
+
         self.saved.append((owner, name, original))
-        setattr(owner, name, make(current))
+        setattr(owner, name, entry)
+
+    def allowed(self, original, *args, **kwargs):
+        """Runs an allowed call; the patched calls it makes (to_tensor's own _copy_to) pass."""
+        self.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.depth -= 1
 
     def restore(self):
         for owner, name, original in reversed(self.saved):
@@ -141,7 +157,7 @@ class _Guard:
                     raise _read_error(f"Tensor.{name}()")
                 if guard.host_reads is not None and name not in ("cpu", "pin_memory"):
                     return guard.host_reads.read(original, (self,) + args, kwargs)
-                return original(self, *args, **kwargs)
+                return guard.allowed(original, self, *args, **kwargs)
 
             return read
 
@@ -171,7 +187,7 @@ class _Guard:
                     raise _read_error("paddle.to_tensor(device tensor, place=cpu)")
             elif not on_host:
                 raise _copy_error(f"paddle.to_tensor() of {_what(data)}")
-            out = original(data, *args, **kwargs)
+            out = guard.allowed(original, data, *args, **kwargs)
             return mark_host(out) if on_host else out
 
         return to_tensor
@@ -186,7 +202,7 @@ class _Guard:
                     raise _copy_error(f"paddle.assign() of {_what(x)}")
             elif guard.is_host(x) != target_host and output is not None:
                 raise _copy_error("paddle.assign() between host and device")
-            return original(x, output)
+            return guard.allowed(original, x, output)
 
         return assign
 
@@ -196,7 +212,7 @@ class _Guard:
         def set_value(self, value, *args, **kwargs):
             if not guard.is_host(self) and (not isinstance(value, paddle.Tensor) or guard.is_host(value)):
                 raise _copy_error(f"Tensor.set_value() of {_what(value)}")
-            return original(self, value, *args, **kwargs)
+            return guard.allowed(original, self, value, *args, **kwargs)
 
         return set_value
 
@@ -206,7 +222,7 @@ class _Guard:
         def copy_(self, src, *args, **kwargs):
             if isinstance(src, paddle.Tensor) and guard.is_host(src) != guard.is_host(self):
                 raise (_copy_error if guard.is_host(src) else _read_error)("Tensor.copy_() between host and device")
-            return original(self, src, *args, **kwargs)
+            return guard.allowed(original, self, src, *args, **kwargs)
 
         return copy_
 
@@ -223,7 +239,7 @@ class _Guard:
                     if to_host:
                         raise _read_error(f"Tensor.{name}()")
                     raise _copy_error(f"Tensor.{name}() of a host tensor")
-                return original(self, *args, **kwargs)
+                return guard.allowed(original, self, *args, **kwargs)
 
             return move
 
