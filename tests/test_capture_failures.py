@@ -41,7 +41,8 @@ class Boom(ValueError):
 
 
 def _scalar(y, u, v):
-    return paddle.matmul(paddle.matmul(u, y), v)  # u: [4], v: [8]: a 0-D tensor, matmuls only
+    # u: [1, 4], v: [8, 1]: gemms (a vector matmul runs Paddle's own reduction kernel), then a 0-D view
+    return paddle.reshape(paddle.matmul(paddle.matmul(u, y), v), [])
 
 
 def _host_tensor():
@@ -137,7 +138,7 @@ class BlockFailures(FailureCase):
         g = self.graphed(f, warmup_steps=1)
         draw = normal(5)
         for k in range(4):
-            arrays = [draw(4, 8), draw(8, 8), draw(4), draw(8)]
+            arrays = [draw(4, 8), draw(8, 8), draw(1, 4), draw(8, 1)]
             dy = draw(4, 8)
             outs, grads = [], []
             for fn in (g, f):
@@ -201,7 +202,7 @@ class StepFailures(FailureCase):
 
     def batches(self, n=4):
         draw = normal(7)
-        return [tuple(self.tensor(a) for a in (draw(4, 8), draw(4), draw(8), draw(4, 8))) for _ in range(n)]
+        return [tuple(self.tensor(a) for a in (draw(4, 8), draw(1, 4), draw(8, 1), draw(4, 8))) for _ in range(n)]
 
     def check(self, name):
         inject, names = self.case(name)
