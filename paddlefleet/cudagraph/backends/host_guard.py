@@ -20,10 +20,12 @@ io/host_tensors.py); ``host_reads`` (simulated backend) hands the captured value
 A tensor created on the host inside the function (``paddle.to_tensor(a, place="cpu")``) is a
 host tensor; copying it to the device is refused like any host-to-device copy.
 
-The patches are installed only inside ``host_guard()`` and always restored on exit.
+The patches are installed only inside ``host_guard()`` and always restored on exit; they check
+calls of the capturing thread only (captures are thread-local: another thread's reads are its own).
 """
 
 import contextlib
+import threading
 
 import paddle
 
@@ -114,6 +116,7 @@ class _Guard:
         self.host_reads = host_reads
         self.saved = []
         self.depth = 0  # > 0 inside an allowed call: what it calls in turn is its own business
+        self.thread = threading.get_ident()  # the capturing thread (captures are thread-local)
 
     def patch(self, owner, name, make):
         original = owner.__dict__.get(name)
@@ -124,7 +127,7 @@ class _Guard:
         guard = self
 
         def entry(*args, **kwargs):
-            if guard.depth:
+            if guard.depth or threading.get_ident() != guard.thread:
                 return current(*args, **kwargs)
             return checked(*args, **kwargs)
 
