@@ -52,6 +52,30 @@ def _host_tensor():
     return paddle.to_tensor(HOST, place=paddle.CPUPlace())
 
 
+_LEAVES = {}
+
+
+def _closure_leaf():
+    """A leaf needing grad that the function uses without receiving it (made at the first, eager, call)."""
+    device = paddle.get_device()
+    if device not in _LEAVES:
+        _LEAVES[device] = paddle.to_tensor(HOST, stop_gradient=False)
+    return _LEAVES[device]
+
+
+_KNOB = [1.0]  # a host value the training loop changes between steps (StepFailures.check)
+
+
+def _changing_host_value(y, u, v):
+    return paddle.matmul(y, paddle.full([8, 8], _KNOB[0]))  # its value is a kernel argument
+
+
+def _set_value_numpy(y, u, v):
+    t = paddle.zeros([8, 8])
+    t.set_value(HOST)
+    return paddle.matmul(y, t)
+
+
 # name -> (inject(y, u, v) -> tensor like y, what the refusal names, backends, kernels the eager run needs).
 # Each inject does one thing a capture cannot take, then returns a tensor computed from y by matmuls.
 CASES = {
@@ -74,6 +98,10 @@ CASES = {
     "value_shaped_op": (lambda y, u, v: y + 0 * paddle.nonzero(y).shape[0], "paddle.nonzero()", ("simulate", "cuda"),
                         "all"),
     "random_kernel": (lambda y, u, v: y + 0 * paddle.rand([1]), "random kernel", ("cuda",), "all"),
+    "set_value_numpy": (_set_value_numpy, "Tensor.set_value() of a numpy array", ("simulate", "cuda"), "all"),
+    "closure_leaf_needing_grad": (lambda y, u, v: paddle.matmul(y, _closure_leaf()), "neither arguments nor "
+                                  "parameters", ("simulate", "cuda"), "matmul"),
+    "changing_host_value": (_changing_host_value, "host value that changes", ("simulate", "cuda"), "all"),
 }
 
 
@@ -132,6 +160,9 @@ class FailureCase(MatmulOnlyCase):
 class BlockFailures(FailureCase):
     """A graphed function ``inject(x @ w)``: every call and every grad equals eager's."""
 
+    not_here = {"changing_host_value": "a block bakes Python values in at capture (docs/limitations.md); "
+                                       "verify_replays checks them"}
+
     def check(self, name):
         inject, names = self.case(name)
 
@@ -185,12 +216,20 @@ class StepFailures(FailureCase):
     """A whole training step (a MatMLP, an explicit dy, a matmul-made SGD update) with ``inject``
     after the forward: every output and all model state (testkit.differential) equals eager's."""
 
-    not_here = {"random_kernel": "a whole step keeps random kernels (docs/train_step.md); blocks refuse them on cuda"}
+    not_here = {"random_kernel": "a whole step keeps random kernels (docs/train_step.md); blocks refuse them on cuda",
+                "closure_leaf_needing_grad": "a whole step runs its own backward: any leaf gets its grad as in eager"}
 
-    def build(self, inject):
+    #: Cases refused only once the step has run (the capture's trace is compared at its end): their
+    #: update goes through paddle.optimizer.SGD in optimizers=, which a refused simulated capture takes back.
+    refused_at_the_end = ("changing_host_value",)
+
+    def build(self, inject, paddle_sgd=False):
         def make():
             model = build(lambda: MatMLP([8, 8, 8]), 11)
-            opt = MatmulSGD(model.parameters(), 0.125)
+            if paddle_sgd:
+                opt = paddle.optimizer.SGD(0.125, parameters=model.parameters())
+            else:
+                opt = MatmulSGD(model.parameters(), 0.125)
 
             def step(x, u, v, dy):
                 y = inject(model(x), u, v)
@@ -199,7 +238,8 @@ class StepFailures(FailureCase):
                 opt.clear_grad()
                 return y
 
-            return Trainee(step, {"model": model})
+            objects = {"model": model, "opt": opt} if paddle_sgd else {"model": model}
+            return Trainee(step, objects)
 
         return make
 
@@ -211,11 +251,20 @@ class StepFailures(FailureCase):
         inject, names = self.case(name)
         wrappers = []
 
+        late = name in self.refused_at_the_end
+
         def graph(trainee):
-            wrappers.append(autocudagraph_step(trainee.step, optimizers=[], warmup_steps=1, backend=self.backend))
+            optimizers = [trainee.objects["opt"]] if late else []
+            wrappers.append(autocudagraph_step(trainee.step, optimizers=optimizers, warmup_steps=1,
+                                               backend=self.backend))
             return wrappers[0]
 
-        differential_run(self.build(inject), self.batches(), graph, after_step=lambda *_: self.assertClean())
+        def after_step(*_):
+            self.assertClean()
+            _KNOB[0] += 1.0
+
+        _KNOB[0] = 1.0
+        differential_run(self.build(inject, paddle_sgd=late), self.batches(), graph, after_step=after_step)
         self.assertFellBack(wrappers[0], names)
         self.assertHealthy()
 
