@@ -119,7 +119,7 @@ def _end_failed_capture(graph, stream, ended=False):
     """
     why = None
     status = cuda_driver.capture_status(stream)
-    if not ended and status in (cuda_driver.ACTIVE, None):
+    if not ended and status != cuda_driver.INVALIDATED:  # Paddle's own end first, unless it must fail
         try:
             graph.capture_end()
             graph.reset()
@@ -137,6 +137,7 @@ def _end_failed_capture(graph, stream, ended=False):
                 core_graph.end_capture().reset()
             except Exception:  # reported below: Paddle still capturing
                 logger.debug("ending the restarted capture failed", exc_info=True)
+                cuda_driver.end_stream_capture(stream)  # leave no capture of ours open on the stream
     cuda_driver.clear_last_error()
     if _paddle_capturing():
         logger.error("autocudagraph: a failed CUDA capture could not be ended; Paddle still reports a capture "
