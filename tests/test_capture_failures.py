@@ -24,7 +24,7 @@ from unittest import mock
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import CudaGraphError, autocudagraph, autocudagraph_step, is_capturing
+from paddlefleet.cudagraph import CudaGraphError, autocudagraph_step, is_capturing
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.backends import cuda_driver
 from paddlefleet.cudagraph.backends.host_guard import host_guard
@@ -32,7 +32,7 @@ from paddlefleet.cudagraph.backends.host_marks import is_marked_host
 from paddlefleet.cudagraph.errors import CaptureError, FunctionRaised
 from testkit.common import MatMLP, build, cuda_skip_reason
 from testkit.differential import Trainee, assert_same_state, differential_run, state_of
-from testkit.harness import MatmulOnlyCase, backend_variants, normal, release_grads
+from testkit.harness import MatmulOnlyCase, backend_variants, normal
 from testkit.step_gpu import MatmulSGD
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

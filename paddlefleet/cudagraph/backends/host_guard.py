@@ -30,7 +30,7 @@ import threading
 import paddle
 
 from ..errors import CaptureError
-from .host_marks import is_marked_host, mark_host
+from .host_marks import mark_host
 
 __all__ = ["host_guard", "gpu_is_host", "D2H_FIX", "H2D_FIX"]
 
