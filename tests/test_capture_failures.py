@@ -86,6 +86,7 @@ CASES = {
     "int": (lambda y, u, v: (int(_scalar(y, u, v)), y)[1], "Tensor.__int__()", ("simulate", "cuda"), "matmul"),
     "cpu": (lambda y, u, v: (y.cpu(), y)[1], "Tensor.cpu()", ("simulate", "cuda"), "matmul"),
     "print": (lambda y, u, v: (print(y.numpy().shape), y)[1], "Tensor.numpy()", ("simulate", "cuda"), "matmul"),
+    "print_tensor": (lambda y, u, v: (print(y), y)[1], "Tensor.numpy()", ("simulate", "cuda"), "matmul"),
     "to_tensor_numpy": (lambda y, u, v: paddle.matmul(y, paddle.to_tensor(HOST)), "paddle.to_tensor() of a numpy array",
                         ("simulate", "cuda"), "matmul"),
     "to_tensor_host_tensor": (lambda y, u, v: paddle.matmul(y, paddle.to_tensor(_host_tensor())),
@@ -210,6 +211,34 @@ class BlockFailures(FailureCase):
             self.assertBitwise(g(x, w), paddle.matmul(x, w), "after the error")
         self.assertEqual(g.stats()["captures"], 1, g.explain())
         self.assertFalse([w for w in self.caught if "Boom" in str(w.message)], "reported as a capture failure")
+
+
+class NestedCallError(MatmulOnlyCase):
+    def test_function_error_after_a_nested_graphed_call_reaches_the_caller_once(self):
+        """A graphed call inside the function (it runs eagerly there) does not make the function's own
+        exception look like a refusal of the capture."""
+        calls = []
+
+        def inner(x, w):
+            return paddle.matmul(x, w)
+
+        nested = self.graphed(inner, warmup_steps=0)
+
+        def outer(x, w):
+            calls.append(1)
+            y = nested(x, w)
+            if len(calls) == 2:
+                raise Boom("after the nested call")
+            return y
+
+        g = self.graphed(outer, warmup_steps=1)
+        draw = normal(12)
+        x, w = self.tensor(draw(4, 8)), self.tensor(draw(8, 8))
+        g(x, w)
+        with self.assertRaisesRegex(Boom, "after the nested call"):
+            g(x, w)
+        self.assertEqual(len(calls), 2, "not re-run")
+        self.assertBitwise(g(x, w), inner(x, w))
 
 
 class StepFailures(FailureCase):
@@ -499,6 +528,20 @@ class BrokenCudaCapture(unittest.TestCase):
         self.assertFalse(fake.paddle_capturing)
         self.assertEqual(fake.resets, 1, "the partial graph was ended and reset")
 
+    def test_a_wrong_stream_handle_cannot_break_a_valid_capture(self):
+        def body(fake):
+            paddle.to_tensor(HOST)  # refused: the capture Paddle holds is still valid
+
+        fake = _FakeCuda()
+        with contextlib.ExitStack() as stack:
+            for patch in fake.patches():
+                stack.enter_context(patch)
+            # The driver reports another stream than Paddle's: not capturing.
+            stack.enter_context(mock.patch.object(cuda_driver, "capture_status", lambda stream: cuda_driver.NONE))
+            with self.assertRaisesRegex(CaptureError, "paddle.to_tensor"):
+                cuda_backend._CudaGraph(None, None).capture(lambda: body(fake))
+        self.assertEqual((fake.paddle_capturing, fake.resets), (False, 1), "Paddle's own end ended it")
+
     def test_a_host_read_is_refused_before_it_reaches_cuda(self):
         def body(fake):
             paddle.to_tensor(np.ones([2], "float32"))
@@ -554,6 +597,6 @@ class NumpyArguments(MatmulOnlyCase):
         self.assertEqual(g.stats()["keys"], 0)
 
 
-for _base in (BlockFailures, StepFailures, ProcessExit, NumpyArguments):
+for _base in (BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments):
     globals().update(backend_variants(_base))
-del FailureCase, BlockFailures, StepFailures, ProcessExit, NumpyArguments, _base, _name
+del FailureCase, BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments, _base, _name
