@@ -32,14 +32,14 @@ import paddle
 from ..errors import CaptureError
 from .host_marks import mark_host
 
-__all__ = ["host_guard", "gpu_is_host", "D2H_FIX", "H2D_FIX"]
+__all__ = ["host_guard", "gpu_is_host"]
 
 #: Tensor methods that read a tensor's values on the host.
 _READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__",
           "__array__", "cpu", "pin_memory")
 
-D2H_FIX = "Keep host reads out of the graphed function, or move them after the call."
-H2D_FIX = ("Create the tensor outside the graphed function and pass it in as an argument (its values are "
+_D2H_FIX = "Keep host reads out of the graphed function, or move them after the call."
+_H2D_FIX = ("Create the tensor outside the graphed function and pass it in as an argument (its values are "
            "then copied in before every replay), or build it with device ops (paddle.full, paddle.zeros).")
 
 
@@ -47,7 +47,7 @@ def _read_error(what):
     return CaptureError(
         f"autocudagraph: {what} was called during capture. It reads a device tensor on the host, which waits "
         "for the device; a capturing CUDA stream refuses that (CUDA error 900/906) and the capture breaks. "
-        + D2H_FIX
+        + _D2H_FIX
     )
 
 
@@ -55,14 +55,14 @@ def _copy_error(what):
     return CaptureError(
         f"autocudagraph: {what} was called during capture. It copies host data to the device; a capturing "
         "CUDA stream refuses that copy (CUDA error 906), and a graph could never replay it with new values. "
-        + H2D_FIX
+        + _H2D_FIX
     )
 
 
 def _sync_error(what):
     return CaptureError(
         f"autocudagraph: {what} was called during capture. It waits for the device, which a capturing "
-        "CUDA stream refuses (CUDA error 900). " + D2H_FIX
+        "CUDA stream refuses (CUDA error 900). " + _D2H_FIX
     )
 
 
