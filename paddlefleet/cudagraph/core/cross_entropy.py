@@ -157,13 +157,15 @@ def _replacement(original):
 
 # ----------------------------------------------------------------------------- detection
 def _probe_cases():
-    rs = np.random.RandomState(0)
-    logits = rs.randn(6, 5).astype("float32") * 3
-    labels = np.array([0, 4, 2, 1, 3, 2], dtype="int64")
+    """Logits, labels (none ignored, some ignored, shaped [N, 1]) and class weights; 64 samples,
+    since below about 24 ``mean_all`` and ``sum / n`` agree on the CPU."""
+    rs = np.random.RandomState(5)  # a batch whose mean_all and sum / n differ (2.6.2, CPU)
+    logits = rs.randn(64, 5).astype("float32") * 3
+    labels = rs.randint(0, 5, 64).astype("int64")
     ignored = labels.copy()
-    ignored[[1, 4]] = -100
+    ignored[[1, 4, 30]] = -100
     weight = rs.rand(5).astype("float32") + 0.5
-    for lab in (labels, ignored, ignored.reshape(6, 1)):
+    for lab in (labels, ignored, ignored.reshape(64, 1)):
         for w in (None, weight):
             yield logits, lab, w
 
