@@ -43,6 +43,8 @@ Paddle's bits (loss and logits grad) on probe cases with and without ignored lab
 without a weight. The module attributes ``paddle.nn.functional.cross_entropy`` and
 ``paddle.nn.functional.loss.cross_entropy`` (which ``paddle.nn.CrossEntropyLoss`` calls) are
 replaced; a name bound before (``from paddle.nn.functional import cross_entropy``) keeps Paddle's.
+The replacement is process-wide while in force: another thread calling the loss meanwhile gets it
+too, with eager's bits.
 """
 
 import contextlib
