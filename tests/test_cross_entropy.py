@@ -96,6 +96,13 @@ class CrossEntropyBlockTest(BackendCase):
     def test_none_language_model_logits_labels_shaped_n_1(self):
         self._check_loss([4, 12, CLASSES], label_shape=[4, 12, 1], reduction="none")
 
+    def test_verified_replays_find_eager_equal(self):
+        graphed = self.graphed(lambda x, y: F.cross_entropy(x, y), warmup_steps=1, verify_replays=3)
+        for i, ignored in enumerate(IGNORED):
+            x = clone_leaf(_logits([N, CLASSES], i), False)
+            graphed(x, _labels(N, i, ignored)).backward()
+        self.assertCounters(graphed, captures=1, verified_replays=3, verify_mismatches=0, eager=0)
+
     def test_cross_entropy_loss_layer_in_a_graphed_layer(self):
         weight = paddle.to_tensor(np.linspace(0.5, 2.0, CLASSES).astype("float32"))
 
