@@ -52,9 +52,9 @@ class CrossEntropyBlockTest(BackendCase):
             logits, labels = _logits(logits_shape, i), _labels(n, i, ignored, label_shape)
             x_g, x_e = clone_leaf(logits, False), clone_leaf(logits, False)
             out_g, out_e = graphed(x_g, labels), loss_fn(x_e, labels)
-            seed = paddle.to_tensor(np.asarray(np.random.RandomState(i).randn(*out_e.shape), dtype="float32"))
-            (out_g * seed).sum().backward()
-            (out_e * seed).sum().backward()
+            cotangent = paddle.to_tensor(np.asarray(np.random.RandomState(i).randn(*out_e.shape), dtype="float32"))
+            (out_g * cotangent).sum().backward()
+            (out_e * cotangent).sum().backward()
             self.assertBitwise(out_g, out_e, f"loss {i}")
             self.assertBitwise(x_g.grad, x_e.grad, f"logits grad {i}")
         self.assertCounters(graphed, captures=1, replays=len(IGNORED) - 2, eager=0)
@@ -206,6 +206,9 @@ globals().update(backend_variants(CrossEntropyStepTest))
 
 # ----------------------------------------------------------------------------- the replacement itself
 class CrossEntropyPatchTest(unittest.TestCase):
+    def assertBitwise(self, a, b):
+        self.assertEqual(a.numpy().tobytes(), b.numpy().tobytes())
+
     def test_capture_is_no_longer_refused_where_paddle_reads_the_host(self):
         if not cross_entropy.needed():
             self.skipTest("this Paddle's cross_entropy reads no host value (it decides on ignore_index, a Python int)")
@@ -221,9 +224,6 @@ class CrossEntropyPatchTest(unittest.TestCase):
             graphed(logits, labels)
         stats = graphed.stats()
         self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 1, 0), graphed.explain())
-
-    def assertBitwise(self, a, b):
-        self.assertEqual(a.numpy().tobytes(), b.numpy().tobytes())
 
     def test_paddles_function_is_back_after_a_capture_that_fails(self):
         original = F.cross_entropy
