@@ -23,8 +23,8 @@ from testkit.harness import BackendCase, backend_variants, clone_leaf
 CLASSES = 7
 N = 48  # from about 24 samples on, mean_all is not sum / n bit for bit (Paddle 2.6.2, CPU)
 # Labels per call: the first two calls are the warmup and the capture; the replays hold other
-# counts of ignored labels (none, some, all but one, none again).
-IGNORED = ([1, 3], [], [0, 2, 5, 40], [], list(range(N - 1)), [4], [])
+# counts of ignored labels (none, some, all but one, all, none again).
+IGNORED = ([1, 3], [], [0, 2, 5, 40], [], list(range(N - 1)), list(range(N)), [4], [])
 
 
 def _labels(n, seed, ignored, shape=None):
