@@ -19,6 +19,7 @@ from paddlefleet.cudagraph.core import cross_entropy
 
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, backend_variants, clone_leaf
+from .test_training import gpu_amp_state
 
 CLASSES = 7
 N = 48  # from about 24 samples on, mean_all is not sum / n bit for bit (Paddle 2.6.2, CPU)
@@ -264,6 +265,16 @@ class CrossEntropyPatchTest(unittest.TestCase):
                 F.cross_entropy(logits, smoothed, label_smoothing=0.1)]
         for g, w in zip(got, want):
             self.assertBitwise(g, w)
+
+    def test_under_amp_the_mean_is_left_to_paddle(self):
+        # Which dtype Paddle's loss has under AMP is the GPU's business: the call is not replaced
+        # (where Paddle reads the host, its capture stays refused and the key runs eagerly).
+        if not cross_entropy.needed():
+            self.skipTest("this Paddle's cross_entropy reads no host value")
+        logits, labels = _logits([4, CLASSES], 0), _labels(4, 0, [1])
+        with gpu_amp_state("O1", "float16"), cross_entropy.device_decisions(), refuse_host_sync():
+            with self.assertRaisesRegex(CaptureError, "__bool__"):
+                F.cross_entropy(logits, labels)
 
     def test_the_branch_eager_did_not_take_hands_back_a_negative_zero_grad(self):
         # where() gives the untaken branch +0.0, and +0.0 + -0.0 is +0.0: without the hooks a -0.0
