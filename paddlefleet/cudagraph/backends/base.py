@@ -62,12 +62,12 @@ def whole_step():
     eagerly, since the step's own graph captures them (in every phase of the step alike). Paddle
     functions that decide on the host are replaced meanwhile, so that warmup, capture and replays
     run the same ops (NOTE [ Cross entropy decides on the host ] in core/cross_entropy.py)."""
-    with _device_decisions():
-        _state.steps = getattr(_state, "steps", 0) + 1
-        try:
+    _state.steps = getattr(_state, "steps", 0) + 1
+    try:
+        with _device_decisions():
             yield
-        finally:
-            _state.steps -= 1
+    finally:
+        _state.steps -= 1
 
 
 class Graph:
