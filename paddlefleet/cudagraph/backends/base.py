@@ -28,12 +28,22 @@ def is_capturing():
     return getattr(_state, "depth", 0) > 0
 
 
+def _device_decisions():
+    # Imported here: core/ builds on backends/, not the other way round.
+    from ..core.cross_entropy import device_decisions
+
+    return device_decisions()
+
+
 @contextlib.contextmanager
 def capturing(hooks=()):
-    """Marks the current thread as capturing and enters the capture hooks; undone on exit."""
+    """Marks the current thread as capturing and enters the capture hooks; undone on exit.
+    Paddle functions that decide on the host are replaced meanwhile (NOTE [ Cross entropy
+    decides on the host ] in core/cross_entropy.py)."""
     with contextlib.ExitStack() as stack:
         for factory in hooks:
             stack.enter_context(factory())
+        stack.enter_context(_device_decisions())
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             yield
@@ -49,10 +59,13 @@ def in_whole_step():
 @contextlib.contextmanager
 def whole_step():
     """Marks the current thread as running a whole training step: graphed callables it calls run
-    eagerly, since the step's own graph captures them (in every phase of the step alike)."""
+    eagerly, since the step's own graph captures them (in every phase of the step alike). Paddle
+    functions that decide on the host are replaced meanwhile, so that warmup, capture and replays
+    run the same ops (NOTE [ Cross entropy decides on the host ] in core/cross_entropy.py)."""
     _state.steps = getattr(_state, "steps", 0) + 1
     try:
-        yield
+        with _device_decisions():
+            yield
     finally:
         _state.steps -= 1
 
