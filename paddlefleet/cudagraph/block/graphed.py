@@ -2,11 +2,9 @@
 replayed through the autograd bridge. ``GraphedCallable`` is what autocudagraph() returns;
 ``BlockBody`` is what its phases run.
 
-A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call:
-``run`` (eager: fallback), ``warmup``, ``ready`` (may a warmed-up key capture now?),
-``capture``, ``blocker`` (may this call replay now?), ``replay`` and ``verified_replay``. Blocks
-use block/capture.py, block/replay.py and block/verify.py; the whole training step has a body of its own
-(step/body.py).
+A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call
+(the Body protocol in core/body.py, NOTE [ Bodies ]). Blocks use block/capture.py, block/replay.py
+and block/verify.py; the whole training step has a body of its own (step/body.py).
 """
 
 import weakref
@@ -14,6 +12,7 @@ import weakref
 import paddle
 
 from .capture import capture_block, capture_second_backward
+from ..core.body import Body
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -24,7 +23,7 @@ from .verify import verified_run
 __all__ = ["BlockBody", "GraphedCallable"]
 
 
-class BlockBody:
+class BlockBody(Body):
     """Capture, replay and eager run of one wrapped function.
 
     Args:
@@ -67,14 +66,6 @@ class BlockBody:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
 
-    def warmup(self, entry, call):
-        """A warmup call: the function itself, eagerly."""
-        return self.run(call.args, call.kwargs)
-
-    def ready(self, entry):
-        """A block captures as soon as its warmup calls are done."""
-        return True
-
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its BlockGraphs or raises."""
@@ -82,7 +73,7 @@ class BlockBody:
                              warn_once, entry.label)
 
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graphs now, else a replay.Blocked."""
+        """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
         return replay_blocker(entry.graphs, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def replay(self, entry, call, copy):

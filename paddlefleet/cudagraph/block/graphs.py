@@ -7,6 +7,7 @@ evicted, re-captured or falls back.
 import dataclasses
 from typing import Any, List, Optional
 
+from ..core.body import Graphs
 from ..grads.hand_out_plan import choose
 from ..io.static_inputs import nbytes
 
@@ -14,7 +15,7 @@ __all__ = ["BlockGraphs"]
 
 
 @dataclasses.dataclass(eq=False)
-class BlockGraphs:
+class BlockGraphs(Graphs):
     """The graphs, pool and static buffers of one captured key.
 
     Attributes:

@@ -13,6 +13,7 @@ import warnings
 from ..io import arguments
 from . import saved_hooks
 from ..backends import in_whole_step, is_capturing, resolve_backend
+from .body import Action
 from .call import Call
 from .keys import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
@@ -29,10 +30,8 @@ class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
-        body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
-            whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
-            ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
-            ``replay``, ``verified_replay``.
+        body: what each phase runs for this kind of call, a Body (core/body.py): BlockBody for
+            blocks, StepBody for whole training steps.
         fn: the wrapped function (keys read its signature).
     """
 
@@ -200,10 +199,10 @@ class Lifecycle:
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.warning is not None:
             self._warn_once(("blocked", blocked.reason), blocked.warning)
-        if blocked is not None and blocked.action == "recapture_once" and entry.recaptures:
+        if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
-        if blocked is not None and blocked.action in ("recapture", "recapture_once"):
+        if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
             return self._recapture(entry, call)

@@ -29,6 +29,7 @@ from typing import Any, List, Optional
 import paddle
 
 from ..core import state
+from ..core.body import Action, Blocked, Body, Graphs
 from ..backends import whole_step
 from ..backends.simulated import refuse_host_sync
 from ..errors import CaptureError
@@ -39,7 +40,6 @@ from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
-from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
@@ -47,7 +47,7 @@ __all__ = ["StepBody", "StepGraphs"]
 
 
 @dataclasses.dataclass(eq=False)
-class StepGraphs:
+class StepGraphs(Graphs):
     """What one capture of a step made.
 
     Attributes:
@@ -77,12 +77,6 @@ class StepGraphs:
     pending: Any = None
     moved_beta_pows: int = 0
     live: dict = dataclasses.field(default_factory=dict)
-
-    def backward_pending(self):
-        return False  # a step runs its own backward
-
-    def grad_copies(self):
-        return 0
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -145,14 +139,12 @@ def _refuse_paddle_scaler():
             setattr(cls, name, original)
 
 
-class StepBody:
+class StepBody(Body):
     """Warmup, capture, replay and eager run of one training-step function.
 
     Args:
         fn: the step function; options: StepOptions.
     """
-
-    bound = False
 
     def __init__(self, fn, options):
         self.fn = fn
@@ -166,9 +158,6 @@ class StepBody:
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
         self._warn_once = None
-
-    def layers(self):
-        return []
 
     # ------------------------------------------------------------------ scope
     def _feed(self):
@@ -255,30 +244,30 @@ class StepBody:
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graph now, else a replay.Blocked."""
+        """None when ``call`` can replay ``entry``'s graph now, else a Blocked."""
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
         if graphs.grad_mode != self.slots.mode:
-            return Blocked("recapture", "the step started leaving grads between calls (gradient accumulation)")
+            return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
         changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
         if changed is not None:
             reason = _binding_message(changed, "the capture and this call")
-            return Blocked("eager", f"binding '{changed[0]}' changed since capture", reason)
+            return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
         for p, ptr in graphs.params:
             if p.data_ptr() != ptr:
-                return Blocked("recapture", f"parameter {p.name} was replaced or moved")
+                return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
         if graphs.grad_mode == CLOSED:
             for p, ptr in self._between:
                 if grad_ptr(p) != ptr:
-                    return Blocked("eager", "grads changed between calls", (
+                    return Blocked(Action.EAGER, "grads changed between calls", (
                         f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
                         "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
                         "backward and clear_grad inside the step function."))
         else:
             for p, ptr in graphs.watched:
                 if grad_ptr(p) != ptr:
-                    return Blocked("recapture_once", f"the grad storage of {p.name} was released or replaced", (
+                    return Blocked(Action.RECAPTURE_ONCE, f"the grad storage of {p.name} was released or replaced", (
                         f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
                         "False) or a backward outside the step), so the graph's grad buffers no longer are the "
                         "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
@@ -318,9 +307,6 @@ class StepBody:
                 f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
                 "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
                 "values that change as tensors (or as arguments: they become part of the key)."))
-
-    def verified_replay(self, entry, call, run_graphs):
-        raise NotImplementedError("autocudagraph_step does not support verify_replays")
 
 
 def _binding_message(changed, between):
