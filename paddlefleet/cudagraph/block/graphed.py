@@ -12,7 +12,7 @@ import weakref
 import paddle
 
 from .capture import capture_block, capture_second_backward
-from ..core.body import Body
+from ..core.body import Body, Replayed
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -77,13 +77,13 @@ class BlockBody(Body):
         return replay_blocker(entry.graphs, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
+        """Runs ``entry``'s graphs for ``call``."""
         graphs = entry.graphs
         if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
             capture_second_backward(graphs)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
         with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
-            return run_graphs(graphs, call, copy, self.name, entry.label)
+            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
 
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager

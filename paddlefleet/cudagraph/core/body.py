@@ -6,14 +6,16 @@ body's. Two bodies exist: BlockBody (block/graphed.py: a function or Layer metho
 and backward are graphed through the autograd bridge) and StepBody (step/body.py: a whole
 training step in one graph). A capture returns the body's *graphs* record (BlockGraphs,
 StepGraphs), which the key's entry holds until it is released. Before a replay the body says
-whether the call may replay (``blocker``: None, or a Blocked with an Action). The protocols below
-are the whole contract; the members with a body are defaults a body may leave out.
+whether the call may replay (``blocker``: None, or a Blocked with an Action); a replay may ask
+the lifecycle to move the key to eager afterwards (``Replayed.then``). A body never moves an
+entry nor warns itself: the lifecycle does both. The protocols below are the whole contract; the
+members with a body are defaults a body may leave out.
 """
 
 import enum
 from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple
 
-__all__ = ["Action", "Blocked", "Body", "Graphs"]
+__all__ = ["Action", "Blocked", "Replayed", "Body", "Graphs"]
 
 
 class Action(enum.Enum):
@@ -22,6 +24,7 @@ class Action(enum.Enum):
     RECAPTURE = "recapture"  # capture the key again (no warmup), then replay
     RECAPTURE_ONCE = "recapture_once"  # as RECAPTURE, but a key captured again before falls back
     EAGER = "eager"  # this call runs eagerly; the key keeps its graphs
+    FALL_BACK = "fall_back"  # the key runs eagerly from the next call on (Replayed.then)
 
 
 class Blocked(NamedTuple):
@@ -31,6 +34,17 @@ class Blocked(NamedTuple):
     action: Action
     reason: str
     warning: Optional[str] = None
+
+
+class Replayed(NamedTuple):
+    """What a replay gives the lifecycle: the call's result, the input copies made and skipped,
+    and ``then``: a Blocked(Action.FALL_BACK, ...) when the key must run eagerly from the next
+    call on (the result is still this call's), else None."""
+
+    result: Any
+    copied: int = 0
+    skipped: int = 0
+    then: Optional[Blocked] = None
 
 
 class Graphs(Protocol):
@@ -62,11 +76,13 @@ class Body(Protocol):
 
     Attributes:
         name: the wrapped function's name; options: its options.
+        api: the public name the wrapper is made with, which explain() shows.
         bound: whether the function is called with an owner that is not an argument.
     """
 
     name: str
     options: Any
+    api: str = "autocudagraph"
     bound: bool = False
 
     def layers(self) -> List[Any]:
@@ -92,12 +108,11 @@ class Body(Protocol):
     def blocker(self, entry, call) -> Optional[Blocked]:
         """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
 
-    def replay(self, entry, call, copy: bool) -> Tuple[Any, int, int]:
-        """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``
-        (``copy``: copy its tensors into the static inputs first; False for the capture call,
-        whose tensors are there already)."""
+    def replay(self, entry, call, copy: bool) -> Replayed:
+        """Runs ``entry``'s graphs for ``call`` (``copy``: copy its tensors into the static
+        inputs first; False for the capture call, whose tensors are there already)."""
 
     def verified_replay(self, entry, call, run_graphs: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
         """``run_graphs()`` checked against an eager re-run: ``(result, None)`` or ``(None,
         mismatch)``. Only called with options.verify_replays > 0."""
-        raise NotImplementedError(f"{type(self).__name__} does not verify replays")
+        raise NotImplementedError(f"{self.api} does not verify replays")

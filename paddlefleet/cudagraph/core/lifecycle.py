@@ -80,7 +80,7 @@ class Lifecycle:
     def explain(self):
         """A readable report: every key's phase and counts, and a reason for every eager call
         (stats.explain shows an example)."""
-        return explain(self.__name__, self.stats(), self._entries.values(), self.counters)
+        return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
 
     def reset(self):
         """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
@@ -250,7 +250,10 @@ class Lifecycle:
         return self._eager(call, "verification found a mismatch")
 
     def _run_graphs(self, entry, call, copy):
-        result, copied, skipped = self._body.replay(entry, call, copy)
+        result, copied, skipped, then = self._body.replay(entry, call, copy)
+        if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
+            entry.fall_back(then.reason)
+            self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")
         if copy:
             entry.replays += 1
             self.counters.replays += 1

@@ -168,9 +168,9 @@ def describe_entries(entries):
     return rows
 
 
-def explain(name, stats, entries, counters):
+def explain(name, stats, entries, counters, api="autocudagraph"):
     """A readable report of one wrapper: every key's phase and counts, and a reason for every
-    eager call.
+    eager call; ``api``: the public name of the wrapper (the body's, core/body.py).
 
     Example::
 
@@ -183,7 +183,7 @@ def explain(name, stats, entries, counters):
     """
     entries = list(entries)
     lines = [
-        f"autocudagraph({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+        f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
         f"{stats['static_bytes']} static bytes"
     ]
     backends = {e.backend.describe() for e in entries if e.backend is not None}

@@ -29,7 +29,7 @@ from typing import Any, List, Optional
 import paddle
 
 from ..core import state
-from ..core.body import Action, Blocked, Body, Graphs
+from ..core.body import Action, Blocked, Body, Graphs, Replayed
 from ..backends import whole_step
 from ..backends.simulated import refuse_host_sync
 from ..errors import CaptureError
@@ -146,6 +146,8 @@ class StepBody(Body):
         fn: the step function; options: StepOptions.
     """
 
+    api = "autocudagraph_step"
+
     def __init__(self, fn, options):
         self.fn = fn
         self.options = options
@@ -157,7 +159,6 @@ class StepBody(Body):
         self._warm = weakref.WeakKeyDictionary()
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
-        self._warn_once = None
 
     # ------------------------------------------------------------------ scope
     def _feed(self):
@@ -220,7 +221,6 @@ class StepBody(Body):
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its StepGraphs or raises."""
-        self._warn_once = warn_once
         warm = self._warm.get(entry)
         if warm is None or warm.trace is None:
             raise CaptureError(
@@ -275,12 +275,12 @@ class StepBody(Body):
         return None
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graph for ``call``: ``(result, inputs copied, copies skipped)``."""
+        """Runs ``entry``'s graph for ``call``."""
         graphs = entry.graphs
         if graphs.pending is not None:  # NOTE [ The capture call of a step ]
             result, graphs.pending = graphs.pending, None
             self._remember_between()
-            return result, 0, 0
+            return Replayed(result)
         self._feed()
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
@@ -292,21 +292,23 @@ class StepBody(Body):
         result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
+        then = None
         if graphs.trace is not None and replayed is not graphs.trace:
-            self._check_simulated_replay(entry, graphs.trace, replayed)
-        return result, copied, skipped
+            then = _simulated_replay_check(graphs.trace, replayed)
+        return Replayed(result, copied, skipped, then)
 
-    def _check_simulated_replay(self, entry, captured, replayed):
-        diff = describe_trace_difference(captured, replayed, "capture", "replay")
-        if diff is None:
-            return
-        reason = f"a replay read other host values than the capture: {diff}"
-        entry.fall_back(reason)
-        if self._warn_once is not None:
-            self._warn_once(("replay-host", id(entry)), (
-                f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
-                "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
-                "values that change as tensors (or as arguments: they become part of the key)."))
+
+def _simulated_replay_check(captured, replayed):
+    """None when a simulated replay read the host values its capture read, else a Blocked that
+    moves the key to eager (this call's result, from a re-run of the step, is still eager's)."""
+    diff = describe_trace_difference(captured, replayed, "capture", "replay")
+    if diff is None:
+        return None
+    reason = f"a replay read other host values than the capture: {diff}"
+    return Blocked(Action.FALL_BACK, reason, (
+        f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
+        "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
+        "values that change as tensors (or as arguments: they become part of the key)."))
 
 
 def _binding_message(changed, between):

@@ -97,11 +97,6 @@ class GraphedStep(Lifecycle):
             _fail(TypeError, f"{getattr(fn, '__name__', fn)} is already graphed. Apply autocudagraph_step once.")
         super().__init__(StepBody(fn, options), fn)
 
-    def explain(self):
-        """As for blocks (stats.explain), naming the wrapper autocudagraph_step."""
-        text = super().explain()
-        return "autocudagraph_step" + text[len("autocudagraph"):]
-
 
 def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, max_graphs=8, backend=None,
                        dispatch_key_fn=None, capture_hooks=()):
