@@ -190,7 +190,7 @@ class Lifecycle:
             return self._eager(call, "capture failed")
         entry.captured(graphs, self._options.verify_replays)
         self.counters.captures += 1
-        self._entries = self._keys.track(graphs.layers, self._entries)
+        self._rekey(self._keys.track(graphs.layers))
         if not self._enforce_max_bytes(entry):
             return self._eager(call, "static buffers exceed max_bytes")
         return self._graph_call(entry, call, copy=False)
@@ -216,6 +216,17 @@ class Lifecycle:
                 )
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
+
+    def _rekey(self, training):
+        """Appends the training flags of Layers a capture found to every key, so that keys made
+        before (other keys still in warmup included) keep matching the calls made from now on."""
+        if not training:
+            return
+        rekeyed = collections.OrderedDict()
+        for key, entry in self._entries.items():
+            entry.key = key.with_layers(training)
+            rekeyed[entry.key] = entry
+        self._entries = rekeyed
 
     def _recapture(self, entry, call):
         entry.recaptures += 1
