@@ -160,14 +160,7 @@ class _BlockCapture:
             live["spec"] = (out_spec, out_consts)
             return out_tensors
 
-        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
-        watch = state.SlotWatch()
-        layer_args = [c for c in call.consts if isinstance(c, paddle.nn.Layer)]
-        bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
-        for layer in bound_layers:
-            snapshot.add(layer)
-            for _, sub in layer.named_sublayers(include_self=True):
-                watch.add(sub)
+        snapshot, watch, bound_layers = self._watch_layers()
         rng = state.rng_snapshot()
         captured = False
         try:
@@ -202,6 +195,19 @@ class _BlockCapture:
             # A failed capture leaves RNG as the eager re-run that replaces it expects.
             if backend.capture_executes or not captured:
                 state.restore_rng(rng)
+
+    def _watch_layers(self):
+        """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
+        snapshotted (restored after a capture that runs the body) and their slots watched."""
+        snapshot = state.BufferSnapshot(enabled=self.backend.capture_executes)
+        watch = state.SlotWatch()
+        layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
+        bound_layers = ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
+        for layer in bound_layers:
+            snapshot.add(layer)
+            for _, sub in layer.named_sublayers(include_self=True):
+                watch.add(sub)
+        return snapshot, watch, bound_layers
 
     # ------------------------------------------------------------------ backward
     def _backward(self, graphs, live, grad_enabled):

@@ -18,7 +18,7 @@ import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
+__all__ = ["Counters", "describe_entries", "describe_call", "explain", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -141,6 +141,19 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
     for name, value in named_arguments:
         _describe(name, value, host_ids, parts)
     return "(" + ", ".join(parts) + ")"
+
+
+def summarize(counters, entries):
+    """A wrapper's stats(): its counters plus ``graphs`` (keys holding graphs now), ``keys``,
+    ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+    entries = list(entries)
+    out = counters.snapshot()
+    out["graphs"] = sum(1 for e in entries if e.has_graphs)
+    out["keys"] = len(entries)
+    out["static_bytes"] = sum(e.nbytes() for e in entries)
+    # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+    out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    return out
 
 
 def describe_entries(entries):
