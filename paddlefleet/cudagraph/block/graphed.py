@@ -11,7 +11,7 @@ import weakref
 
 import paddle
 
-from .capture import capture_block, capture_second_backward
+from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core.body import Body, Replayed
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
@@ -69,8 +69,8 @@ class BlockBody(Body):
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its BlockGraphs or raises."""
-        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                             warn_once, entry.label)
+        return capture_block(CaptureRequest(self.fn, self.owner(), self.options, entry.backend, call, named,
+                                            last_inputs, warn_once, entry.label))
 
     def blocker(self, entry, call):
         """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
