@@ -33,9 +33,10 @@ from typing import Any, Callable, List, Optional, Tuple
 import paddle
 
 from ..core import state
-from .graphs import BlockGraphs
+from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
+from ..grads.buffer_sets import GradSets
 from ..grads.handles import can_hook
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
@@ -239,28 +240,27 @@ class _BlockCapture:
         # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: accumulators made before the capture.
         backward = backward_body(live, graphs.static_outputs, graphs.out_differentiable, buffers, params, self.opts,
                                  self.by_grad)
-        acc = graphs.accumulators = backward.accumulators
-        graphs.bridged, graphs.anchor = backward.bridged, backward.anchor
+        acc = backward.accumulators
+        graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
         try:
             results = self._capture_backward(graphs, backward.body)
         finally:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
-        graphs.static_grad_outputs = backward.grad_outputs
-        graphs.grad_plan = backward.plan(results)
         # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py. Not for a backward() body: it runs
         # parameter hooks, which a second capture would run once more.
-        if graphs.bridged and self.opts.clone_param_grads is not True and self.by_grad:
-            graphs.recipe = backward
+        second = backward.bridged and self.opts.clone_param_grads is not True and self.by_grad
+        graphs.backward.sets = GradSets(graphs.backward.graph, backward.plan(results), backward if second else None)
 
     def _capture_backward(self, graphs, body):
-        graphs.bwd_graph = self.backend.new_graph(graphs.pool)
+        bwd = graphs.backward
+        bwd.graph = self.backend.new_graph(graphs.pool)
         # NOTE [ Recompute under CUDA graphs ] in core/state.py: only a recording capture needs it.
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         try:
             with guard:
-                results = list(graphs.bwd_graph.capture(body, self.opts.capture_hooks))
+                results = list(bwd.graph.capture(body, self.opts.capture_hooks))
         except Exception as err:
             # Our own refusals (a host sync, say) would fail the same way with backward().
             if self.by_grad and not isinstance(err, CudaGraphError):
@@ -288,7 +288,8 @@ class _BlockCapture:
 def capture_second_backward(graphs):
     """Captures the second backward graph of a key, outside any backward pass (NOTE [ Two grad
     buffer sets ] in grads/hand_out_plan.py). A failure only leaves the key with one set (copies instead)."""
-    recipe, graphs.recipe, graphs.second_wanted = graphs.recipe, None, False
+    sets = graphs.backward.sets
+    recipe = sets.take_recipe()
     backend = graphs.backend
     with CAPTURE_LOCK:
         # A capture that runs the body leaves no trace (a recompute inside re-runs a forward).
@@ -307,7 +308,7 @@ def capture_second_backward(graphs):
             snapshot.restore()
             if backend.capture_executes:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
-    graphs.second = (graph, recipe.plan(results))
+    sets.add_second(graph, recipe.plan(results))
 
 
 def _refuse_objects_holding_tensors(out_consts):

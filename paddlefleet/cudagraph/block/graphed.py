@@ -79,7 +79,7 @@ class BlockBody(Body):
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graphs for ``call``."""
         graphs = entry.graphs
-        if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
+        if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
         with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):

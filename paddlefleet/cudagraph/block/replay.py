@@ -61,9 +61,10 @@ def run_graphs(graphs, call, copy, name, label):
     capture call's tensors are already in the static inputs)."""
     tensors = call.tensors
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
-    if graphs.bwd_graph is not None and paddle.is_grad_enabled():
-        anchor = () if graphs.anchor is None else (graphs.anchor,)
-        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridged, *anchor)
+    backward = graphs.backward
+    if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
+        anchor = () if backward.anchor is None else (backward.anchor,)
+        outputs = GraphedFunction.apply(graphs, *tensors, *backward.bridged, *anchor)
         if isinstance(outputs, paddle.Tensor):
             outputs = [outputs]
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
