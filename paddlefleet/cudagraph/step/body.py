@@ -30,6 +30,7 @@ import paddle
 
 from ..core import state
 from ..core.body import Action, Blocked, Body, Graphs, Replayed
+from ..core.paddle_patches import Patches
 from ..backends import whole_step
 from ..backends.simulated import refuse_host_sync
 from ..errors import CaptureError
@@ -112,31 +113,28 @@ def _hand_out(outputs):
 @contextlib.contextmanager
 def _refuse_paddle_scaler():
     """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
-    saved = []
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
-    for cls in classes:
-        for name in ("step", "minimize", "update"):
-            original = cls.__dict__.get(name)
-            if original is None:
-                continue
-
-            def refusing(self, *args, __original=original, __name=name, **kwargs):
-                if getattr(self, "_enable", False):
-                    raise CaptureError(
-                        f"autocudagraph: paddle.amp.GradScaler.{__name}() was called during capture. It reads "
-                        "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
-                        "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
-                        "on the device) in a graphed step."
-                    )
-                return __original(self, *args, **kwargs)
-
-            saved.append((cls, name, original))
-            setattr(cls, name, refusing)
-    try:
+    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        for cls in classes:
+            for name in ("step", "minimize", "update"):
+                original = cls.__dict__.get(name)
+                if original is not None:
+                    patches.set(cls, name, _refusing_scaler(name, original))
         yield
-    finally:
-        for cls, name, original in reversed(saved):
-            setattr(cls, name, original)
+
+
+def _refusing_scaler(name, original):
+    def refusing(self, *args, **kwargs):
+        if getattr(self, "_enable", False):
+            raise CaptureError(
+                f"autocudagraph: paddle.amp.GradScaler.{name}() was called during capture. It reads "
+                "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
+                "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
+                "on the device) in a graphed step."
+            )
+        return original(self, *args, **kwargs)
+
+    return refusing
 
 
 class StepBody(Body):
