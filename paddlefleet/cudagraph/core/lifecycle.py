@@ -155,7 +155,7 @@ class Lifecycle:
         if topic in self._warned:
             return
         self._warned.add(topic)
-        warnings.warn(f"autocudagraph({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
+        warnings.warn(f"{self._body.api}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _new_entry(self, key, call):
         backend, reason = resolve_backend(self._options.backend, call.tensors)
@@ -207,7 +207,7 @@ class Lifecycle:
             return self._eager(call, "key fell back: its graphs could not be kept valid")
         if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
-            logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
+            logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)
             return self._recapture(entry, call)
         if blocked is not None:
             if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
