@@ -74,7 +74,8 @@ class GraphedFunction(PyLayer):
                 "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
                 "it, or call the function outside the wrapper (wrapped.__wrapped__)."
             )
-        if graphs.bwd_graph is None or ctx.generation != graphs.generation:
+        backward = graphs.backward
+        if backward is None or backward.graph is None or ctx.generation != graphs.generation:
             raise PendingBackwardError(
                 f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "
                 f"#{graphs.generation} of the same graph overwrote its saved activations. Run backward "
@@ -82,7 +83,7 @@ class GraphedFunction(PyLayer):
                 "in dispatch_key_fn returning None."
             )
         with paddle.no_grad():
-            buffers = iter(graphs.static_grad_outputs)
+            buffers = iter(backward.grad_outputs)
             for grad, differentiable in zip(grads, graphs.out_differentiable):
                 if not differentiable:
                     continue
@@ -91,14 +92,14 @@ class GraphedFunction(PyLayer):
                     buf.zero_()
                 elif grad is not buf:
                     buf.copy_(grad, False)
-        acc = graphs.accumulators
+        acc = backward.accumulators
         if acc is not None:
             acc.check_before_backward()
-        graph, plan, adopted = graphs.backward_set()
+        graph, plan, adopted = backward.sets.next()
         plan.before_replay(adopted)
         graph.replay()
         ctx.token.done = True
         if acc is not None:
             acc.after_backward()
         grads = plan.hand_out()
-        return grads if graphs.anchor is None else grads + (None,)
+        return grads if backward.anchor is None else grads + (None,)

@@ -2,18 +2,17 @@
 replayed through the autograd bridge. ``GraphedCallable`` is what autocudagraph() returns;
 ``BlockBody`` is what its phases run.
 
-A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call:
-``run`` (eager: fallback), ``warmup``, ``ready`` (may a warmed-up key capture now?),
-``capture``, ``blocker`` (may this call replay now?), ``replay`` and ``verified_replay``. Blocks
-use block/capture.py, block/replay.py and block/verify.py; the whole training step has a body of its own
-(step/body.py).
+A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call
+(the Body protocol in core/body.py, NOTE [ Bodies ]). Blocks use block/capture.py, block/replay.py
+and block/verify.py; the whole training step has a body of its own (step/body.py).
 """
 
 import weakref
 
 import paddle
 
-from .capture import capture_block, capture_second_backward
+from .capture import CaptureRequest, capture_block, capture_second_backward
+from ..core.body import Body, Replayed
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -24,7 +23,7 @@ from .verify import verified_run
 __all__ = ["BlockBody", "GraphedCallable"]
 
 
-class BlockBody:
+class BlockBody(Body):
     """Capture, replay and eager run of one wrapped function.
 
     Args:
@@ -67,32 +66,24 @@ class BlockBody:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
 
-    def warmup(self, entry, call):
-        """A warmup call: the function itself, eagerly."""
-        return self.run(call.args, call.kwargs)
-
-    def ready(self, entry):
-        """A block captures as soon as its warmup calls are done."""
-        return True
-
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its BlockGraphs or raises."""
-        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                             warn_once, entry.label)
+        return capture_block(CaptureRequest(self.fn, self.owner(), self.options, entry.backend, call, named,
+                                            last_inputs, warn_once, entry.label))
 
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graphs now, else a replay.Blocked."""
+        """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
         return replay_blocker(entry.graphs, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
+        """Runs ``entry``'s graphs for ``call``."""
         graphs = entry.graphs
-        if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
+        if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
         with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
-            return run_graphs(graphs, call, copy, self.name, entry.label)
+            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
 
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager

@@ -30,10 +30,8 @@ class GraphEntry:
     Attributes:
         key: the dispatch key; label: a readable form of it for explain() and messages.
         backend: the backend that captures and replays this key.
-        graphs: what the capture made (BlockGraphs for blocks), None before capture and after a
-            release; it has ``release()``, ``nbytes()``, ``backward_pending()``, ``layers`` (whose
-            training flags key later calls), ``describe()`` (a line for explain()) and
-            ``grad_copies()``.
+        graphs: what the capture made, a Graphs (core/body.py: BlockGraphs for blocks,
+            StepGraphs for steps), None before capture and after a release.
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in io/static_inputs.py).
     """

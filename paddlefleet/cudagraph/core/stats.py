@@ -18,7 +18,7 @@ import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
+__all__ = ["Counters", "describe_entries", "describe_call", "explain", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -143,6 +143,19 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
     return "(" + ", ".join(parts) + ")"
 
 
+def summarize(counters, entries):
+    """A wrapper's stats(): its counters plus ``graphs`` (keys holding graphs now), ``keys``,
+    ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+    entries = list(entries)
+    out = counters.snapshot()
+    out["graphs"] = sum(1 for e in entries if e.has_graphs)
+    out["keys"] = len(entries)
+    out["static_bytes"] = sum(e.nbytes() for e in entries)
+    # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+    out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    return out
+
+
 def describe_entries(entries):
     """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
     rows = []
@@ -168,9 +181,9 @@ def describe_entries(entries):
     return rows
 
 
-def explain(name, stats, entries, counters):
+def explain(name, stats, entries, counters, api="autocudagraph"):
     """A readable report of one wrapper: every key's phase and counts, and a reason for every
-    eager call.
+    eager call; ``api``: the public name of the wrapper (the body's, core/body.py).
 
     Example::
 
@@ -183,7 +196,7 @@ def explain(name, stats, entries, counters):
     """
     entries = list(entries)
     lines = [
-        f"autocudagraph({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+        f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
         f"{stats['static_bytes']} static bytes"
     ]
     backends = {e.backend.describe() for e in entries if e.backend is not None}

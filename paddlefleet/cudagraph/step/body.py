@@ -29,6 +29,8 @@ from typing import Any, List, Optional
 import paddle
 
 from ..core import state
+from ..core.body import Action, Blocked, Body, Graphs, Replayed
+from ..core.paddle_patches import Patches
 from ..backends import whole_step
 from ..backends.simulated import refuse_host_sync
 from ..errors import CaptureError
@@ -39,7 +41,6 @@ from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
-from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
@@ -47,7 +48,7 @@ __all__ = ["StepBody", "StepGraphs"]
 
 
 @dataclasses.dataclass(eq=False)
-class StepGraphs:
+class StepGraphs(Graphs):
     """What one capture of a step made.
 
     Attributes:
@@ -77,12 +78,6 @@ class StepGraphs:
     pending: Any = None
     moved_beta_pows: int = 0
     live: dict = dataclasses.field(default_factory=dict)
-
-    def backward_pending(self):
-        return False  # a step runs its own backward
-
-    def grad_copies(self):
-        return 0
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -118,41 +113,38 @@ def _hand_out(outputs):
 @contextlib.contextmanager
 def _refuse_paddle_scaler():
     """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
-    saved = []
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
-    for cls in classes:
-        for name in ("step", "minimize", "update"):
-            original = cls.__dict__.get(name)
-            if original is None:
-                continue
-
-            def refusing(self, *args, __original=original, __name=name, **kwargs):
-                if getattr(self, "_enable", False):
-                    raise CaptureError(
-                        f"autocudagraph: paddle.amp.GradScaler.{__name}() was called during capture. It reads "
-                        "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
-                        "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
-                        "on the device) in a graphed step."
-                    )
-                return __original(self, *args, **kwargs)
-
-            saved.append((cls, name, original))
-            setattr(cls, name, refusing)
-    try:
+    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        for cls in classes:
+            for name in ("step", "minimize", "update"):
+                original = cls.__dict__.get(name)
+                if original is not None:
+                    patches.set(cls, name, _refusing_scaler(name, original))
         yield
-    finally:
-        for cls, name, original in reversed(saved):
-            setattr(cls, name, original)
 
 
-class StepBody:
+def _refusing_scaler(name, original):
+    def refusing(self, *args, **kwargs):
+        if getattr(self, "_enable", False):
+            raise CaptureError(
+                f"autocudagraph: paddle.amp.GradScaler.{name}() was called during capture. It reads "
+                "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
+                "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
+                "on the device) in a graphed step."
+            )
+        return original(self, *args, **kwargs)
+
+    return refusing
+
+
+class StepBody(Body):
     """Warmup, capture, replay and eager run of one training-step function.
 
     Args:
         fn: the step function; options: StepOptions.
     """
 
-    bound = False
+    api = "autocudagraph_step"
 
     def __init__(self, fn, options):
         self.fn = fn
@@ -165,10 +157,6 @@ class StepBody:
         self._warm = weakref.WeakKeyDictionary()
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
-        self._warn_once = None
-
-    def layers(self):
-        return []
 
     # ------------------------------------------------------------------ scope
     def _feed(self):
@@ -231,7 +219,6 @@ class StepBody:
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its StepGraphs or raises."""
-        self._warn_once = warn_once
         warm = self._warm.get(entry)
         if warm is None or warm.trace is None:
             raise CaptureError(
@@ -255,30 +242,30 @@ class StepBody:
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graph now, else a replay.Blocked."""
+        """None when ``call`` can replay ``entry``'s graph now, else a Blocked."""
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
         if graphs.grad_mode != self.slots.mode:
-            return Blocked("recapture", "the step started leaving grads between calls (gradient accumulation)")
+            return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
         changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
         if changed is not None:
             reason = _binding_message(changed, "the capture and this call")
-            return Blocked("eager", f"binding '{changed[0]}' changed since capture", reason)
+            return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
         for p, ptr in graphs.params:
             if p.data_ptr() != ptr:
-                return Blocked("recapture", f"parameter {p.name} was replaced or moved")
+                return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
         if graphs.grad_mode == CLOSED:
             for p, ptr in self._between:
                 if grad_ptr(p) != ptr:
-                    return Blocked("eager", "grads changed between calls", (
+                    return Blocked(Action.EAGER, "grads changed between calls", (
                         f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
                         "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
                         "backward and clear_grad inside the step function."))
         else:
             for p, ptr in graphs.watched:
                 if grad_ptr(p) != ptr:
-                    return Blocked("recapture_once", f"the grad storage of {p.name} was released or replaced", (
+                    return Blocked(Action.RECAPTURE_ONCE, f"the grad storage of {p.name} was released or replaced", (
                         f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
                         "False) or a backward outside the step), so the graph's grad buffers no longer are the "
                         "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
@@ -286,12 +273,12 @@ class StepBody:
         return None
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graph for ``call``: ``(result, inputs copied, copies skipped)``."""
+        """Runs ``entry``'s graph for ``call``."""
         graphs = entry.graphs
         if graphs.pending is not None:  # NOTE [ The capture call of a step ]
             result, graphs.pending = graphs.pending, None
             self._remember_between()
-            return result, 0, 0
+            return Replayed(result)
         self._feed()
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
@@ -303,24 +290,23 @@ class StepBody:
         result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
+        then = None
         if graphs.trace is not None and replayed is not graphs.trace:
-            self._check_simulated_replay(entry, graphs.trace, replayed)
-        return result, copied, skipped
+            then = _simulated_replay_check(graphs.trace, replayed)
+        return Replayed(result, copied, skipped, then)
 
-    def _check_simulated_replay(self, entry, captured, replayed):
-        diff = describe_trace_difference(captured, replayed, "capture", "replay")
-        if diff is None:
-            return
-        reason = f"a replay read other host values than the capture: {diff}"
-        entry.fall_back(reason)
-        if self._warn_once is not None:
-            self._warn_once(("replay-host", id(entry)), (
-                f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
-                "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
-                "values that change as tensors (or as arguments: they become part of the key)."))
 
-    def verified_replay(self, entry, call, run_graphs):
-        raise NotImplementedError("autocudagraph_step does not support verify_replays")
+def _simulated_replay_check(captured, replayed):
+    """None when a simulated replay read the host values its capture read, else a Blocked that
+    moves the key to eager (this call's result, from a re-run of the step, is still eager's)."""
+    diff = describe_trace_difference(captured, replayed, "capture", "replay")
+    if diff is None:
+        return None
+    reason = f"a replay read other host values than the capture: {diff}"
+    return Blocked(Action.FALL_BACK, reason, (
+        f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
+        "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
+        "values that change as tensors (or as arguments: they become part of the key)."))
 
 
 def _binding_message(changed, between):
