@@ -8,7 +8,7 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/recip
 
 __version__ = "0.1.0"
 
-from .core import saved_hooks
+from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
 from .api import autocudagraph
 from .backends import is_capturing

@@ -28,11 +28,24 @@ def is_capturing():
     return getattr(_state, "depth", 0) > 0
 
 
-def _device_decisions():
-    # Imported here: core/ builds on backends/, not the other way round.
-    from ..core.cross_entropy import device_decisions
+#: Context-manager factories entered around every capture and whole step: replacements of Paddle
+#: functions that decide on the host (core/cross_entropy.py registers one when the package is
+#: imported; backends/ import nothing above them, so the replacement comes to them).
+_device_decision_factories = []
 
-    return device_decisions()
+
+def register_device_decisions(factory):
+    """Has ``factory()`` entered around every capture and every whole step from now on."""
+    if factory not in _device_decision_factories:
+        _device_decision_factories.append(factory)
+
+
+@contextlib.contextmanager
+def _device_decisions():
+    with contextlib.ExitStack() as stack:
+        for factory in _device_decision_factories:
+            stack.enter_context(factory())
+        yield
 
 
 @contextlib.contextmanager

@@ -57,12 +57,15 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
+from ..backends.base import register_device_decisions
+from .paddle_patches import Patches
+
 __all__ = ["device_decisions", "needed"]
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_state = {"depth": 0, "saved": [], "verdict": None}
+_state = {"depth": 0, "patches": Patches(), "verdict": None}
 
 
 def _functional_modules():
@@ -239,14 +242,11 @@ def _install():
     replacement = _replacement(original)
     for module in _functional_modules():
         if getattr(module, "cross_entropy", None) is original:
-            _state["saved"].append((module, original))
-            module.cross_entropy = replacement
+            _state["patches"].set(module, "cross_entropy", replacement)
 
 
 def _restore():
-    for module, original in reversed(_state["saved"]):
-        module.cross_entropy = original
-    _state["saved"] = []
+    _state["patches"].restore()
 
 
 @contextlib.contextmanager
@@ -264,3 +264,6 @@ def device_decisions():
             _state["depth"] -= 1
             if _state["depth"] == 0:
                 _restore()
+
+
+register_device_decisions(device_decisions)
