@@ -358,6 +358,8 @@ class _StepCapture:
         except BaseException:
             if rollback is not None:
                 rollback.restore()
+                for feed in body._feeds:  # the rollback put the previous step's rate back
+                    feed.forget()
             else:
                 state.restore_rng(rng)
                 for scaler, stage in stages:

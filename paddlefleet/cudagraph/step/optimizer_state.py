@@ -126,6 +126,11 @@ class LRFeed:
         self._written = bits.tobytes()
         return True
 
+    def forget(self):
+        """Forgets what was written: the next ``feed()`` writes (after a rollback put an older
+        value back into the tensor)."""
+        self._tensor = self._written = self._value = None
+
 
 class suppress_lr_fill:
     """While active, the optimizers' ``_create_global_learning_rate`` does nothing once their
