@@ -349,7 +349,7 @@ class _StepCapture:
         graphs = StepGraphs(backend=backend, pool=backend.new_pool(), grad_mode=body.slots.mode)
         place = _device_place(body.optimizers) if self.on_gpu else None
         graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
-        rollback = Rollback(body.optimizers, live_scalers()) if backend.capture_executes else None
+        rollback = Rollback(body.optimizers, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
