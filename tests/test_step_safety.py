@@ -72,7 +72,7 @@ class _Run:
                 if sched is not None:
                     sched.step()
                 if between is not None:
-                    between(t)
+                    between(i, t)
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -133,7 +133,7 @@ class RefusedCaptureLearningRateTest(unittest.TestCase):
             trainee.scale = scale
             return trainee
 
-        def bump(trainee):  # host state the loop changes every step
+        def bump(i, trainee):  # host state the loop changes every step
             trainee.scale[0] += 0.5
         run = _Run(build, between=bump)
         self.assertEqual(run.stats["captures"], 0, run.explain)
@@ -245,6 +245,32 @@ class UnlistedOptimizerTest(unittest.TestCase):
         run = _Run(build)
         self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
         self.assertRegex(run.explain, r"head_opt.*Adam.*not in optimizers=.*optimizers=\[opt, head_opt\]")
+
+    def test_one_first_stepped_at_the_capture_is_stopped_before_its_update(self):
+        def build():
+            model, head = _model(), _model(seed=9)
+            opt, sched = _sgd_cosine(model)
+            head_opt = paddle.optimizer.SGD(0.01, parameters=head.parameters())
+            tune_head = [False]  # switched on by the loop from the capture call on
+
+            def step(x):
+                loss = model(x).square().mean() + head(x).abs().mean()
+                loss.backward()
+                opt.step()
+                if tune_head[0]:
+                    head_opt.step()
+                opt.clear_grad()
+                head_opt.clear_grad()
+                return loss
+            trainee = Trainee(step, _objects(model, opt, sched, head=head, head_opt=head_opt))
+            trainee.tune_head = tune_head
+            return trainee
+
+        def switch(i, trainee):
+            trainee.tune_head[0] = i >= 1  # from the capture call (the third) on
+        run = _Run(build, between=switch)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+        self.assertRegex(run.explain, r"head_opt \(SGD.*optimizers=\[opt, head_opt\]")
 
 
 class ReturnedPythonValuesTest(unittest.TestCase):

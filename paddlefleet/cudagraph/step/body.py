@@ -38,7 +38,7 @@ from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
-                          suppress_lr_fill)
+                              suppress_lr_fill, unlisted_message, watch_unlisted)
 from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
@@ -163,6 +163,7 @@ class StepBody:
         self._feeds = [LRFeed(opt) for opt in self.optimizers]
         self._bindings = BindingWatch(fn)
         self._warm = weakref.WeakKeyDictionary()
+        self._unlisted = {}  # NOTE [ Optimizers outside optimizers= ]: id -> optimizer seen at warmup
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
         self._warn_once = None
@@ -209,7 +210,7 @@ class StepBody:
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
         with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace:
+                on_gpu=entry.backend.name == "cuda") as trace, watch_unlisted(self.optimizers, self._note_unlisted):
             out = self.fn(*call.args, **call.kwargs)
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
@@ -218,6 +219,13 @@ class StepBody:
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
         return out
+
+    def _note_unlisted(self, opt):
+        self._unlisted.setdefault(id(opt), opt)
+
+    def unlisted_error(self, unlisted):
+        """The CaptureError for optimizers stepped by the step but missing from optimizers=."""
+        return CaptureError(unlisted_message(unlisted, self.optimizers, self._bindings.snapshot()))
 
     def ready(self, entry):
         """May ``entry`` capture now? Not while its warmup steps still create state (up to
@@ -248,6 +256,8 @@ class StepBody:
         changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
         if changed is not None:
             raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+        if self._unlisted:
+            raise self.unlisted_error(list(self._unlisted.values()))
         for opt in self.optimizers:
             check_supported(opt)
         with CAPTURE_LOCK:
@@ -388,7 +398,11 @@ class _StepCapture:
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
         body._feed()
         graphs.graph = self.backend.new_graph(graphs.pool)
-        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler():
+        def unlisted(opt):
+            raise body.unlisted_error([opt])
+
+        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_unlisted(
+                body.optimizers, unlisted):
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()

@@ -41,6 +41,8 @@ __all__ = [
     "suppress_lr_fill",
     "move_beta_pows_to_device",
     "check_supported",
+    "watch_unlisted",
+    "unlisted_message",
 ]
 
 _BETA_POWS = ("beta1_pow_acc", "beta2_pow_acc")
@@ -212,3 +214,68 @@ def mark_beta_pows_host(opt):
         if any(acc_name.endswith(b) for b in _BETA_POWS):
             for t in per_param.values():
                 mark_host(t)
+
+
+class watch_unlisted:
+    """While active, calls ``on_unlisted(opt)`` when an optimizer that is not one of ``listed``
+    starts an update (``Optimizer._apply_optimize``: before its clipping, state creation and
+    update ops), then lets it run; ``on_unlisted`` raises to stop it before it writes anything.
+
+    NOTE [ Optimizers outside optimizers= ]
+    The wrapper feeds the learning rate of, moves the beta powers of, and checks the state of
+    the optimizers it is given. One the step steps without being listed would be captured with
+    its learning-rate fill frozen and its host beta powers read once. Warmup steps note every
+    such optimizer (they are eager: their update is eager's), and the capture is refused before
+    it starts, naming the optimizer and the fix; one first stepped at the capture is stopped
+    before its update."""
+
+    def __init__(self, listed, on_unlisted):
+        self._listed = {id(o) for o in listed}
+        self._on_unlisted = on_unlisted
+        self._original = None
+
+    def __enter__(self):
+        cls = paddle.optimizer.Optimizer
+        original = self._original = cls.__dict__["_apply_optimize"]
+        listed, on_unlisted = self._listed, self._on_unlisted
+
+        def apply_optimize(opt, *args, **kwargs):
+            if id(opt) not in listed:
+                on_unlisted(opt)
+            return original(opt, *args, **kwargs)
+
+        cls._apply_optimize = apply_optimize
+        return self
+
+    def __exit__(self, *exc):
+        paddle.optimizer.Optimizer._apply_optimize = self._original
+        return False
+
+
+def _name_of(obj, bindings):
+    for name, value in bindings.items():
+        if value is obj:
+            return name
+    for name, value in bindings.items():
+        for attr, inner in (getattr(value, "__dict__", None) or {}).items():
+            if inner is obj:
+                return f"{name}.{attr}"
+    return None
+
+
+def unlisted_message(unlisted, listed, bindings):
+    """The refusal of a step that steps the optimizers ``unlisted`` (not in optimizers=);
+    ``bindings``: the step function's ``{global or closure name: object}``, for their names."""
+    described, names = [], []
+    for k, opt in enumerate(unlisted):
+        params = optimizer_params(opt)
+        shown = ", ".join(p.name for p in params[:3]) + (", ..." if len(params) > 3 else "")
+        name = _name_of(opt, bindings) or f"<the {type(opt).__name__}>"
+        described.append(f"{name} ({type(opt).__name__} over {len(params)} parameter(s): {shown})")
+        names.append(name)
+    ours = [_name_of(opt, bindings) or f"<optimizer {k}>" for k, opt in enumerate(listed)]
+    return (
+        f"autocudagraph: the step steps {' and '.join(described)}, which is not in optimizers=. A graph would "
+        "freeze its learning rate and its host-side state, and a failed capture could not take its update back. "
+        f"Pass every optimizer the step steps: optimizers=[{', '.join(ours + names)}]."
+    )
