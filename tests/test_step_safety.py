@@ -23,6 +23,7 @@ import paddle
 
 from paddlefleet.cudagraph import GraphGradScaler, autocudagraph_step
 from testkit.differential import Trainee, differential_run
+from testkit.step_gpu import refused_capture_check
 
 STEPS = 10
 
@@ -226,6 +227,44 @@ class RefusedCaptureWritesOnceTest(unittest.TestCase):
         self._refused(build)
 
 
+class RefusedCaptureModuleStateTest(unittest.TestCase):
+    def test_an_in_place_write_to_a_tensor_reached_only_through_a_module_attribute(self):
+        # The walk does not enter modules; the in-place op net catches the write.
+        source = (
+            "def step(x):\n"
+            "    loss = model(x).square().mean()\n"
+            "    loss.backward()\n"
+            "    opt.step()\n"
+            "    opt.clear_grad()\n"
+            "    metrics.TOTAL.add_(loss.detach().reshape([1]))\n"
+            "    metrics.SEEN[0:1] = metrics.SEEN[0:1] + 1.0\n"
+            "    host_read(loss)\n"
+            "    return loss\n"
+        )
+
+        def build():
+            model = _model()
+            opt, sched = _sgd_cosine(model)
+            metrics = types.ModuleType("metrics")
+            metrics.TOTAL, metrics.SEEN = paddle.zeros([1]), paddle.zeros([2])
+            space = {"model": model, "opt": opt, "metrics": metrics, "host_read": _host_read}
+            exec(compile(source, "<step with a module>", "exec"), space)
+            return Trainee(space["step"], _objects(model, opt, sched, total=lambda: metrics.TOTAL,
+                                                   seen=lambda: metrics.SEEN))
+        run = _Run(build)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+
+
+class KernelLessGpuRefusedCaptureTest(unittest.TestCase):
+    def test_the_matmul_step_of_tools_step_gpu_check_with_a_refused_capture_and_an_ema(self):
+        # tools/step_gpu_check.py runs the same case on the cuda backend (a GPU without kernels).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = refused_capture_check(width=16, layers=2, steps=6, backend="simulate")
+        self.assertTrue(result["equal"], result["first_mismatch"])
+        self.assertEqual((result["stats"]["captures"], result["stats"]["eager_calls"]), (0, 4), result["stats"])
+
+
 class UnlistedOptimizerTest(unittest.TestCase):
     def test_an_optimizer_missing_from_optimizers_is_refused_by_name_before_any_capture(self):
         def build():
@@ -274,6 +313,22 @@ class UnlistedOptimizerTest(unittest.TestCase):
 
 
 class ReturnedPythonValuesTest(unittest.TestCase):
+    def test_a_float_derived_from_get_lr_is_refused_and_named(self):
+        def build():
+            model = _model()
+            opt, sched = _sgd_cosine(model)
+
+            def step(x):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                return {"loss": loss, "lr x 2": opt.get_lr() * 2}
+            return Trainee(step, _objects(model, opt, sched))
+        run = _Run(build)
+        self.assertEqual(run.stats["captures"], 0, run.explain)
+        self.assertRegex(run.explain, r"returns the Python float .* at output\['lr x 2'\]")
+
     def test_the_learning_rate_returned_by_get_lr_is_recomputed_on_every_replay(self):
         def build():
             model = _model()
@@ -293,19 +348,23 @@ class ReturnedPythonValuesTest(unittest.TestCase):
         def build():
             model = _model()
             opt, sched = _sgd_cosine(model)
-            seen = {"steps": 0}
+            seen = {"steps": 0}  # counted by the loop
 
             def step(x):
                 loss = model(x).square().mean()
                 loss.backward()
                 opt.step()
                 opt.clear_grad()
-                seen["steps"] += 1
                 return loss, seen["steps"], opt.get_lr() * 2
-            return Trainee(step, _objects(model, opt, sched, seen=lambda: seen["steps"]))
-        run = _Run(build)
+            trainee = Trainee(step, _objects(model, opt, sched, seen=lambda: seen["steps"]))
+            trainee.seen = seen
+            return trainee
+
+        def count(i, trainee):
+            trainee.seen["steps"] += 1
+        run = _Run(build, between=count)
         self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
-        self.assertRegex(run.explain, r"returns the Python int 1 .*output\[1\]")
+        self.assertRegex(run.explain, r"returns the Python int 2 .*at output\[1\]")
 
 
 def _paddle_scaler_enabled_on_cpu(**kwargs):

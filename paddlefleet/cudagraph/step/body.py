@@ -41,6 +41,7 @@ from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_bet
                               suppress_lr_fill, unlisted_message, watch_unlisted)
 from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
+from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
 __all__ = ["StepBody", "StepGraphs"]
@@ -76,6 +77,7 @@ class StepGraphs:
     trace: Any = None
     pending: Any = None
     moved_beta_pows: int = 0
+    returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
 
     def backward_pending(self):
@@ -106,6 +108,7 @@ class _Warm:
     trace: Any = None
     bindings: dict = dataclasses.field(default_factory=dict)
     changes: str = ""
+    consts: Any = None  # the Python values of its result
 
 
 def _hand_out(outputs):
@@ -215,6 +218,7 @@ class StepBody:
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         warm.trace = trace
+        warm.consts = flatten(out)[1]
         warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
@@ -303,6 +307,7 @@ class StepBody:
             self._remember_between()
             return result, 0, 0
         self._feed()
+        consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
             graphs.graph.replay()
@@ -310,15 +315,17 @@ class StepBody:
             with CAPTURE_LOCK:
                 graphs.graph.replay()
         outputs = _hand_out(graphs.static_outputs)
-        result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
+        result = unflatten(graphs.out_spec, outputs, consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
         if graphs.trace is not None and replayed is not graphs.trace:
-            self._check_simulated_replay(entry, graphs.trace, replayed)
+            self._check_simulated_replay(entry, graphs, replayed)
         return result, copied, skipped
 
-    def _check_simulated_replay(self, entry, captured, replayed):
-        diff = describe_trace_difference(captured, replayed, "capture", "replay")
+    def _check_simulated_replay(self, entry, graphs, replayed):
+        diff = describe_trace_difference(graphs.trace, replayed, "capture", "replay")
+        if diff is None:
+            diff = graphs.returned.differs(graphs.live["spec"][1])
         if diff is None:
             return
         reason = f"a replay read other host values than the capture: {diff}"
@@ -401,15 +408,18 @@ class _StepCapture:
         def unlisted(opt):
             raise body.unlisted_error([opt])
 
+        writes = rollback.writes if rollback is not None else contextlib.nullcontext()
         with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_unlisted(
-                body.optimizers, unlisted):
+                body.optimizers, unlisted), tag_learning_rates(), writes:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
         graphs.static_outputs = list(outputs)
-        graphs.out_spec, graphs.out_consts = live["spec"]
+        graphs.out_spec = live["spec"][0]
+        graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
+        graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
         graphs.trace = live["trace"] if self.backend.capture_executes else None
         graphs.bindings = body._bindings.snapshot()

@@ -19,8 +19,14 @@ the capture and writes all of them back after a failure:
   walked too, since its methods may write the class module's globals;
 * the optimizers of ``optimizers=`` and the graph-safe loss scalers.
 
-Modules and classes are not entered (``paddle`` alone would reach every tensor of the process),
-so a tensor reachable only as ``some_module.STATE`` is not covered. Parameters also contribute
+Modules and classes are not entered (``paddle`` alone would reach every tensor of the process).
+A second net, ``InPlaceWrites``, catches what the walk cannot reach (``some_module.STATE.add_()``):
+during the capture it copies every tensor handed to an in-place op - a ``paddle._C_ops`` (or
+``_legacy_C_ops``) function whose name ends in ``_``, a Tensor method ending in ``_``
+(``add_``, ``copy_``, ``zero_``), ``set_value`` and ``__setitem__`` - before the op runs. Its
+copies are written back first, the walk's (taken before the capture) last. A write that is
+neither reachable nor made by such an op (a kernel writing an input in place under another
+name, as BatchNorm's statistics, on a tensor the step cannot reach) is not covered. Parameters also contribute
 their grads, and learning-rate schedulers their ``state_dict()`` (a scheduler stepped inside the
 step advanced at the capture). This costs one copy of the reachable state per simulated capture;
 a CUDA capture needs none.
@@ -30,7 +36,7 @@ import types
 
 import paddle
 
-__all__ = ["Reachable", "reachable"]
+__all__ = ["Reachable", "reachable", "InPlaceWrites"]
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType, range, slice)
 _LIBRARY_PREFIXES = ("paddle", "numpy", "builtins", "collections", "typing", "functools", "abc", "enum",
@@ -124,3 +130,72 @@ def reachable(roots, limit=LIMIT):
             if hasattr(obj, name):
                 stack.append(getattr(obj, name))
     return found
+
+
+class InPlaceWrites:
+    """While active, copies each tensor an in-place op is handed before the op runs (NOTE [ What
+    a failed simulated capture may have written ]); ``restore()`` writes the copies back.
+
+    Entered outside the op trace (step/host_reads.OpTrace), whose wrappers then call these: the
+    copies are made inside a traced op and are not recorded as ops of the step."""
+
+    def __init__(self):
+        self._saved = {}
+        self._patches = []
+
+    def _save(self, value):
+        if isinstance(value, paddle.Tensor):
+            if id(value) not in self._saved and value._is_initialized():
+                with paddle.no_grad():
+                    self._saved[id(value)] = (value, value.clone())
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, paddle.Tensor):
+                    self._save(v)
+
+    def _wrap(self, original):
+        def writing(*args, **kwargs):
+            for value in args:
+                self._save(value)
+            for value in kwargs.values():
+                self._save(value)
+            return original(*args, **kwargs)
+
+        return writing
+
+    def __enter__(self):
+        targets = [paddle._C_ops] + ([paddle._legacy_C_ops] if hasattr(paddle, "_legacy_C_ops") else [])
+        try:
+            for module in targets:
+                for name in [n for n in dir(module) if n.endswith("_") and not n.startswith("_")]:
+                    original = getattr(module, name)
+                    if callable(original):
+                        self._patches.append((module, name, module.__dict__.get(name), original))
+                        setattr(module, name, self._wrap(original))
+            tensor = paddle.Tensor
+            names = [n for n in dir(tensor) if n.endswith("_") and not n.startswith("_")] + ["set_value", "__setitem__"]
+            for name in names:
+                original = getattr(tensor, name, None)
+                if callable(original):
+                    self._patches.append((tensor, name, tensor.__dict__.get(name), original))
+                    setattr(tensor, name, self._wrap(original))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, own, original in reversed(self._patches):
+            if own is None and owner is paddle.Tensor:
+                delattr(owner, name)  # it was inherited: remove the patch, do not pin the parent's
+            else:
+                setattr(owner, name, own if own is not None else original)
+        self._patches = []
+        return False
+
+    def restore(self):
+        with paddle.no_grad():
+            for t, saved in self._saved.values():
+                if t._is_initialized():
+                    t.copy_(saved, False)
+        self._saved = {}

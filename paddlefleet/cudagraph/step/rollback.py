@@ -29,7 +29,7 @@ import paddle
 from ..core import state
 from .grad_slots import grad_ptr
 from .optimizer_state import optimizer_params, state_tensors
-from .reachable import reachable
+from .reachable import InPlaceWrites, reachable
 
 __all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "LayerWatch", "Rollback"]
 
@@ -123,13 +123,14 @@ NO_WATCH = _Nothing()
 class Rollback:
     """Values of a step's state taken before a simulated capture, put back by ``restore()``:
     every tensor reachable from ``roots`` (the step function), the optimizers and the graph-safe
-    loss scalers (NOTE [ What a failed simulated capture may have written ] in step/reachable.py),
+    loss scalers, every tensor an in-place op is handed during the capture (``writes``) (NOTE [ What a failed simulated capture may have written ] in step/reachable.py),
     the grads of the parameters among them, learning-rate schedulers, Layer buffers
     (``buffers``: those of the Layers the capture calls), the scalers' Python state and every RNG
     state."""
 
     def __init__(self, optimizers, scalers=(), roots=()):
         self.buffers = state.BufferSnapshot(enabled=True)
+        self.writes = InPlaceWrites()  # entered around the capture
         self._rng = state.rng_snapshot()
         found = reachable([*roots, *optimizers, *scalers])
         tensors, params = dict(found.tensors), dict(found.params)
@@ -149,6 +150,7 @@ class Rollback:
         self._scaler_states = [(s, s.python_state()) for s in scalers]
 
     def restore(self):
+        self.writes.restore()  # first: a copy it took may follow a write it did not see
         with paddle.no_grad():
             for t, saved in self._tensors:
                 if t._is_initialized():
