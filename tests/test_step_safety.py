@@ -141,6 +141,43 @@ class RefusedCaptureLearningRateTest(unittest.TestCase):
         self.assertRegex(run.explain, r"host value that changes")
 
 
+class SchedulerSteppedInsideTest(unittest.TestCase):
+    def _build(self, inside_from):
+        def build():
+            model = _model()
+            opt, sched = _sgd_cosine(model)
+            calls = [0]
+
+            def step(x):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                if calls[0] >= inside_from:
+                    sched.step()
+                return loss
+            # No "sched" entry: the loop does not step it, the step does.
+            trainee = Trainee(step, {"model": model, "opt": opt, "lr tensor": lambda: opt._global_learning_rate(),
+                                     "sched state": lambda: sched.state_dict()})
+            trainee.calls = calls
+            return trainee
+        return build
+
+    def _check(self, inside_from):
+        def count(i, trainee):
+            trainee.calls[0] = i + 1
+        run = _Run(self._build(inside_from), between=count)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+        self.assertRegex(run.explain, r"steps its learning-rate scheduler \(CosineAnnealingDecay\) inside")
+
+    def test_a_scheduler_stepped_inside_the_step_is_refused_at_warmup(self):
+        # On a GPU a replay would not run sched.step(): the rate would stop at the capture.
+        self._check(inside_from=0)
+
+    def test_a_scheduler_first_stepped_inside_at_the_capture_is_refused_and_stepped_once(self):
+        self._check(inside_from=2)
+
+
 class RefusedCaptureWritesOnceTest(unittest.TestCase):
     """A capture attempt leaves no write the eager re-run repeats, whatever tensor it wrote."""
 

@@ -37,7 +37,7 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
-from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
+from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                               suppress_lr_fill, unlisted_message, watch_unlisted)
 from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
@@ -167,6 +167,7 @@ class StepBody:
         self._bindings = BindingWatch(fn)
         self._warm = weakref.WeakKeyDictionary()
         self._unlisted = {}  # NOTE [ Optimizers outside optimizers= ]: id -> optimizer seen at warmup
+        self._stepped_schedulers = []  # NOTE [ A scheduler stepped inside the step ]
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
         self._warn_once = None
@@ -211,6 +212,7 @@ class StepBody:
         warm.bindings = self._bindings.snapshot()
         watch = LayerWatch()
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
+        schedulers = SchedulerWatch(self.optimizers)
         # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
         with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
                 on_gpu=entry.backend.name == "cuda") as trace, watch_unlisted(self.optimizers, self._note_unlisted):
@@ -218,6 +220,7 @@ class StepBody:
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         warm.trace = trace
+        self._stepped_schedulers = schedulers.stepped() or self._stepped_schedulers
         warm.consts = flatten(out)[1]
         warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if mode_changed:
@@ -262,6 +265,8 @@ class StepBody:
             raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
         if self._unlisted:
             raise self.unlisted_error(list(self._unlisted.values()))
+        if self._stepped_schedulers:
+            raise CaptureError(SchedulerWatch.message(self._stepped_schedulers))
         for opt in self.optimizers:
             check_supported(opt)
         with CAPTURE_LOCK:
@@ -370,6 +375,7 @@ class _StepCapture:
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
+        schedulers = self.schedulers = SchedulerWatch(body.optimizers)
         try:
             self._capture(graphs, rollback)
         except BaseException:
@@ -379,6 +385,7 @@ class _StepCapture:
                     feed.forget()
             else:
                 state.restore_rng(rng)
+                schedulers.restore()
                 for scaler, stage in stages:
                     scaler.set_python_state(stage)
             graphs.release()
@@ -431,6 +438,9 @@ class _StepCapture:
 
     def _check(self, live, before, watch, graphs):
         body = self.body
+        stepped = self.schedulers.stepped()
+        if stepped:
+            raise CaptureError(SchedulerWatch.message(stepped))
         trace = live["trace"]
         host = trace.host_inputs()
         if host:

@@ -27,6 +27,8 @@ bits). ``move_beta_pows_to_device`` replaces each host beta-power accumulator by
 of the same name before the capture; eager steps afterwards use the device copy too.
 """
 
+import copy
+
 import numpy as np
 import paddle
 
@@ -42,6 +44,7 @@ __all__ = [
     "move_beta_pows_to_device",
     "check_supported",
     "watch_unlisted",
+    "SchedulerWatch",
     "unlisted_message",
 ]
 
@@ -279,3 +282,39 @@ def unlisted_message(unlisted, listed, bindings):
         "freeze its learning rate and its host-side state, and a failed capture could not take its update back. "
         f"Pass every optimizer the step steps: optimizers=[{', '.join(ours + names)}]."
     )
+
+
+class SchedulerWatch:
+    """The learning-rate schedulers of some optimizers and their ``last_epoch`` now;
+    ``stepped()`` names those stepped since (inside the step).
+
+    NOTE [ A scheduler stepped inside the step ]
+    The rate is fed from ``opt.get_lr()`` before every run (NOTE [ Learning rate under a step
+    graph ]). A ``sched.step()`` *inside* the step function is host code that a replay does not
+    run: on a GPU the scheduler would stop at its capture-time epoch and the rate with it. So a
+    warmup step or a capture that steps a scheduler refuses the capture, naming it; the fix is to
+    step it after the call, as eager code usually does. ``state()`` / ``restore()`` put its state
+    back after a capture that stepped it (its eager re-run steps it once)."""
+
+    def __init__(self, optimizers):
+        self._schedulers = {}
+        for opt in optimizers:
+            sched = opt._learning_rate
+            if isinstance(sched, paddle.optimizer.lr.LRScheduler):
+                self._schedulers[id(sched)] = (sched, sched.last_epoch, copy.deepcopy(sched.state_dict()))
+
+    def stepped(self):
+        return [sched for sched, epoch, _ in self._schedulers.values() if sched.last_epoch != epoch]
+
+    def restore(self):
+        for sched, _, saved in self._schedulers.values():
+            sched.set_state_dict(copy.deepcopy(saved))
+
+    @staticmethod
+    def message(stepped):
+        names = ", ".join(type(s).__name__ for s in stepped)
+        return (
+            f"autocudagraph: the step function steps its learning-rate scheduler ({names}) inside. A replay "
+            "does not run the step's Python, so on a GPU the scheduler, and the rate, would stop at the capture. "
+            "Call sched.step() after the graphed step, outside the step function."
+        )
