@@ -302,6 +302,56 @@ class KernelLessGpuRefusedCaptureTest(unittest.TestCase):
         self.assertEqual((result["stats"]["captures"], result["stats"]["eager_calls"]), (0, 4), result["stats"])
 
 
+class RefusedCaptureAccumulationTest(unittest.TestCase):
+    def test_grads_left_for_the_next_call_are_put_back_with_adamw_and_a_cosine_rate(self):
+        # Two micro-batches per optimizer step (one key per phase); every capture fails after
+        # the step ran: the grads it added and the update it made are taken back.
+        def build():
+            model = _model()
+            sched = paddle.optimizer.lr.CosineAnnealingDecay(0.05, T_max=4)
+            opt = paddle.optimizer.AdamW(sched, parameters=model.parameters(), weight_decay=0.01)
+
+            def step(x, apply):
+                loss = model(x).square().mean()
+                loss.backward()
+                if apply:
+                    opt.step()
+                    opt.clear_grad()
+                _host_read(loss)
+                return loss
+            return Trainee(step, _objects(model, opt, sched))
+        batches = [(x, i % 2 == 1) for i, x in enumerate(_batches(12))]
+        run = _Run(build, batches=batches, warmup_steps=1)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+
+    def test_graphed_phases_write_the_rate_only_in_the_phase_that_steps(self):
+        # Eager Paddle writes the learning-rate tensor in opt.step() only: the micro-batch after
+        # an optimizer step still holds the previous rate (compared after every call).
+        def build():
+            model = _model()
+            sched = paddle.optimizer.lr.CosineAnnealingDecay(0.05, T_max=4)
+            opt = paddle.optimizer.AdamW(sched, parameters=model.parameters(), weight_decay=0.01)
+
+            def step(x, apply):
+                loss = model(x).square().mean()
+                loss.backward()
+                if apply:
+                    opt.step()
+                    opt.clear_grad()
+                return loss
+            trainee = Trainee(step, {"model": model, "opt": opt, "lr tensor": lambda: opt._global_learning_rate()})
+            trainee.sched = sched
+            return trainee
+
+        def after_apply(i, trainee):
+            if i % 2 == 1:
+                trainee.sched.step()
+        batches = [(x, i % 2 == 1) for i, x in enumerate(_batches(16))]
+        run = _Run(build, batches=batches, warmup_steps=1, between=after_apply)
+        self.assertEqual(run.stats["captures"], 2, run.explain)
+        self.assertGreater(run.stats["replays"], 8, run.explain)
+
+
 class UnlistedOptimizerTest(unittest.TestCase):
     def test_an_optimizer_missing_from_optimizers_is_refused_by_name_before_any_capture(self):
         def build():

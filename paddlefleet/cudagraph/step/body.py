@@ -38,7 +38,7 @@ from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
-                              suppress_lr_fill, unlisted_message, watch_unlisted)
+                              suppress_lr_fill, unlisted_message, watch_steps)
 from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .returned_values import ReturnedValues, tag_learning_rates
@@ -76,6 +76,7 @@ class StepGraphs:
     bindings: dict = dataclasses.field(default_factory=dict)
     trace: Any = None
     pending: Any = None
+    stepped: frozenset = frozenset()  # ids of the optimizers the step updates (their rates are fed)
     moved_beta_pows: int = 0
     returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
@@ -109,6 +110,7 @@ class _Warm:
     bindings: dict = dataclasses.field(default_factory=dict)
     changes: str = ""
     consts: Any = None  # the Python values of its result
+    stepped: frozenset = frozenset()  # ids of the optimizers it updated
 
 
 def _hand_out(outputs):
@@ -176,13 +178,25 @@ class StepBody:
         return []
 
     # ------------------------------------------------------------------ scope
-    def _feed(self):
+    def _feed(self, only):
+        """Writes the rates of the optimizers whose ids are in ``only`` (NOTE [ Feed only what the
+        step updates ] in step/optimizer_state.py)."""
         for feed in self._feeds:
-            feed.feed()
+            if id(feed.opt) in only:
+                feed.feed()
 
     @contextlib.contextmanager
-    def _scope(self):
-        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), whole_step():
+    def _scope(self, lazy=False):
+        """The step scope; ``lazy``: an eager run, whose rates are written where Paddle fills them."""
+        on_fill = None
+        if lazy:
+            pending = {id(feed.opt): (feed, feed.prepare()) for feed in self._feeds}
+
+            def on_fill(opt):
+                feed, value = pending.pop(id(opt), (None, None))
+                if value is not None:
+                    feed.commit(value)
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers, on_fill), whole_step():
             yield record
 
     def _after_host_run(self, record):
@@ -198,8 +212,7 @@ class StepBody:
         """The step, eagerly (fallback and keys without graphs)."""
         if not self._scoped:
             return self.fn(*args, **kwargs)
-        self._feed()
-        with self._scope() as record:
+        with self._scope(lazy=True) as record:
             out = self.fn(*args, **kwargs)
         self._after_host_run(record)
         return out
@@ -207,16 +220,23 @@ class StepBody:
     def warmup(self, entry, call):
         """An eager step that also records its ops and whether it created state."""
         self._scoped = True
-        self._feed()
         warm = self._warm.setdefault(entry, _Warm())
         warm.bindings = self._bindings.snapshot()
         watch = LayerWatch()
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         schedulers = SchedulerWatch(self.optimizers)
         # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
-        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace, watch_unlisted(self.optimizers, self._note_unlisted):
+        stepped = set()
+
+        def on_step(opt):
+            stepped.add(id(opt))
+            if not any(o is opt for o in self.optimizers):
+                self._unlisted.setdefault(id(opt), opt)
+
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(lazy=True) as record, OpTrace(
+                on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
+        warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         warm.trace = trace
@@ -226,9 +246,6 @@ class StepBody:
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
         return out
-
-    def _note_unlisted(self, opt):
-        self._unlisted.setdefault(id(opt), opt)
 
     def unlisted_error(self, unlisted):
         """The CaptureError for optimizers stepped by the step but missing from optimizers=."""
@@ -311,7 +328,7 @@ class StepBody:
             result, graphs.pending = graphs.pending, None
             self._remember_between()
             return result, 0, 0
-        self._feed()
+        self._feed(graphs.stepped)
         consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
@@ -410,20 +427,32 @@ class _StepCapture:
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
-        body._feed()
+        body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
-        def unlisted(opt):
-            raise body.unlisted_error([opt])
+        stepped = set()
+
+        def on_step(opt):
+            if not any(o is opt for o in body.optimizers):
+                raise body.unlisted_error([opt])
+            if id(opt) not in self.warm.stepped:  # its rate was not fed before the capture
+                raise CaptureError(
+                    f"autocudagraph: the capture step updates optimizer {body.optimizers.index(opt)} "
+                    f"({type(opt).__name__}), which the last warmup step of this key did not. A key must "
+                    "update the same optimizers on every call; give other phases their own key (e.g. a Python "
+                    "bool argument)."
+                )
+            stepped.add(id(opt))
 
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
-        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_unlisted(
-                body.optimizers, unlisted), tag_learning_rates(), writes:
+        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_steps(
+                on_step), tag_learning_rates(), writes:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
         graphs.static_outputs = list(outputs)
+        graphs.stepped = self.warm.stepped
         graphs.out_spec = live["spec"][0]
         graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
         graphs.out_consts = graphs.returned.consts

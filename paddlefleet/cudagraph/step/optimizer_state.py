@@ -16,6 +16,14 @@ skipped when the value has not changed. The value is the one Paddle's fill would
 (``float(scheduler())`` rounded to the tensor's dtype), so the learning rate is bitwise what
 eager uses.
 
+NOTE [ Feed only what the step updates ]
+Eager Paddle writes the tensor only in ``step()``: a micro-batch that does not step the
+optimizer (gradient accumulation) leaves the previous rate in it. So the wrapper writes it only
+for runs that step that optimizer: an eager or warmup run prepares the value before the run
+(``LRFeed.prepare``, no device op) and writes it where Paddle's fill would be (``on_fill`` of
+``suppress_lr_fill``: one copy, which the op trace does not record); a capture and its replays
+feed before the run the optimizers the key's last warmup step stepped (``watch_steps``).
+
 NOTE [ Beta powers on the host ]
 Adam, AdamW and Lamb create ``beta1_pow_acc`` / ``beta2_pow_acc`` with ``device='cpu'``
 (``_add_moments_pows``, Paddle 2.6.2 and 3.3.1). With CPU beta powers the GPU adam/adamw kernel
@@ -43,7 +51,7 @@ __all__ = [
     "suppress_lr_fill",
     "move_beta_pows_to_device",
     "check_supported",
-    "watch_unlisted",
+    "watch_steps",
     "SchedulerWatch",
     "unlisted_message",
 ]
@@ -113,23 +121,33 @@ class LRFeed:
         self._value = None
 
     def feed(self):
+        pending = self.prepare()
+        if pending is not None:
+            self.commit(pending)
+        return pending is not None
+
+    def prepare(self):
+        """What ``commit()`` would write now (a host tensor and the value), or None when the
+        tensor already holds the rate or does not exist yet. Makes no Paddle op on the device:
+        ``commit()`` is then one copy, which the op trace does not record."""
         t = self.opt._global_learning_rate()
         if t is None:  # before the first step: the step creates and fills it itself
-            return False
+            return None
         value = current_lr(self.opt)
         if t is not self._tensor:
             self._tensor, self._dtype, self._written, self._value = t, _numpy_dtype(t), None, None
         elif self._value is not None and value.hex() == self._value:  # unchanged: nothing to write
-            return False
-        self._value = value.hex()
+            return None
         bits = np.array(value, dtype=self._dtype)
         if self._written is not None and bits.tobytes() == self._written:
-            return False
-        host = paddle.to_tensor(bits, place=paddle.CPUPlace())
+            self._value = value.hex()
+            return None
+        return paddle.to_tensor(bits, place=paddle.CPUPlace()).reshape(t.shape), value.hex(), bits.tobytes()
+
+    def commit(self, pending):
+        host, self._value, self._written = pending
         with paddle.no_grad():
-            t.copy_(host.reshape(t.shape), False)
-        self._written = bits.tobytes()
-        return True
+            self._tensor.copy_(host, False)
 
     def forget(self):
         """Forgets what was written: the next ``feed()`` writes (after a rollback put an older
@@ -139,10 +157,12 @@ class LRFeed:
 
 class suppress_lr_fill:
     """While active, the optimizers' ``_create_global_learning_rate`` does nothing once their
-    learning-rate tensor exists (it is fed by LRFeed instead)."""
+    learning-rate tensor exists (it is fed by LRFeed instead); ``on_fill(opt)``, when given, is
+    called in its place (an eager run feeds there: NOTE [ Feed only what the step updates ])."""
 
-    def __init__(self, optimizers):
+    def __init__(self, optimizers, on_fill=None):
         self._optimizers = list(optimizers)
+        self._on_fill = on_fill
         self._saved = []
 
     def __enter__(self):
@@ -150,9 +170,11 @@ class suppress_lr_fill:
             own = opt.__dict__.get("_create_global_learning_rate")
             original = opt._create_global_learning_rate
 
-            def guarded(opt=opt, original=original):
+            def guarded(opt=opt, original=original, on_fill=self._on_fill):
                 if opt._global_learning_rate() is None:
                     return original()
+                if on_fill is not None:
+                    on_fill(opt)
                 return None
 
             self._saved.append((opt, own))
@@ -219,10 +241,10 @@ def mark_beta_pows_host(opt):
                 mark_host(t)
 
 
-class watch_unlisted:
-    """While active, calls ``on_unlisted(opt)`` when an optimizer that is not one of ``listed``
-    starts an update (``Optimizer._apply_optimize``: before its clipping, state creation and
-    update ops), then lets it run; ``on_unlisted`` raises to stop it before it writes anything.
+class watch_steps:
+    """While active, calls ``on_step(opt)`` when an optimizer starts an update
+    (``Optimizer._apply_optimize``: before its clipping, state creation and update ops), then
+    lets it run; ``on_step`` raises to stop it before it writes anything.
 
     NOTE [ Optimizers outside optimizers= ]
     The wrapper feeds the learning rate of, moves the beta powers of, and checks the state of
@@ -232,19 +254,17 @@ class watch_unlisted:
     it starts, naming the optimizer and the fix; one first stepped at the capture is stopped
     before its update."""
 
-    def __init__(self, listed, on_unlisted):
-        self._listed = {id(o) for o in listed}
-        self._on_unlisted = on_unlisted
+    def __init__(self, on_step):
+        self._on_step = on_step
         self._original = None
 
     def __enter__(self):
         cls = paddle.optimizer.Optimizer
         original = self._original = cls.__dict__["_apply_optimize"]
-        listed, on_unlisted = self._listed, self._on_unlisted
+        on_step = self._on_step
 
         def apply_optimize(opt, *args, **kwargs):
-            if id(opt) not in listed:
-                on_unlisted(opt)
+            on_step(opt)
             return original(opt, *args, **kwargs)
 
         cls._apply_optimize = apply_optimize
