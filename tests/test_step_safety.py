@@ -373,11 +373,30 @@ class UnlistedOptimizerTest(unittest.TestCase):
         self.assertRegex(run.explain, r"head_opt.*Adam.*not in optimizers=.*optimizers=\[opt, head_opt\]")
 
     def test_one_first_stepped_at_the_capture_is_stopped_before_its_update(self):
+        run = _Run(self._late_head_build(), between=self._switch)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+        self.assertRegex(run.explain, r"head_opt \(SGD.*optimizers=\[opt, head_opt\]")
+
+    def test_a_listed_one_first_stepped_at_the_capture_is_refused(self):
+        # Its rate was not fed before the capture (the last warmup step did not update it).
+        def switch(i, trainee):
+            trainee.tune_head[0] = i != 0  # stepped at the first call and from the capture call on
+        run = _Run(self._late_head_build(first=True), between=switch,
+                   optimizers=lambda t: [t.objects["opt"], t.objects["head_opt"]])
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+        self.assertRegex(run.explain, r"updates optimizers\[1\] \(SGD\), which the last warmup step")
+
+    @staticmethod
+    def _switch(i, trainee):
+        trainee.tune_head[0] = i >= 1  # from the capture call (the third) on
+
+    @staticmethod
+    def _late_head_build(first=False):
         def build():
             model, head = _model(), _model(seed=9)
             opt, sched = _sgd_cosine(model)
             head_opt = paddle.optimizer.SGD(0.01, parameters=head.parameters())
-            tune_head = [False]  # switched on by the loop from the capture call on
+            tune_head = [first]  # switched by the loop
 
             def step(x):
                 loss = model(x).square().mean() + head(x).abs().mean()
@@ -391,12 +410,7 @@ class UnlistedOptimizerTest(unittest.TestCase):
             trainee = Trainee(step, _objects(model, opt, sched, head=head, head_opt=head_opt))
             trainee.tune_head = tune_head
             return trainee
-
-        def switch(i, trainee):
-            trainee.tune_head[0] = i >= 1  # from the capture call (the third) on
-        run = _Run(build, between=switch)
-        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
-        self.assertRegex(run.explain, r"head_opt \(SGD.*optimizers=\[opt, head_opt\]")
+        return build
 
 
 class ReturnedPythonValuesTest(unittest.TestCase):

@@ -185,17 +185,23 @@ class StepBody:
             if id(feed.opt) in only:
                 feed.feed()
 
-    @contextlib.contextmanager
-    def _scope(self, lazy=False):
-        """The step scope; ``lazy``: an eager run, whose rates are written where Paddle fills them."""
-        on_fill = None
-        if lazy:
-            pending = {id(feed.opt): (feed, feed.prepare()) for feed in self._feeds}
+    def _lazy_feed(self, stepped=None):
+        """``on_fill(opt)`` for an eager run: writes the rate prepared now where Paddle's fill
+        would be, and adds the optimizer's id to ``stepped``."""
+        pending = {id(feed.opt): (feed, feed.prepare()) for feed in self._feeds}
 
-            def on_fill(opt):
-                feed, value = pending.pop(id(opt), (None, None))
-                if value is not None:
-                    feed.commit(value)
+        def on_fill(opt):
+            if stepped is not None:
+                stepped.add(id(opt))
+            feed, value = pending.pop(id(opt), (None, None))
+            if value is not None:
+                feed.commit(value)
+
+        return on_fill
+
+    @contextlib.contextmanager
+    def _scope(self, on_fill=None):
+        """The step scope; ``on_fill(opt)`` is called where Paddle would fill a learning rate."""
         with self.slots.scope() as record, suppress_lr_fill(self.optimizers, on_fill), whole_step():
             yield record
 
@@ -212,7 +218,7 @@ class StepBody:
         """The step, eagerly (fallback and keys without graphs)."""
         if not self._scoped:
             return self.fn(*args, **kwargs)
-        with self._scope(lazy=True) as record:
+        with self._scope(self._lazy_feed()) as record:
             out = self.fn(*args, **kwargs)
         self._after_host_run(record)
         return out
@@ -229,11 +235,10 @@ class StepBody:
         stepped = set()
 
         def on_step(opt):
-            stepped.add(id(opt))
             if not any(o is opt for o in self.optimizers):
                 self._unlisted.setdefault(id(opt), opt)
 
-        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(lazy=True) as record, OpTrace(
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
                 on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
         warm.stepped = frozenset(stepped)
@@ -415,9 +420,10 @@ class _StepCapture:
         static = StaticInputs(call.tensors, self.names, host=host)
         args, kwargs = call.rebuild(static.buffers)
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
+        stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
 
         def step_body():
-            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+            with body._scope(lambda opt: stepped.add(id(opt))) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
@@ -429,19 +435,9 @@ class _StepCapture:
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
-        stepped = set()
-
         def on_step(opt):
             if not any(o is opt for o in body.optimizers):
                 raise body.unlisted_error([opt])
-            if id(opt) not in self.warm.stepped:  # its rate was not fed before the capture
-                raise CaptureError(
-                    f"autocudagraph: the capture step updates optimizer {body.optimizers.index(opt)} "
-                    f"({type(opt).__name__}), which the last warmup step of this key did not. A key must "
-                    "update the same optimizers on every call; give other phases their own key (e.g. a Python "
-                    "bool argument)."
-                )
-            stepped.add(id(opt))
 
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
         with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_steps(
@@ -470,6 +466,14 @@ class _StepCapture:
         stepped = self.schedulers.stepped()
         if stepped:
             raise CaptureError(SchedulerWatch.message(stepped))
+        new = [k for k, opt in enumerate(body.optimizers) if id(opt) in live["stepped"] - self.warm.stepped]
+        if new:  # its rate was not fed before the capture
+            raise CaptureError(
+                f"autocudagraph: the capture step updates optimizers[{new[0]}] "
+                f"({type(body.optimizers[new[0]]).__name__}), which the last warmup step of this key did not. A key "
+                "must update the same optimizers on every call; give other phases their own key (e.g. a Python bool "
+                "argument)."
+            )
         trace = live["trace"]
         host = trace.host_inputs()
         if host:

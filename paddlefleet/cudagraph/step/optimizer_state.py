@@ -22,7 +22,8 @@ optimizer (gradient accumulation) leaves the previous rate in it. So the wrapper
 for runs that step that optimizer: an eager or warmup run prepares the value before the run
 (``LRFeed.prepare``, no device op) and writes it where Paddle's fill would be (``on_fill`` of
 ``suppress_lr_fill``: one copy, which the op trace does not record); a capture and its replays
-feed before the run the optimizers the key's last warmup step stepped (``watch_steps``).
+feed before the run the optimizers whose rate the key's last warmup step filled (a capture
+that fills another one is refused).
 
 NOTE [ Beta powers on the host ]
 Adam, AdamW and Lamb create ``beta1_pow_acc`` / ``beta2_pow_acc`` with ``device='cpu'``
