@@ -37,8 +37,8 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
-from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
-                              suppress_lr_fill, unlisted_message, watch_steps)
+from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
+                              optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..block.replay import Blocked
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .returned_values import ReturnedValues, tag_learning_rates
@@ -387,6 +387,7 @@ class _StepCapture:
         self.names = names
         self.warm = warm
         self.on_gpu = backend.name == "cuda"
+        self.schedulers = SchedulerWatch(body.optimizers)  # their state before the capture
 
     def run(self):
         body, backend = self.body, self.backend
@@ -397,7 +398,6 @@ class _StepCapture:
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
-        schedulers = self.schedulers = SchedulerWatch(body.optimizers)
         try:
             self._capture(graphs, rollback)
         except BaseException:
@@ -407,7 +407,7 @@ class _StepCapture:
                     feed.forget()
             else:
                 state.restore_rng(rng)
-                schedulers.restore()
+                self.schedulers.restore()
                 for scaler, stage in stages:
                     scaler.set_python_state(stage)
             graphs.release()
@@ -422,8 +422,11 @@ class _StepCapture:
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
         stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
 
+        def filled(opt):
+            stepped.add(id(opt))
+
         def step_body():
-            with body._scope(lambda opt: stepped.add(id(opt))) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
@@ -435,6 +438,7 @@ class _StepCapture:
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
+
         def on_step(opt):
             if not any(o is opt for o in body.optimizers):
                 raise body.unlisted_error([opt])

@@ -121,12 +121,13 @@ NO_WATCH = _Nothing()
 
 
 class Rollback:
-    """Values of a step's state taken before a simulated capture, put back by ``restore()``:
-    every tensor reachable from ``roots`` (the step function), the optimizers and the graph-safe
-    loss scalers, every tensor an in-place op is handed during the capture (``writes``) (NOTE [ What a failed simulated capture may have written ] in step/reachable.py),
-    the grads of the parameters among them, learning-rate schedulers, Layer buffers
-    (``buffers``: those of the Layers the capture calls), the scalers' Python state and every RNG
-    state."""
+    """Values of a step's state taken before a simulated capture, put back by ``restore()``
+    (NOTE [ What a failed simulated capture may have written ] in step/reachable.py): every
+    tensor reachable from ``roots`` (the step function), the optimizers and the graph-safe loss
+    scalers, the grads of the parameters among them and learning-rate schedulers; every tensor an
+    in-place op is handed during the capture (``writes``, entered around it); Layer buffers
+    (``buffers``: those of the Layers the capture calls); the scalers' Python state and every
+    RNG state."""
 
     def __init__(self, optimizers, scalers=(), roots=()):
         self.buffers = state.BufferSnapshot(enabled=True)
