@@ -141,6 +141,29 @@ class RefusedCaptureLearningRateTest(unittest.TestCase):
         self.assertRegex(run.explain, r"host value that changes")
 
 
+class RefusedCaptureFullStepTest(unittest.TestCase):
+    def test_adamw_warmup_cosine_clipping_and_graph_grad_scaler_with_a_capture_failing_after_the_update(self):
+        def build():
+            model = _model()
+            sched = paddle.optimizer.lr.LinearWarmup(paddle.optimizer.lr.CosineAnnealingDecay(0.05, T_max=8),
+                                                     warmup_steps=3, start_lr=0.005, end_lr=0.05)
+            opt = paddle.optimizer.AdamW(sched, parameters=model.parameters(), weight_decay=0.01,
+                                         grad_clip=paddle.nn.ClipGradByGlobalNorm(0.5))
+            scaler = GraphGradScaler(init_loss_scaling=256.0, incr_every_n_steps=2)
+
+            def step(x):
+                loss = model(x).square().mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.clear_grad()
+                _host_read(loss)
+                return loss
+            return Trainee(step, _objects(model, opt, sched, scaler=scaler))
+        run = _Run(build)
+        self.assertEqual((run.stats["captures"], run.stats["replays"]), (0, 0), run.explain)
+
+
 class CrossEntropyStepTest(unittest.TestCase):
     def test_a_classifier_step_with_cross_entropy_sgd_and_a_cosine_rate_equals_eager(self):
         # Paddle 2.6's F.cross_entropy with integer labels reads a value on the host: there the
