@@ -33,9 +33,13 @@ _NUMBERS = (bool, int, float, complex)
 
 
 class _LearningRate(float):
-    """A float returned by ``opt.get_lr()`` during a capture, remembering the optimizer."""
+    """A float returned by ``opt.get_lr()`` during a capture, remembering the optimizer. Copied
+    or pickled (the step may keep it in a history list), it is a plain float."""
 
     optimizer = None
+
+    def __reduce__(self):
+        return float, (float(self),)
 
 
 class tag_learning_rates:
