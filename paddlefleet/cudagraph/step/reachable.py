@@ -41,19 +41,19 @@ __all__ = ["Reachable", "reachable", "InPlaceWrites"]
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType, range, slice)
 _LIBRARY_PREFIXES = ("paddle", "numpy", "builtins", "collections", "typing", "functools", "abc", "enum",
                      "threading", "weakref")
-#: Objects visited at most (a guard against walking a huge data structure for ever).
+#: Objects visited at most (a guard against walking a huge data structure for ever; past it, only
+#: the in-place op net covers what the step writes).
 LIMIT = 500000
 
 
 class Reachable:
     """What ``reachable()`` found: ``tensors`` (by id), the ``params`` among them (leaf tensors
-    with grads), the learning-rate ``schedulers``, and whether the walk stopped at LIMIT."""
+    with grads) and the learning-rate ``schedulers``."""
 
     def __init__(self):
         self.tensors = {}
         self.params = {}
         self.schedulers = {}
-        self.truncated = False
 
 
 def _code_globals(fn, stack):
@@ -95,8 +95,7 @@ def reachable(roots, limit=LIMIT):
         if isinstance(obj, _ATOMS) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if len(seen) > limit:
-            found.truncated = True
+        if len(seen) > limit:  # the in-place net (InPlaceWrites) still covers the rest
             break
         if isinstance(obj, paddle.Tensor):
             found.tensors[id(obj)] = obj
