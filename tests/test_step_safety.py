@@ -11,6 +11,8 @@ buffers, the extra state each case registers - bit for bit after every step:
   step closes over) is written once, not twice; an optimizer stepped inside the step but missing
   from ``optimizers=`` is refused before any capture, by name, with the fix;
 - Python values the step returns are recomputed on every replay (``opt.get_lr()``) or refused;
+- a scheduler stepped inside the step is refused (a replay would not step it), and the rate
+  tensor is written only by the phases that step its optimizer, as eager writes it;
 - GraphGradScaler with parameter groups skips an overflow step as paddle.amp.GradScaler does.
 """
 
