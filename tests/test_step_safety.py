@@ -461,6 +461,24 @@ class UnlistedOptimizerTest(unittest.TestCase):
 
 
 class ReturnedPythonValuesTest(unittest.TestCase):
+    def test_an_argument_returned_as_it_is_is_kept(self):
+        # A non-tensor argument is part of the key: each key returns its own value.
+        def build():
+            model = _model()
+            opt, sched = _sgd_cosine(model)
+
+            def step(x, apply):
+                loss = model(x).square().mean()
+                loss.backward()
+                if apply:
+                    opt.step()
+                    opt.clear_grad()
+                return loss, apply
+            return Trainee(step, _objects(model, opt, sched))
+        batches = [(x, i % 2 == 1) for i, x in enumerate(_batches(12))]
+        run = _Run(build, batches=batches, warmup_steps=1)
+        self.assertEqual(run.stats["captures"], 2, run.explain)
+
     def test_a_float_derived_from_get_lr_is_refused_and_named(self):
         def build():
             model = _model()
