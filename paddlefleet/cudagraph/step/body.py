@@ -39,9 +39,10 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
-from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
-                          suppress_lr_fill)
+from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
+                              optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
+from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
 __all__ = ["StepBody", "StepGraphs"]
@@ -76,7 +77,9 @@ class StepGraphs(Graphs):
     bindings: dict = dataclasses.field(default_factory=dict)
     trace: Any = None
     pending: Any = None
+    stepped: frozenset = frozenset()  # ids of the optimizers the step updates (their rates are fed)
     moved_beta_pows: int = 0
+    returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
 
     def describe(self):
@@ -101,6 +104,8 @@ class _Warm:
     trace: Any = None
     bindings: dict = dataclasses.field(default_factory=dict)
     changes: str = ""
+    consts: Any = None  # the Python values of its result
+    stepped: frozenset = frozenset()  # ids of the optimizers it updated
 
 
 def _hand_out(outputs):
@@ -155,17 +160,37 @@ class StepBody(Body):
         self._feeds = [LRFeed(opt) for opt in self.optimizers]
         self._bindings = BindingWatch(fn)
         self._warm = weakref.WeakKeyDictionary()
+        self._unlisted = {}  # NOTE [ Optimizers outside optimizers= ]: id -> optimizer seen at warmup
+        self._stepped_schedulers = []  # NOTE [ A scheduler stepped inside the step ]
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
 
     # ------------------------------------------------------------------ scope
-    def _feed(self):
+    def _feed(self, only):
+        """Writes the rates of the optimizers whose ids are in ``only`` (NOTE [ Feed only what the
+        step updates ] in step/optimizer_state.py)."""
         for feed in self._feeds:
-            feed.feed()
+            if id(feed.opt) in only:
+                feed.feed()
+
+    def _lazy_feed(self, stepped=None):
+        """``on_fill(opt)`` for an eager run: writes the rate prepared now where Paddle's fill
+        would be, and adds the optimizer's id to ``stepped``."""
+        pending = {id(feed.opt): (feed, feed.prepare()) for feed in self._feeds}
+
+        def on_fill(opt):
+            if stepped is not None:
+                stepped.add(id(opt))
+            feed, value = pending.pop(id(opt), (None, None))
+            if value is not None:
+                feed.commit(value)
+
+        return on_fill
 
     @contextlib.contextmanager
-    def _scope(self):
-        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), whole_step():
+    def _scope(self, on_fill=None):
+        """The step scope; ``on_fill(opt)`` is called where Paddle would fill a learning rate."""
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers, on_fill), whole_step():
             yield record
 
     def _after_host_run(self, record):
@@ -181,8 +206,7 @@ class StepBody(Body):
         """The step, eagerly (fallback and keys without graphs)."""
         if not self._scoped:
             return self.fn(*args, **kwargs)
-        self._feed()
-        with self._scope() as record:
+        with self._scope(self._lazy_feed()) as record:
             out = self.fn(*args, **kwargs)
         self._after_host_run(record)
         return out
@@ -190,22 +214,35 @@ class StepBody(Body):
     def warmup(self, entry, call):
         """An eager step that also records its ops and whether it created state."""
         self._scoped = True
-        self._feed()
         warm = self._warm.setdefault(entry, _Warm())
         warm.bindings = self._bindings.snapshot()
         watch = LayerWatch()
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
+        schedulers = SchedulerWatch(self.optimizers)
         # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
-        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace:
+        stepped = set()
+
+        def on_step(opt):
+            if not any(o is opt for o in self.optimizers):
+                self._unlisted.setdefault(id(opt), opt)
+
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
+                on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
+        warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         warm.trace = trace
+        self._stepped_schedulers = schedulers.stepped() or self._stepped_schedulers
+        warm.consts = flatten(out)[1]
         warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
         return out
+
+    def unlisted_error(self, unlisted):
+        """The CaptureError for optimizers stepped by the step but missing from optimizers=."""
+        return CaptureError(unlisted_message(unlisted, self.optimizers, self._bindings.snapshot()))
 
     def ready(self, entry):
         """May ``entry`` capture now? Not while its warmup steps still create state (up to
@@ -235,6 +272,10 @@ class StepBody(Body):
         changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
         if changed is not None:
             raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+        if self._unlisted:
+            raise self.unlisted_error(list(self._unlisted.values()))
+        if self._stepped_schedulers:
+            raise CaptureError(SchedulerWatch.message(self._stepped_schedulers))
         for opt in self.optimizers:
             check_supported(opt)
         with CAPTURE_LOCK:
@@ -279,7 +320,8 @@ class StepBody(Body):
             result, graphs.pending = graphs.pending, None
             self._remember_between()
             return Replayed(result)
-        self._feed()
+        self._feed(graphs.stepped)
+        consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
             graphs.graph.replay()
@@ -287,19 +329,22 @@ class StepBody(Body):
             with CAPTURE_LOCK:
                 graphs.graph.replay()
         outputs = _hand_out(graphs.static_outputs)
-        result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
+        result = unflatten(graphs.out_spec, outputs, consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
         then = None
         if graphs.trace is not None and replayed is not graphs.trace:
-            then = _simulated_replay_check(graphs.trace, replayed)
+            then = _simulated_replay_check(graphs, replayed)
         return Replayed(result, copied, skipped, then)
 
 
-def _simulated_replay_check(captured, replayed):
-    """None when a simulated replay read the host values its capture read, else a Blocked that
-    moves the key to eager (this call's result, from a re-run of the step, is still eager's)."""
-    diff = describe_trace_difference(captured, replayed, "capture", "replay")
+def _simulated_replay_check(graphs, replayed):
+    """None when a simulated replay read the host values its capture read (and returned the Python
+    values it kept), else a Blocked that moves the key to eager (this call's result, from a re-run
+    of the step, is still eager's)."""
+    diff = describe_trace_difference(graphs.trace, replayed, "capture", "replay")
+    if diff is None:
+        diff = graphs.returned.differs(graphs.live["spec"][1])
     if diff is None:
         return None
     reason = f"a replay read other host values than the capture: {diff}"
@@ -329,13 +374,14 @@ class _StepCapture:
         self.names = names
         self.warm = warm
         self.on_gpu = backend.name == "cuda"
+        self.schedulers = SchedulerWatch(body.optimizers)  # their state before the capture
 
     def run(self):
         body, backend = self.body, self.backend
         graphs = StepGraphs(backend=backend, pool=backend.new_pool(), grad_mode=body.slots.mode)
         place = _device_place(body.optimizers) if self.on_gpu else None
         graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
-        rollback = Rollback(body.optimizers, live_scalers()) if backend.capture_executes else None
+        rollback = Rollback(body.optimizers, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
@@ -344,8 +390,11 @@ class _StepCapture:
         except BaseException:
             if rollback is not None:
                 rollback.restore()
+                for feed in body._feeds:  # the rollback put the previous step's rate back
+                    feed.forget()
             else:
                 state.restore_rng(rng)
+                self.schedulers.restore()
                 for scaler, stage in stages:
                     scaler.set_python_state(stage)
             graphs.release()
@@ -358,9 +407,13 @@ class _StepCapture:
         static = StaticInputs(call.tensors, self.names, host=host)
         args, kwargs = call.rebuild(static.buffers)
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
+        stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
+
+        def filled(opt):
+            stepped.add(id(opt))
 
         def step_body():
-            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
@@ -370,16 +423,26 @@ class _StepCapture:
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
-        body._feed()
+        body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
-        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler():
+
+        def on_step(opt):
+            if not any(o is opt for o in body.optimizers):
+                raise body.unlisted_error([opt])
+
+        writes = rollback.writes if rollback is not None else contextlib.nullcontext()
+        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_steps(
+                on_step), tag_learning_rates(), writes:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
         graphs.static_outputs = list(outputs)
-        graphs.out_spec, graphs.out_consts = live["spec"]
+        graphs.stepped = self.warm.stepped
+        graphs.out_spec = live["spec"][0]
+        graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
+        graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
         graphs.trace = live["trace"] if self.backend.capture_executes else None
         graphs.bindings = body._bindings.snapshot()
@@ -391,6 +454,17 @@ class _StepCapture:
 
     def _check(self, live, before, watch, graphs):
         body = self.body
+        stepped = self.schedulers.stepped()
+        if stepped:
+            raise CaptureError(SchedulerWatch.message(stepped))
+        new = [k for k, opt in enumerate(body.optimizers) if id(opt) in live["stepped"] - self.warm.stepped]
+        if new:  # its rate was not fed before the capture
+            raise CaptureError(
+                f"autocudagraph: the capture step updates optimizers[{new[0]}] "
+                f"({type(body.optimizers[new[0]]).__name__}), which the last warmup step of this key did not. A key "
+                "must update the same optimizers on every call; give other phases their own key (e.g. a Python bool "
+                "argument)."
+            )
         trace = live["trace"]
         host = trace.host_inputs()
         if host:
