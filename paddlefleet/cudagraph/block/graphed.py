@@ -19,6 +19,7 @@ from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
 from .replay import replay_blocker, run_graphs
 from .replay_fallback import state_restored_on_refusal
+from .slots import Slots
 from .verify import verified_run
 
 __all__ = ["BlockBody", "GraphedCallable"]
@@ -77,17 +78,45 @@ class BlockBody:
 
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
-        returns its BlockGraphs or raises."""
-        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                             warn_once, entry.label)
+        returns its Slots (one slot so far, NOTE [ Slots ] in block/slots.py) or raises."""
+        graphs = capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
+                               warn_once, entry.label)
+        return Slots(graphs, self.options.max_inflight)
+
+    def add_slot(self, entry, call, named, last_inputs, warn_once):
+        """Captures a new slot of ``entry``'s key from ``call`` (NOTE [ Slots ]); returns None, or
+        why the call runs eagerly (the capture failed, or the slot would exceed max_bytes: no
+        further slot is made for this key)."""
+        slots = entry.graphs
+        try:
+            graphs = capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
+                                   warn_once, entry.label)
+        except Exception as err:  # contained: the key keeps its slots, calls past them run eagerly
+            slots.refuse(f"capture of a new slot failed: {type(err).__name__}: {err}")
+            warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Calls that find every slot of "
+                      "the key waiting for its backward run eagerly (results stay correct).")
+            return "capture of a new slot failed"
+        budget = self.options.max_bytes
+        if budget is not None and entry.nbytes() + graphs.nbytes() > budget:
+            graphs.release()
+            slots.refuse(f"another slot would need {graphs.nbytes()} bytes beyond max_bytes={budget}")
+            warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Raise max_bytes, or lower "
+                      "max_inflight.")
+            return "a new slot would exceed max_bytes"
+        slots.add(graphs)
+        return None
 
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graphs now, else a replay.Blocked."""
-        return replay_blocker(entry.graphs, call, check_inputs=self.options.dispatch_key_fn is not None)
+        """None when ``call`` can replay ``entry``'s graphs now (and the slot it gets is current),
+        else a replay.Blocked."""
+        slots = entry.graphs
+        if not slots.select():  # NOTE [ Slots ] in block/slots.py
+            return slots.blocked()
+        return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
-        graphs = entry.graphs
+        """Runs the current slot of ``entry`` for ``call``: ``(result, inputs copied, copies skipped)``."""
+        graphs = entry.graphs.current
         if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
             capture_second_backward(graphs)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
@@ -97,7 +126,7 @@ class BlockBody:
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager
         re-run: ``(result, None)``, or ``(None, reason)`` for a mismatch (block/verify.py)."""
-        return verified_run(entry.graphs, call, run_graphs, self.run)
+        return verified_run(entry.graphs.current, call, run_graphs, self.run)
 
 
 class GraphedCallable(Lifecycle):

@@ -32,7 +32,8 @@ class Lifecycle:
         body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
             whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
             ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
-            ``replay``, ``verified_replay``.
+            ``replay``, ``verified_replay``; ``add_slot`` for a body whose blocker asks for a
+            new slot (NOTE [ Slots ] in block/slots.py).
         fn: the wrapped function (keys read its signature).
     """
 
@@ -72,6 +73,11 @@ class Lifecycle:
         out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
         # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
         out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
+        # NOTE [ Slots ] in block/slots.py: forwards of one key in flight, each in its own static buffers.
+        held = {e.label or repr(e.key): e.graphs.slot_bytes() for e in self._entries.values()
+                if e.graphs is not None and hasattr(e.graphs, "slot_bytes")}
+        out["slots"] = sum(len(b) for b in held.values())
+        out["slot_bytes"] = held
         return out
 
     def report(self):
@@ -207,6 +213,8 @@ class Lifecycle:
             entry.to_recapture()
             logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
             return self._recapture(entry, call)
+        if blocked is not None and blocked.action == "new_slot":
+            return self._capture_slot(entry, call)
         if blocked is not None:
             if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
                 self._warn_once(
@@ -217,6 +225,21 @@ class Lifecycle:
                 )
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
+
+    def _capture_slot(self, entry, call):
+        """Captures a new slot of ``entry``'s key from ``call``, whose every slot waits for its
+        backward (NOTE [ Slots ] in block/slots.py), and runs it; eager when no slot is made."""
+        last_inputs = entry.last_inputs
+        entry.remember_inputs(call.tensors)
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        if refused is not None:
+            return self._eager(call, refused)
+        entry.captures += 1
+        self.counters.captures += 1
+        self.counters.slot_captures += 1
+        self._enforce_max_bytes(entry)  # the new slot fits: add_slot checked; others may be evicted
+        return self._graph_call(entry, call, copy=False)
 
     def _recapture(self, entry, call):
         entry.recaptures += 1

@@ -31,6 +31,7 @@ _FIELDS = (
     "input_copies_skipped",
     "verified_replays",
     "verify_mismatches",
+    "slot_captures",
 )
 
 
@@ -79,6 +80,7 @@ class Counters:
     input_copies_skipped: int = 0
     verified_replays: int = 0
     verify_mismatches: int = 0
+    slot_captures: int = 0
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):
@@ -163,6 +165,7 @@ def describe_entries(entries):
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
+                "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
             }
         )
     return rows
@@ -196,6 +199,9 @@ def explain(name, stats, entries, counters):
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        if row["slot_bytes"]:
+            sizes = sorted(set(row["slot_bytes"]))
+            line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
