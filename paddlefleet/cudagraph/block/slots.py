@@ -70,9 +70,10 @@ class Slots:
         if len(self.all) < self.cap:
             return Blocked("new_slot", f"every slot has a pending backward ({len(self.all)} of max_inflight={self.cap})")
         return Blocked("eager", f"all {self.cap} slots have a pending backward (max_inflight={self.cap})",
-                       f"{self.cap} forwards of one key are waiting for their backward (max_inflight={self.cap}); "
-                       "further calls of that key run eagerly until a backward has run. Raise max_inflight to the "
-                       "number of micro-batches in flight in your pipeline schedule.")
+                       f"called again with the same key before the backward of the previous call ran, and all "
+                       f"{self.cap} slot(s) of the key wait for their backward (max_inflight={self.cap}); this call runs "
+                       "eagerly so that no saved activations are overwritten. Raise max_inflight to the number of "
+                       "forwards your schedule has in flight (pipeline micro-batches), or run backward between calls.")
 
     def add(self, graphs):
         """A new slot, current from now on."""
