@@ -17,6 +17,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 from testkit.differential import Trainee, differential_run
+from tests import test_distributed  # the module, not its classes: pytest would collect them here too
 
 STAGES, MICRO, WIDTH = 2, 4, 8
 STEPS = 4
@@ -269,6 +270,40 @@ class SlotsApiTest(unittest.TestCase):
         eager(x).sum().backward()
         eager(x * 2).sum().backward()
         np.testing.assert_array_equal(self.layer.weight.grad.numpy(), eager.weight.grad.numpy())
+
+
+@unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs run tools/gpu_check.py")
+class TestFleetPipelineTwoRanks(test_distributed.TwoRankJob):
+    """Fleet's PipelineLayer / PipelineParallel (1F1B) on two gloo ranks, blocks graphed
+    (tests/dist_scripts/pipeline_worker.py; NOTE [ Fleet pipeline parallel on the CPU ] there)."""
+
+    WORKER = test_distributed.ROOT / "tests" / "dist_scripts" / "pipeline_worker.py"
+
+    def test_job_exited_cleanly(self):
+        self.assertEqual(self.rc, 0, self.logs_text())
+
+    def check(self, name, slots):
+        """Bitwise against eager (the worker checks); the last step replays every micro-batch;
+        ``slots``: per rank, the slots of each block (stage 0 has two micro-batches in flight)."""
+        results = self.case(name)
+        for rank, r in enumerate(results):
+            for block in r["blocks"]:
+                self.assertEqual((block["replays"], block["eager_calls"], block["slots"]), (4, 0, slots[rank]),
+                                 (rank, r["blocks"]))
+
+    def test_one_f_one_b(self):
+        self.check("one_f_one_b", slots=[2, 1])
+
+    def test_one_f_one_b_accumulate_in_graph(self):
+        self.check("one_f_one_b_accumulate_in_graph", slots=[2, 1])
+
+    def test_max_inflight_one_runs_stage_zero_half_eagerly(self):
+        r0, r1 = self.case("one_f_one_b_max_inflight_one")
+        for block in r0["blocks"]:
+            self.assertEqual((block["replays"], block["eager_calls"], block["slots"]), (2, 2, 1), r0)
+            self.assertEqual(set(block["reasons"]), {"all 1 slots have a pending backward (max_inflight=1)"})
+        for block in r1["blocks"]:
+            self.assertEqual((block["replays"], block["eager_calls"]), (4, 0), r1)
 
 
 if __name__ == "__main__":
