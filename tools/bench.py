@@ -224,7 +224,9 @@ def pipeline_main(args):
         json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
     for name, times in result["times"].items():
         cells = "  ".join(f"{m} {times[m]['us']:.0f} us" if times[m].get("us") else f"{m} -" for m in ("throughput", "latency"))
-        print(f"pipeline {name}: {cells}; check: {result['checks'].get(name, 'baseline') or 'bitwise'}")
+        held = result["device_bytes_after_warmup"].get(name)
+        print(f"pipeline {name}: {cells}; check: {result['checks'].get(name, 'baseline') or 'bitwise'}"
+              + (f"; {held} device bytes held once warm" if held is not None else ""))
     print(f"wrote {out_dir}/benchmarks_pipeline.json", file=sys.stderr)
     return 0 if not any(result["checks"].values()) else 1
 

@@ -50,7 +50,9 @@ def _gpipe_step(stages, xs, dys, record=None):
 
 def bench_pipeline(backend, width, layers, batch, warmup, rounds, steps):
     """``{"times": {runner: {mode: summary}}, "checks": {runner: [failures]}, "counters": {runner:
-    stats of each stage}}`` for one stage pair (times per step of MICRO micro-batches)."""
+    stats of each stage}, "device_bytes_after_warmup": {runner: bytes or None}}`` for one stage pair
+    (times per step of MICRO micro-batches; device bytes: ``memory_allocated`` growth over the
+    runner's warmup on cuda, where the slots and their pools are made)."""
     print(f"[paddle] pipeline: 2 stages x {layers} x {width}, batch {batch}, {MICRO} micro-batches (GPipe)",
           file=sys.stderr, flush=True)
     draw = normal(5)
@@ -60,11 +62,16 @@ def bench_pipeline(backend, width, layers, batch, warmup, rounds, steps):
     made = {name: _stages(width, layers, 40, options, backend) for name, options in RUNNERS.items()}
     reference = []
     _gpipe_step(made["eager"], xs, dys, reference)
-    out = {"times": {}, "checks": {}, "counters": {}}
+    out = {"times": {}, "checks": {}, "counters": {}, "device_bytes_after_warmup": {}}
+    allocated = paddle.device.cuda.memory_allocated if backend == "cuda" else None
     runners = []
     for name, stages in made.items():
         runner = Runner(name, timed_call(_gpipe_step, stages, xs, dys), sync)
+        before = allocated() if allocated else None
         runner.warm(max(warmup, 3))
+        sync()
+        # What the runner keeps allocated once warm (its slots: static buffers and graph pools).
+        out["device_bytes_after_warmup"][name] = allocated() - before if allocated else None
         runners.append(runner)
     checks = {name: _check(stages, xs, dys, reference) for name, stages in made.items() if name != "eager"}
     sync()
