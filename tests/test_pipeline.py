@@ -196,6 +196,15 @@ class PipelineSchedulesTest(unittest.TestCase):
             with self.subTest(**options):
                 self.assert_replays_once_warm(self.run_case("gpipe", **options), [MICRO] * STAGES)
 
+    def test_gpipe_static_outputs_and_verified_replays(self):
+        for options in ({"clone_outputs": False, "check_stale_outputs": True}, {"verify_replays": 6}):
+            with self.subTest(**options):
+                per_step = self.run_case("gpipe", **options)
+                self.assert_replays_once_warm(per_step, [MICRO] * STAGES)
+                if "verify_replays" in options:
+                    self.assertEqual([s["verify_mismatches"] for s in per_step[-1]], [0] * STAGES)
+                    self.assertEqual([s["verified_replays"] for s in per_step[-1]], [6] * STAGES)
+
     def test_1f1b_without_grad_copies(self):
         for options in ({"clone_param_grads": False}, {"accumulate_in_graph": True}):
             with self.subTest(**options):
