@@ -19,7 +19,7 @@ from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, describe_entries, explain
+from .stats import Counters, describe_entries, explain, slot_stats
 
 __all__ = ["Lifecycle"]
 
@@ -66,18 +66,15 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots`` and
+        ``slot_bytes`` (stats.slot_stats)."""
         out = self.counters.snapshot()
         out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
         out["keys"] = len(self._entries)
         out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
         # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
         out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
-        # NOTE [ Slots ] in block/slots.py: forwards of one key in flight, each in its own static buffers.
-        held = {e.label or repr(e.key): e.graphs.slot_bytes() for e in self._entries.values()
-                if e.graphs is not None and hasattr(e.graphs, "slot_bytes")}
-        out["slots"] = sum(len(b) for b in held.values())
-        out["slot_bytes"] = held
+        out.update(slot_stats(self._entries.values()))
         return out
 
     def report(self):

@@ -18,7 +18,7 @@ import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
+__all__ = ["Counters", "describe_entries", "describe_call", "explain", "slot_stats"]
 
 _FIELDS = (
     "captures",
@@ -143,6 +143,14 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
     for name, value in named_arguments:
         _describe(name, value, host_ids, parts)
     return "(" + ", ".join(parts) + ")"
+
+
+def slot_stats(entries):
+    """``{"slots": slots held by all keys, "slot_bytes": {key label: [static bytes per slot]}}``
+    (NOTE [ Slots ] in block/slots.py: forwards of one key in flight, each in its own static buffers)."""
+    held = {e.label or repr(e.key): e.graphs.slot_bytes() for e in entries
+            if e.graphs is not None and hasattr(e.graphs, "slot_bytes")}
+    return {"slots": sum(len(b) for b in held.values()), "slot_bytes": held}
 
 
 def describe_entries(entries):
