@@ -267,6 +267,57 @@ class SlotsApiTest(unittest.TestCase):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
         self.assertEqual(layer.forward.stats()["slots"], 4)
 
+    def three_in_flight(self, **options):
+        """Three forwards of one key, then their backwards; checks outputs and grads against eager
+        and returns the wrapper's stats."""
+        eager = paddle.nn.Linear(4, 4)
+        eager.set_state_dict(self.layer.state_dict())
+        layer = autocudagraph(self.layer, backend="simulate", warmup_steps=0, **options)
+        xs = [paddle.randn([2, 4]) for _ in range(3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [layer(x) for x in xs]
+        want = [eager(x) for x in xs]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+        for y in got + want:
+            y.sum().backward()
+        np.testing.assert_array_equal(self.layer.weight.grad.numpy(), eager.weight.grad.numpy())
+        self.caught = [str(w.message) for w in caught]
+        return layer.forward.stats()
+
+    def test_a_slot_beyond_max_bytes_is_not_made(self):
+        one = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate", warmup_steps=0)
+        one(paddle.randn([2, 4])).sum().backward()
+        budget = one.forward.stats()["static_bytes"] + 8
+        stats = self.three_in_flight(max_bytes=budget)
+        self.assertEqual((stats["slots"], stats["eager_calls"]), (1, 2))
+        self.assertEqual(stats["eager_reasons"], {
+            "a new slot would exceed max_bytes": 1,
+            f"every slot has a pending backward and no further slot is made: another slot needs "
+            f"{budget - 8} bytes, and the key's slots would exceed max_bytes={budget}": 1})
+        self.assertTrue(any("Raise max_bytes, or lower max_inflight" in m for m in self.caught), self.caught)
+
+    def test_a_failed_slot_capture_leaves_the_key_its_slots(self):
+        from paddlefleet.cudagraph.block import graphed
+
+        real, calls = graphed.capture_block, []
+
+        def failing_second(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("no memory for another pool")
+            return real(*args, **kwargs)
+
+        graphed.capture_block = failing_second
+        try:
+            stats = self.three_in_flight()
+        finally:
+            graphed.capture_block = real
+        self.assertEqual((stats["slots"], stats["captures"], stats["eager_calls"]), (1, 1, 2))
+        self.assertIn("capture of a new slot failed", stats["eager_reasons"])
+        self.assertTrue(any("no memory for another pool" in m for m in self.caught), self.caught)
+
     def test_release_keeps_a_pending_slot_for_its_backward(self):
         eager = paddle.nn.Linear(4, 4)
         eager.set_state_dict(self.layer.state_dict())

@@ -14,6 +14,7 @@ import weakref
 import paddle
 
 from .capture import capture_block, capture_second_backward
+from ..core import state
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -88,6 +89,7 @@ class BlockBody:
         why the call runs eagerly (the capture failed, or the slot would exceed max_bytes: no
         further slot is made for this key)."""
         slots = entry.graphs
+        rng = state.rng_snapshot()  # a recording capture advances the generators (NOTE [ RNG across capture ])
         try:
             graphs = capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
                                    warn_once, entry.label)
@@ -97,9 +99,11 @@ class BlockBody:
                       "the key waiting for its backward run eagerly (results stay correct).")
             return "capture of a new slot failed"
         budget = self.options.max_bytes
-        if budget is not None and entry.nbytes() + graphs.nbytes() > budget:
+        need = graphs.nbytes()
+        if budget is not None and entry.nbytes() + need > budget:
             graphs.release()
-            slots.refuse(f"another slot would need {graphs.nbytes()} bytes beyond max_bytes={budget}")
+            state.restore_rng(rng)  # the eager call that replaces the slot draws what eager would
+            slots.refuse(f"another slot needs {need} bytes, and the key's slots would exceed max_bytes={budget}")
             warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Raise max_bytes, or lower "
                       "max_inflight.")
             return "a new slot would exceed max_bytes"
