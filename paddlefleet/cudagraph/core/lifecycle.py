@@ -87,11 +87,11 @@ class Lifecycle:
         return explain(self.__name__, self.stats(), self._entries.values(), self.counters)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
-        is still pending keeps its graphs until that backward has run (they go with it)."""
+        """Drops every graph, pool and static buffer, and zeroes the counters. A slot whose backward
+        is still pending keeps its graphs until that backward has run (they go with it: NOTE
+        [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
-            if not entry.backward_pending():
-                entry.release()
+            entry.release()
         self._entries.clear()
         self._warned.clear()
         self.counters = Counters()
@@ -232,7 +232,7 @@ class Lifecycle:
         refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
         if refused is not None:
             return self._eager(call, refused)
-        entry.captures += 1
+        entry.slot_added()
         self.counters.captures += 1
         self.counters.slot_captures += 1
         self._enforce_max_bytes(entry)  # the new slot fits: add_slot checked; others may be evicted
