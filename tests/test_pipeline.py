@@ -6,7 +6,8 @@ chunks per stage). Each chunk is a graphed Layer; a stage passes a detached copy
 to the next (as a pipeline's p2p receive makes a new leaf), and a backward runs the chunk's
 output backward with the grad of the next chunk's input. A graphed twin and an eager twin run the
 same schedule; testkit.differential compares losses, grads and every parameter and optimizer
-state after every step bit for bit, and the chunks' stats() show replays once warm.
+state after every step bit for bit, and the chunks' stats() show replays once warm. Fleet's
+PipelineLayer / PipelineParallel runs on two gloo ranks (tests/dist_scripts/pipeline_worker.py).
 """
 
 import unittest
@@ -37,7 +38,7 @@ class Chunk(paddle.nn.Layer):
 
 
 # ----------------------------------------------------------------------------- schedules
-def gpipe(chunks_per_stage=1):
+def gpipe():
     """Per stage, its ops in order: every forward, then every backward."""
     return [[("F", 0, m) for m in range(MICRO)] + [("B", 0, m) for m in range(MICRO)] for _ in range(STAGES)]
 
