@@ -148,7 +148,8 @@ def parse(argv=None):
     parser.add_argument("--warmup", type=int, help="warmup steps per runner (default 20, --quick 3)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, --quick 2)")
     parser.add_argument("--configs", help="comma-separated config names (default all)")
-    parser.add_argument("--pipeline", action="store_true", help="the pipeline row only: 2 stages x 4 micro-batches (GPipe), slots against eager")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the pipeline row only: 2 stages x 4 micro-batches (GPipe), slots against eager")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--torch-timeout", type=int, default=300)
     parser.add_argument("--config-timeout", type=int, default=300, help="seconds for one config's Paddle child")
@@ -223,7 +224,8 @@ def pipeline_main(args):
     with open(os.path.join(out_dir, "benchmarks_pipeline.json"), "w") as fh:
         json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
     for name, times in result["times"].items():
-        cells = "  ".join(f"{m} {times[m]['us']:.0f} us" if times[m].get("us") else f"{m} -" for m in ("throughput", "latency"))
+        cells = "  ".join(f"{m} {times[m]['us']:.0f} us" if times[m].get("us") else f"{m} -"
+                          for m in ("throughput", "latency"))
         held = result["device_bytes_after_warmup"].get(name)
         print(f"pipeline {name}: {cells}; check: {result['checks'].get(name, 'baseline') or 'bitwise'}"
               + (f"; {held} device bytes held once warm" if held is not None else ""))

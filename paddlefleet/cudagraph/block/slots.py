@@ -65,15 +65,16 @@ class Slots:
 
     def blocked(self):
         """Why a call finds no free slot: a new slot to capture, or eager past the cap."""
+        cap = self.cap
         if self.refused is not None:
             return Blocked("eager", f"every slot has a pending backward and no further slot is made: {self.refused}")
-        if len(self.all) < self.cap:
-            return Blocked("new_slot", f"every slot has a pending backward ({len(self.all)} of max_inflight={self.cap})")
-        return Blocked("eager", f"all {self.cap} slots have a pending backward (max_inflight={self.cap})",
-                       f"called again with the same key before the backward of the previous call ran, and all "
-                       f"{self.cap} slot(s) of the key wait for their backward (max_inflight={self.cap}); this call runs "
-                       "eagerly so that no saved activations are overwritten. Raise max_inflight to the number of "
-                       "forwards your schedule has in flight (pipeline micro-batches), or run backward between calls.")
+        if len(self.all) < cap:
+            return Blocked("new_slot", f"every slot has a pending backward ({len(self.all)} of max_inflight={cap})")
+        return Blocked("eager", f"all {cap} slots have a pending backward (max_inflight={cap})",
+                       f"called again with the same key before the backward of the previous call ran, and all {cap} "
+                       f"slot(s) of the key wait for their backward (max_inflight={cap}); this call runs eagerly so "
+                       "that no saved activations are overwritten. Raise max_inflight to the number of forwards your "
+                       "schedule has in flight (pipeline micro-batches), or run backward between calls.")
 
     def add(self, graphs):
         """A new slot, current from now on."""
