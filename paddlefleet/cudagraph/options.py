@@ -117,6 +117,10 @@ class GraphOptions(OptionsCore):
         verify_replays: compare the first N replays of each key with an eager re-run.
         max_bytes: optional budget for the static buffers of all keys; least recently used keys
             are evicted beyond it.
+        max_inflight: forwards of one key whose backward may be pending at once (pipeline
+            parallel: micro-batches in flight); each has its own static buffers and graphs, a
+            *slot*, captured when first needed (NOTE [ Slots ] in block/slots.py). Further
+            forwards of the key run eagerly until a backward has run. 1: one forward in flight.
         check_stale_outputs: with clone_outputs=False, raise when an output is used after a later
             replay overwrote it.
     """
@@ -127,6 +131,7 @@ class GraphOptions(OptionsCore):
     verify_replays: int = 0
     max_bytes: Optional[int] = None
     check_stale_outputs: bool = False
+    max_inflight: int = 4
 
     def __post_init__(self):
         super().__post_init__()
@@ -148,6 +153,9 @@ class GraphOptions(OptionsCore):
         if self.max_bytes is not None:
             _check_int("max_bytes", self.max_bytes, 1,
                        "Pass a byte budget for static buffers, e.g. max_bytes=2**30, or None for no budget.")
+        _check_int("max_inflight", self.max_inflight, 1,
+                   "Pass how many forwards of one key may wait for their backward at once, e.g. max_inflight=4 "
+                   "(the micro-batches a pipeline stage has in flight; 1 keeps one forward in flight).")
         if self.check_stale_outputs and self.clone_outputs:
             raise ValueError(
                 "autocudagraph: check_stale_outputs=True needs clone_outputs=False (cloned outputs are never "

@@ -11,7 +11,9 @@ NOTE [ One forward in flight ]
 A forward replay's saved activations live in the graphs' static buffers until its backward
 replay reads them. Each forward replay bumps ``graphs.generation`` and leaves a token that the
 PyLayer ctx keeps alive; a backward whose generation is not the latest raises
-PendingBackwardError instead of reading activations a later replay overwrote.
+PendingBackwardError instead of reading activations a later replay overwrote. A key keeps
+several forwards in flight with one BlockGraphs per forward (NOTE [ Slots ] in block/slots.py):
+a call never replays a slot whose token is still pending.
 """
 
 import weakref

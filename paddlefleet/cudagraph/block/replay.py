@@ -5,8 +5,8 @@ NOTE [ Replay preconditions ]
 A graph reads fixed addresses. Before a replay: the parameters the capture saw must still be
 the same tensors at the same addresses with the same stop_gradient, and an adopted input must
 be passed again (NOTE [ Adopted inputs ] in io/static_inputs.py) — otherwise the key is captured
-again. While the backward of the key's previous forward replay is pending, the call runs
-eagerly (NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
+again. A call gets a slot whose previous forward's backward has run (NOTE [ Slots ] in
+block/slots.py; NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
 proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
 structure are checked (InputMismatchError).
 """

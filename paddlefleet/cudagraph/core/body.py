@@ -25,6 +25,7 @@ class Action(enum.Enum):
     RECAPTURE_ONCE = "recapture_once"  # as RECAPTURE, but a key captured again before falls back
     EAGER = "eager"  # this call runs eagerly; the key keeps its graphs
     FALL_BACK = "fall_back"  # the key runs eagerly from the next call on (Replayed.then)
+    NEW_SLOT = "new_slot"  # capture another slot of the key for this call (NOTE [ Slots ] in block/slots.py)
 
 
 class Blocked(NamedTuple):
@@ -111,6 +112,12 @@ class Body(Protocol):
     def replay(self, entry, call, copy: bool) -> Replayed:
         """Runs ``entry``'s graphs for ``call`` (``copy``: copy its tensors into the static
         inputs first; False for the capture call, whose tensors are there already)."""
+
+    def add_slot(self, entry, call, named: List[Tuple[str, Any]], last_inputs,
+                 warn_once: Callable[[Any, str], None]) -> Optional[str]:
+        """Captures another slot of ``entry``'s key from ``call`` (a blocker asked for
+        Action.NEW_SLOT); None, or why this call runs eagerly instead."""
+        raise NotImplementedError(f"{self.api} has no slots")
 
     def verified_replay(self, entry, call, run_graphs: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
         """``run_graphs()`` checked against an eager re-run: ``(result, None)`` or ``(None,

@@ -77,7 +77,8 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots`` and
+        ``slot_bytes`` (stats.summarize)."""
         return summarize(self.counters, self._entries.values())
 
     def report(self):
@@ -90,11 +91,11 @@ class Lifecycle:
         return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
-        is still pending keeps its graphs until that backward has run (they go with it)."""
+        """Drops every graph, pool and static buffer, and zeroes the counters. A slot whose backward
+        is still pending keeps its graphs until that backward has run (they go with it: NOTE
+        [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
-            if not entry.backward_pending():
-                entry.release()
+            entry.release()
         self._entries.clear()
         self._warned.clear()
         self.counters = Counters()
@@ -209,6 +210,8 @@ class Lifecycle:
             entry.to_recapture()
             logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)
             return self._recapture(entry, call)
+        if blocked is not None and blocked.action is Action.NEW_SLOT:
+            return self._capture_slot(entry, call)
         if blocked is not None:
             if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
                 self._warn_once("inflight", _IN_FLIGHT)
@@ -229,6 +232,22 @@ class Lifecycle:
     def _evicted(self, victim, budget):
         self.counters.evictions += 1
         logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
+
+    def _capture_slot(self, entry, call):
+        """Captures a new slot of ``entry``'s key from ``call``, whose every slot waits for its
+        backward (NOTE [ Slots ] in block/slots.py), and runs it; eager when no slot is made."""
+        last_inputs = entry.last_inputs
+        entry.remember_inputs(call.tensors)
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        if refused is not None:
+            return self._eager(call, refused)
+        entry.slot_added()
+        self.counters.captures += 1
+        self.counters.slot_captures += 1
+        # The new slot fits (add_slot checked it); other keys may be evicted for it.
+        enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted)
+        return self._graph_call(entry, call, copy=False)
 
     def _recapture(self, entry, call):
         entry.recaptures += 1
