@@ -29,7 +29,8 @@ from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.backends import cuda_driver
 from paddlefleet.cudagraph.backends.host_guard import host_guard
 from paddlefleet.cudagraph.backends.host_marks import is_marked_host
-from paddlefleet.cudagraph.errors import CaptureError, FunctionRaised
+from paddlefleet.cudagraph.backends import is_own_error, own_error
+from paddlefleet.cudagraph.errors import CaptureError
 from testkit.common import MatMLP, build, cuda_skip_reason
 from testkit.differential import Trainee, assert_same_state, differential_run, state_of
 from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, normal
@@ -518,8 +519,8 @@ class BrokenCudaCapture(unittest.TestCase):
     def test_the_functions_own_error_during_a_broken_capture_is_a_capture_failure(self):
         def body(fake):
             fake.stream = cuda_driver.INVALIDATED
-            raise FunctionRaised(RuntimeError("(External) CUDA error(900), operation not permitted when stream is "
-                                              "capturing"))
+            raise own_error(RuntimeError("(External) CUDA error(900), operation not permitted when stream is "
+                                         "capturing"))
 
         fake, error = self.capture(body)
         self.assertIsInstance(error, CaptureError)
@@ -527,10 +528,11 @@ class BrokenCudaCapture(unittest.TestCase):
 
     def test_the_functions_own_error_on_an_intact_capture_is_handed_on(self):
         def body(fake):
-            raise FunctionRaised(Boom("the function's own error"))
+            raise own_error(Boom("the function's own error"))
 
         fake, error = self.capture(body)
-        self.assertIsInstance(error, FunctionRaised)
+        self.assertIsInstance(error, Boom)
+        self.assertTrue(is_own_error(error))
         self.assertFalse(fake.paddle_capturing)
         self.assertEqual(fake.resets, 1, "the partial graph was ended and reset")
 

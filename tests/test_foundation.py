@@ -448,7 +448,7 @@ class TestNestedIO(BackendCase):
             self.assertTrue(y.stop_gradient)
             self.assertBitwise(y, y_e)
         entry = next(iter(model.forward._entries.values()))
-        self.assertIsNone(entry.graphs.bwd_graph)
+        self.assertIsNone(entry.graphs.backward)
         # Grad mode is part of the key: a call with grad captures its own graph with a backward.
         y = model(paddle.randn([4, 8]))
         self.assertFalse(y.stop_gradient)
@@ -616,7 +616,7 @@ class TestGradGroups(BackendCase):
                     self.assertBitwise(y, y_e)
                     self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
             entry = next(iter(model.forward._entries.values()))
-            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.grad_plan.groups), sizes)
+            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.backward.grad_plan.groups), sizes)
             self.assertEqual(model.forward.stats()["replays"], 2)
 
 

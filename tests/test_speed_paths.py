@@ -204,8 +204,8 @@ class AccumulateInGraphTest(BackendCase):
             mse(graphed(x)).backward()
         self.assertEqual(calls, [], "hooks of in-graph parameters do not run (documented)")
         graphs = next(iter(graphed.forward._entries.values())).graphs
-        self.assertEqual(graphs.bridged, [])
-        self.assertIsNotNone(graphs.anchor, "nothing else needs grad: the anchor runs the backward")
+        self.assertEqual(graphs.backward.bridged, [])
+        self.assertIsNotNone(graphs.backward.anchor, "nothing else needs grad: the anchor runs the backward")
 
     def test_first_grad_equal_to_minus_zero_stays_minus_zero(self):
         class Scale(paddle.nn.Layer):

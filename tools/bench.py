@@ -148,6 +148,8 @@ def parse(argv=None):
     parser.add_argument("--warmup", type=int, help="warmup steps per runner (default 20, --quick 3)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, --quick 2)")
     parser.add_argument("--configs", help="comma-separated config names (default all)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the pipeline row only: 2 stages x 4 micro-batches (GPipe), slots against eager")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--torch-timeout", type=int, default=300)
     parser.add_argument("--config-timeout", type=int, default=300, help="seconds for one config's Paddle child")
@@ -174,6 +176,8 @@ def main():
         return torch_runs.worker(args)
     if args.paddle_worker:
         return paddle_worker(args)
+    if args.pipeline:
+        return pipeline_main(args)
     from benchmark import report
     from testkit.common import check_smoke_path
 
@@ -201,6 +205,32 @@ def main():
     print(f"wrote {out_dir}/benchmarks.md and benchmarks.json" + (f"; plot {note}" if note else ", benchmarks.png"),
           file=sys.stderr)
     return 0 if any(result.get("times") for result in paddle.values()) else 1
+
+
+def pipeline_main(args):
+    """``--pipeline``: the pipeline row (tools/benchmark/pipeline_runs.py), printed and written to
+    <out-dir>/benchmarks_pipeline.json (a smoke run: a temp dir)."""
+    import paddle
+
+    from benchmark.pipeline_runs import bench_pipeline
+
+    cuda = args.backend == "cuda"
+    if cuda and not cuda_build():
+        raise SystemExit(f"{TOOL}: this Paddle has no CUDA (or sees no GPU); run `{TOOL} --smoke --pipeline`.")
+    paddle.set_device("gpu" if cuda else "cpu")
+    width, layers, batch = (512, 8, 16) if cuda else (32, 4, 8)
+    result = bench_pipeline(args.backend, width, layers, batch, args.warmup, args.rounds, args.steps)
+    out_dir = args.out_dir or (os.path.join(REPO, "docs") if cuda else tempfile.mkdtemp(prefix="bench_smoke_"))
+    with open(os.path.join(out_dir, "benchmarks_pipeline.json"), "w") as fh:
+        json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
+    for name, times in result["times"].items():
+        cells = "  ".join(f"{m} {times[m]['us']:.0f} us" if times[m].get("us") else f"{m} -"
+                          for m in ("throughput", "latency"))
+        held = result["device_bytes_after_warmup"].get(name)
+        print(f"pipeline {name}: {cells}; check: {result['checks'].get(name, 'baseline') or 'bitwise'}"
+              + (f"; {held} device bytes held once warm" if held is not None else ""))
+    print(f"wrote {out_dir}/benchmarks_pipeline.json", file=sys.stderr)
+    return 0 if not any(result["checks"].values()) else 1
 
 
 def cuda_build():

@@ -49,7 +49,7 @@ import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 from paddle.autograd import PyLayer  # noqa: E402
 
-from paddlefleet.cudagraph import autocudagraph  # noqa: E402
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
 from testkit.common import (  # noqa: E402
     MatMLP,
@@ -64,6 +64,7 @@ from testkit.common import (  # noqa: E402
     run_info,
     write_generated,
 )
+from testkit.step_gpu import MatmulSGD  # noqa: E402
 
 BACKEND = "cuda"
 STEPS = 5
@@ -245,6 +246,97 @@ def case_forward_only(chk, rank, world):
             outs.append(ya.numpy())
     chk.phases(graphed, captures=1, replays=STEPS - 2)
     return {"replicated": digest(outs)}
+
+
+# ----------------------------------------------------------------------------- the whole step
+class DataParallelStep:
+    """A whole training step of a matmul chain with the data-parallel all-reduce inside it: the
+    grads of ``micro`` micro-batches summed (by a matmul, NOTE [ SGD from matmuls ] in
+    testkit/step_gpu.py: an elementwise add has no kernel on Hopper with Paddle 2.6.2) with no
+    all-reduce in between (what ``no_sync`` does), then one SUM all-reduce per grad (NCCL on the
+    compute stream on cuda: inside the graph), then the matmul SGD update; grads released."""
+
+    def __init__(self, model, micro, lr=1e-2):
+        self.model, self.micro = model, micro
+        self.params = list(model.parameters())
+        self.opt = MatmulSGD(self.params, lr)
+        self._stack = [T(np.zeros((micro * p.shape[0], p.shape[1]), "float32")) for p in self.params]
+        self._sum = [T(np.hstack([np.eye(p.shape[0])] * micro).astype("float32")) for p in self.params]
+
+    def __call__(self, *batches):
+        for k in range(self.micro):
+            x, dy = batches[2 * k], batches[2 * k + 1]
+            grads = paddle.grad([self.model(x)], self.params, [dy])
+            for p, g, stack in zip(self.params, grads, self._stack):
+                n = p.shape[0]
+                stack._slice(k * n, (k + 1) * n).copy_(g, False)
+        for p, stack, total in zip(self.params, self._stack, self._sum):
+            p.grad = all_reduce_sum(paddle.matmul(total, stack), calc_stream=BACKEND == "cuda")
+        self.opt.step()
+        self.opt.clear_grad()
+        return self.params[0]
+
+
+def _batches(rank, dims, micro):
+    draw = rng(600 + rank)  # each rank its own batches
+    return [[draw(8, dims[0]) if i % 2 == 0 else draw(8, dims[-1], scale=0.1) for i in range(2 * micro)]
+            for _ in range(3)]
+
+
+def _numpy_training(dims, micro, steps, world, lr):
+    """The same training in float64 numpy, every rank's batches summed: catches kernels that
+    return garbage on both sides of a bitwise comparison."""
+    ws = [w.numpy().astype("float64") for w in MatChain(dims, seed=3).parameters()]
+    data = [_batches(r, dims, micro) for r in range(world)]
+    for step in range(steps):
+        total = [np.zeros_like(w) for w in ws]
+        for r in range(world):
+            batch = data[r][step % 3]
+            for k in range(micro):
+                acts = [batch[2 * k].astype("float64")]
+                for w in ws:
+                    acts.append(acts[-1] @ w)
+                g = batch[2 * k + 1].astype("float64")
+                for i in reversed(range(len(ws))):
+                    total[i] += acts[i].T @ g
+                    g = g @ ws[i].T
+        ws = [w - lr * t for w, t in zip(ws, total)]
+    return ws
+
+
+def _whole_step(chk, rank, micro, steps=20):
+    dims = [32, 64, 48, 16]
+    eager = DataParallelStep(MatChain(dims, seed=3), micro)  # the same init on both ranks
+    body = DataParallelStep(MatChain(dims, seed=3), micro)
+    graphed = autocudagraph_step(body, optimizers=[], warmup_steps=2, backend=BACKEND)
+    data = [[T(a) for a in batch] for batch in _batches(rank, dims, micro)]
+    params = []
+    for step in range(steps):
+        batch = data[step % 3]
+        eager(*batch)
+        graphed(*batch)
+        for i, (a, e) in enumerate(zip(body.params, eager.params)):
+            chk.bitwise(f"step {step} w{i} after the update", a, e)
+        params.append(np.concatenate([p.numpy().ravel() for p in body.params]))
+    reference = _numpy_training(dims, micro, steps, world=2, lr=body.opt.lr)
+    chk.close("parameters after training vs numpy float64", params[-1], np.concatenate([w.ravel() for w in reference]))
+    s = graphed.stats()
+    if (s["captures"], s["replays"]) != (1, steps - 3):
+        chk.failures.append(f"(captures, replays) {(s['captures'], s['replays'])} != {(1, steps - 3)}: {graphed.explain()}")
+    chk.notes.append(f"captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
+    return {"replicated": digest(params)}
+
+
+@case("whole_step_all_reduce_in_graph")
+def case_whole_step(chk, rank, world):
+    """The whole step (forward, backward, all-reduce, SGD) as one graph per rank, 20 steps."""
+    return _whole_step(chk, rank, micro=1)
+
+
+@case("whole_step_no_sync_accumulation")
+def case_whole_step_accumulation(chk, rank, world):
+    """Two micro-batches accumulated without an all-reduce between them, then one all-reduce."""
+    return _whole_step(chk, rank, micro=2)
 
 
 @case("timing")

@@ -20,8 +20,8 @@ NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
 ``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
-``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``grad_plan.adopted`` /
-``hand_out``, ``static_outputs``, ``fwd_graph`` / ``bwd_graph``), ``call.Call``,
+``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
+``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
 report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
 """
@@ -115,10 +115,10 @@ class Internals:
         return lambda: self._entry().graphs.static_inputs.copy_in(call.tensors)
 
     def adopted(self):
-        return self._entry().graphs.grad_plan.adopted
+        return self._entry().graphs.backward.grad_plan.adopted
 
     def hand_out_grads(self):
-        return self._entry().graphs.grad_plan.hand_out
+        return self._entry().graphs.backward.grad_plan.hand_out
 
     def hand_out_outputs(self):
         from paddlefleet.cudagraph.block.bridge import hand_out_outputs
@@ -136,7 +136,7 @@ class Internals:
         return self._entry().graphs.fwd_graph.replay
 
     def backward_replay(self):
-        return self._entry().graphs.bwd_graph.replay
+        return self._entry().graphs.backward.graph.replay
 
     def pieces(self):
         """(row name, whose, resolver) for each private piece; resolver() returns what to time."""

@@ -16,7 +16,11 @@ needs Paddle's elementwise, fill and random kernels: on a GPU whose Paddle has t
 suite on the real backend (``PADDLEFLEET_CUDAGRAPH_BACKEND=cuda python -m pytest
 tests/test_train_step.py``), whose cuda variants run the transformer check there.
 
-Exit code: 0 when both cases are bitwise equal to eager, 1 otherwise.
+A third case, ``refused_capture``, refuses the capture after the step ran (a host value changes at
+the capture call) in a step that also keeps an EMA outside any optimizer: every step must still be
+eager's bit for bit (a refused capture writes nothing the eager re-run writes again).
+
+Exit code: 0 when every case is bitwise equal to eager, 1 otherwise.
 """
 
 import argparse
@@ -31,7 +35,7 @@ if REPO not in sys.path:
 import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
 import paddle  # noqa: E402
 
-from testkit.step_gpu import whole_step_check  # noqa: E402
+from testkit.step_gpu import refused_capture_check, whole_step_check  # noqa: E402
 from testkit.common import device  # noqa: E402
 
 
@@ -48,6 +52,8 @@ def main(argv=None):
     with device("gpu" if args.backend == "cuda" else "cpu"):
         results = whole_step_check(width=args.width, layers=args.layers, batch=args.batch, steps=args.steps,
                                    backend=args.backend, timed_steps=args.timed_steps)
+        refused = refused_capture_check(width=min(args.width, 256), layers=min(args.layers, 4), batch=args.batch,
+                                        backend=args.backend)
     print(f"paddle {paddle.__version__}, backend {args.backend}, MatMLP {args.layers} x {args.width}, "
           f"batch {args.batch}")
     ok = True
@@ -58,6 +64,13 @@ def main(argv=None):
               f"eager {s['eager_calls']} {s['eager_reasons'] or ''}; eager {r['eager_us']:.0f} us/step, "
               f"whole-step graph {r['graphed_us']:.0f} us/step")
         ok = ok and r["equal"] and s["captures"] == 1 and s["eager_calls"] == 0
+    s = refused["stats"]
+    verdict = "bitwise equal to eager" if refused["equal"] else f"DIFFERS: {refused['first_mismatch']}"
+    print(f"  refused_capture (matmul SGD + EMA outside the optimizer, capture refused after the step ran): "
+          f"{verdict}; warmup {s['warmup_calls']}, captures {s['captures']}, eager {s['eager_calls']} "
+          f"{s['eager_reasons'] or ''}")
+    ok = ok and refused["equal"] and s["captures"] == 0 and s["eager_calls"] == 6
+    results["refused_capture"] = refused
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=str)

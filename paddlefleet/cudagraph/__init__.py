@@ -8,6 +8,7 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/recip
 
 __version__ = "0.1.0"
 
+from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
 from .api import autocudagraph
 from .backends import is_capturing
@@ -16,8 +17,9 @@ from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBac
 from .options import GraphOptions
 from .step.graphed_step import autocudagraph_step
 
-# NOTE [ Grad consumers ] in hook_registry.py: hooks registered from now on are recorded.
-hook_registry.install()
+# The patches installed for the whole process (NOTE [ Paddle patches ] in core/paddle_patches.py):
+hook_registry.install()  # NOTE [ Grad consumers ] in grads/hook_registry.py: hooks registered from now on
+saved_hooks.install()  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
 
 __all__ = [
     "__version__",

@@ -224,7 +224,7 @@ def autocudagraph(target=None, **options):
         target: the function, method or Layer; omitted when options are given.
         **options: see GraphOptions (warmup_steps, max_graphs, dispatch_key_fn, backend,
             clone_outputs, clone_param_grads, verify_replays, max_bytes, capture_hooks,
-            check_stale_outputs).
+            check_stale_outputs, max_inflight).
 
     Returns:
         The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer, or
@@ -234,8 +234,9 @@ def autocudagraph(target=None, **options):
         TypeError, ValueError: at decoration time, for a bad option.
 
     Limitations:
-        See docs/limitations.md: static shapes per key, no host syncs inside the function, one
-        forward replay per key in flight before its backward.
+        See docs/limitations.md: static shapes per key, no host syncs inside the function, at
+        most max_inflight forward replays per key in flight before their backwards
+        (docs/pipeline.md).
     """
     opts = GraphOptions(**options)
     if target is None:

@@ -37,12 +37,3 @@ class ReplayShapeError(CaptureError):
     """A simulated replay computed outputs of other shapes than its capture: a GPU graph could not
     have given them (the key falls back to eager)."""
 
-
-class FunctionRaised(Exception):
-    """Internal: the graphed function itself raised ``error`` during a capture, not because of the
-    capture (NOTE [ The function's own exceptions ] in core/lifecycle.py). The phase machine hands
-    ``error`` to the caller unchanged; it never reaches user code wrapped."""
-
-    def __init__(self, error):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.error = error

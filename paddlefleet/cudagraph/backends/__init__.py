@@ -5,7 +5,7 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import Backend, Graph, capture_open, capturing, function_errors, in_whole_step, is_capturing, whole_step
+from .base import Backend, Graph, capture_open, capturing, function_errors, is_own_error, own_error, in_whole_step, is_capturing, whole_step
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -17,6 +17,8 @@ __all__ = [
     "capture_open",
     "capturing",
     "function_errors",
+    "is_own_error",
+    "own_error",
     "is_capturing",
     "in_whole_step",
     "whole_step",

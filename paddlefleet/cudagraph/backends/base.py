@@ -8,10 +8,10 @@ graph's static buffers, and every replay writes its results into those same tens
 import contextlib
 import threading
 
-from ..errors import CudaGraphError, FunctionRaised
+from ..errors import CudaGraphError
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step",
-           "function_errors", "capture_open"]
+           "function_errors", "capture_open", "own_error", "is_own_error"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -34,12 +34,35 @@ def is_capturing():
     return capturing_now
 
 
+#: Context-manager factories entered around every capture and whole step: replacements of Paddle
+#: functions that decide on the host (core/cross_entropy.py registers one when the package is
+#: imported; backends/ import nothing above them, so the replacement comes to them).
+_device_decision_factories = []
+
+
+def register_device_decisions(factory):
+    """Has ``factory()`` entered around every capture and every whole step from now on."""
+    if factory not in _device_decision_factories:
+        _device_decision_factories.append(factory)
+
+
+@contextlib.contextmanager
+def _device_decisions():
+    with contextlib.ExitStack() as stack:
+        for factory in _device_decision_factories:
+            stack.enter_context(factory())
+        yield
+
+
 @contextlib.contextmanager
 def capturing(hooks=()):
-    """Marks the current thread as capturing and enters the capture hooks; undone on exit."""
+    """Marks the current thread as capturing and enters the capture hooks; undone on exit.
+    Paddle functions that decide on the host are replaced meanwhile (NOTE [ Cross entropy
+    decides on the host ] in core/cross_entropy.py)."""
     with contextlib.ExitStack() as stack:
         for factory in hooks:
             stack.enter_context(factory())
+        stack.enter_context(_device_decisions())
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             yield
@@ -53,21 +76,40 @@ def capture_open():
     return getattr(_state, "depth", 0) > 0
 
 
+#: The mark of an exception the graphed function raised itself during a capture.
+_OWN = "_autocudagraph_function_error"
+
+
+def own_error(err):
+    """Marks ``err`` as raised by the graphed function itself and returns it (NOTE [ The function's
+    own exceptions ] in core/lifecycle.py)."""
+    try:
+        err._autocudagraph_function_error = True
+    except AttributeError:  # an exception without attributes stays a capture failure (contained)
+        pass
+    return err
+
+
+def is_own_error(err):
+    """Was ``err`` raised by the graphed function itself during a capture (own_error)?"""
+    return getattr(err, _OWN, False)
+
+
 @contextlib.contextmanager
 def function_errors():
     """Around the graphed function's own call during a capture: an exception it raises (other
-    than our refusals) leaves as FunctionRaised, so that the backend and the phase machine can
+    than our refusals) is marked with own_error, so that the backend and the phase machine can
     tell it from a failure of the capture (NOTE [ The function's own exceptions ] in
-    core/lifecycle.py)."""
+    core/lifecycle.py). It leaves unchanged."""
     asked, _state.asked = getattr(_state, "asked", False), False
     try:
         yield
     except CudaGraphError:
         raise
     except Exception as err:
-        if _state.asked:  # code that asked is_capturing() and then raised refuses the capture itself
-            raise
-        raise FunctionRaised(err) from err
+        if not _state.asked:  # code that asked is_capturing() and then raised refuses the capture itself
+            own_error(err)
+        raise
     finally:
         _state.asked = asked
 
@@ -80,10 +122,13 @@ def in_whole_step():
 @contextlib.contextmanager
 def whole_step():
     """Marks the current thread as running a whole training step: graphed callables it calls run
-    eagerly, since the step's own graph captures them (in every phase of the step alike)."""
+    eagerly, since the step's own graph captures them (in every phase of the step alike). Paddle
+    functions that decide on the host are replaced meanwhile, so that warmup, capture and replays
+    run the same ops (NOTE [ Cross entropy decides on the host ] in core/cross_entropy.py)."""
     _state.steps = getattr(_state, "steps", 0) + 1
     try:
-        yield
+        with _device_decisions():
+            yield
     finally:
         _state.steps -= 1
 

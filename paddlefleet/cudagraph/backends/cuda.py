@@ -13,7 +13,7 @@ import logging
 
 import paddle
 
-from ..errors import CaptureError, CudaGraphError, FunctionRaised
+from ..errors import CaptureError, CudaGraphError
 from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_guard import gpu_is_host, host_guard
@@ -86,16 +86,14 @@ _CAPTURE_WORDS = ("captur", "cuda graph", "cudagraph", "cuda error", "cudaerror"
 
 
 def _about_capture(err):
-    inner = err.error if isinstance(err, FunctionRaised) else err
-    text = f"{type(inner).__name__} {inner}".lower()
+    text = f"{type(err).__name__} {err}".lower()
     return any(word in text for word in _CAPTURE_WORDS)
 
 
 def _device_failure(err, broken):
-    inner = err.error if isinstance(err, FunctionRaised) else err
     why = f" ({broken})" if broken else ""
     return (
-        f"autocudagraph: the CUDA capture failed{why}: {type(inner).__name__}: {str(inner).strip()[:300]}. "
+        f"autocudagraph: the CUDA capture failed{why}: {type(err).__name__}: {str(err).strip()[:300]}. "
         "The capture was ended and dropped, and this call ran eagerly. Something in the function cannot be "
         "captured (a host read or copy, a sync, an op that allocates outside the graph's pool); move it out "
         "of the graphed function, or return None from dispatch_key_fn for such calls."
@@ -181,7 +179,7 @@ class _CudaGraph(Graph):
         except BaseException as err:
             broken = _end_failed_capture(graph, stream)
             if isinstance(err, CudaGraphError) or (broken is None and not _about_capture(err)):
-                raise  # our refusal, or the function's own exception (FunctionRaised)
+                raise  # our refusal, or the function's own exception (backends.own_error)
             raise CaptureError(_device_failure(err, broken)) from err
         try:
             graph.capture_end()

@@ -29,6 +29,7 @@ import threading
 
 import paddle
 
+from ..core.paddle_patches import Patches
 from ..errors import CaptureError
 from .host_marks import mark_host
 
@@ -114,13 +115,12 @@ class _Guard:
     def __init__(self, is_host, host_reads):
         self.is_host = is_host
         self.host_reads = host_reads
-        self.saved = []
+        self.patches = Patches()
         self.depth = 0  # > 0 inside an allowed call: what it calls in turn is its own business
         self.thread = threading.get_ident()  # the capturing thread (captures are thread-local)
 
     def patch(self, owner, name, make):
-        original = owner.__dict__.get(name)
-        if original is None and not hasattr(owner, name):
+        if not hasattr(owner, name):
             return
         current = getattr(owner, name)
         checked = make(current)
@@ -131,8 +131,7 @@ class _Guard:
                 return current(*args, **kwargs)
             return checked(*args, **kwargs)
 
-        self.saved.append((owner, name, original))
-        setattr(owner, name, entry)
+        self.patches.set(owner, name, entry)  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
     def allowed(self, original, *args, **kwargs):
         """Runs an allowed call; the patched calls it makes (to_tensor's own _copy_to) pass."""
@@ -141,14 +140,6 @@ class _Guard:
             return original(*args, **kwargs)
         finally:
             self.depth -= 1
-
-    def restore(self):
-        for owner, name, original in reversed(self.saved):
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self.saved = []
 
     # ------------------------------------------------------------------ device -> host
     def read(self, name):
@@ -276,5 +267,5 @@ def host_guard(is_host, host_reads=None):
             guard.patch(cuda_mod, "synchronize", guard.sync("paddle.device.cuda.synchronize()"))
         yield
     finally:
-        guard.restore()
+        guard.patches.restore()
 

@@ -25,7 +25,7 @@ from .host_guard import host_guard
 from .host_marks import is_marked_host
 from .value_shapes import check_replay_shapes, refuse_value_shapes
 
-__all__ = ["SimulatedBackend"]
+__all__ = ["SimulatedBackend", "refuse_host_sync"]
 
 class _HostReads:
     """Values the body read from host tensors (mark_host) at capture, handed back in the same
@@ -55,6 +55,12 @@ class _HostReads:
         if self._next is None:  # capture: remember; a replay reading more than capture did reads live
             self.values.append(value)
         return value
+
+
+def refuse_host_sync(host_reads=None):
+    """host_guard() with no tensor counted as host memory: every host read, copy and sync raises
+    CaptureError until the block exits (code that probes what Paddle itself reads uses it)."""
+    return host_guard(lambda t: False, host_reads)
 
 
 def _flat_tensors(result):

@@ -30,10 +30,9 @@ class GraphEntry:
     Attributes:
         key: the dispatch key; label: a readable form of it for explain() and messages.
         backend: the backend that captures and replays this key.
-        graphs: what the capture made (BlockGraphs for blocks), None before capture and after a
-            release; it has ``release()``, ``nbytes()``, ``backward_pending()``, ``layers`` (whose
-            training flags key later calls), ``describe()`` (a line for explain()) and
-            ``grad_copies()``.
+        graphs: what the capture made, a Graphs (core/body.py: a block's Slots of BlockGraphs,
+            NOTE [ Slots ] in block/slots.py; StepGraphs for steps), None before capture and
+            after a release (which keeps what a pending backward still needs).
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in io/static_inputs.py).
     """
@@ -83,6 +82,10 @@ class GraphEntry:
         self.phase = Phase.REPLAY
         self.captures += 1
         self.verify_left = verify_replays
+
+    def slot_added(self):
+        """Another slot of this key was captured (NOTE [ Slots ] in block/slots.py)."""
+        self.captures += 1
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts)."""

@@ -6,8 +6,8 @@ call computes: grad mode, AMP autocast, and the ``training`` flag of every Layer
 ``dispatch_key_fn(bound_arguments)`` replaces the argument part; the state part is always kept.
 """
 
-import collections
 import inspect
+from typing import Any, NamedTuple
 
 import paddle
 
@@ -17,7 +17,29 @@ from ..errors import CudaGraphError
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
 
-__all__ = ["KeyMaker", "BoundSignature"]
+__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature"]
+
+
+class StateKey(NamedTuple):
+    """The state part of every key: grad mode, AMP autocast state, and the ``training`` flag of
+    each Layer whose flags key the calls (KeyMaker.layers, in order)."""
+
+    grad_enabled: bool
+    amp: Any
+    training: tuple
+
+
+class Key(NamedTuple):
+    """The key of one call. ``user``: whether ``arguments`` is dispatch_key_fn's key (else the
+    argument structure with each tensor's metadata); ``state`` last, as it is read alone."""
+
+    user: bool
+    arguments: Any
+    state: StateKey
+
+    def with_layers(self, training):
+        """This key with the training flags of Layers found later appended to its state."""
+        return self._replace(state=self.state._replace(training=self.state.training + tuple(training)))
 
 
 class KeyMaker:
@@ -72,14 +94,10 @@ class KeyMaker:
         if key[0] != "user":
             check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/static_inputs.py
         host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
-        return describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
+        return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):
-        return (
-            paddle.is_grad_enabled(),
-            state.amp_state(),
-            tuple(layer.training for layer in self.layers),
-        )
+        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple(layer.training for layer in self.layers))
 
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
@@ -89,7 +107,7 @@ class KeyMaker:
             host = host_mask(tensors, places=places)
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
-            return (spec, metas, self.state_key())
+            return Key(False, (spec, metas), self.state_key())
         user_key = self._key_fn(self.bound_arguments(args, kwargs))
         if user_key is None:
             return None
@@ -100,23 +118,15 @@ class KeyMaker:
                 f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
                 "Return a tuple, string or number (or None to run the call eagerly)."
             ) from None
-        return ("user", user_key, self.state_key())
+        return Key(True, user_key, self.state_key())
 
-    def track(self, layers, entries):
-        """Adds Layers found during a capture to those whose training flag keys every call, and
-        returns ``entries`` re-keyed with their current flags, so that keys made before (other
-        keys still in warmup included) keep matching."""
+    def track(self, layers):
+        """Adds Layers found during a capture to those whose training flag keys every call;
+        returns the current training flags of the added ones (the lifecycle re-keys the keys
+        made before with them: Key.with_layers)."""
         added = [l for l in layers if all(l is not t for t in self.layers)]
-        if not added:
-            return entries
         self.layers.extend(added)
-        extra = tuple(layer.training for layer in added)
-        rebuilt = collections.OrderedDict()
-        for key, entry in entries.items():
-            grad_mode, amp, flags = key[2]
-            entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
-            rebuilt[entry.key] = entry
-        return rebuilt
+        return tuple(layer.training for layer in added)
 
 
 class BoundSignature:

@@ -3,7 +3,7 @@
 ``__call__`` decides per call: no key -> eager; new key -> warmup, then capture; known key ->
 replay; a key that fell back -> eager. What a phase does for one kind of call is the *body*'s
 (block/graphed.py for autocudagraph blocks): this module owns only the phases, the transitions (which
-the entry makes), the fallback with its reason, and the budgets (max_graphs, max_bytes).
+the entry makes), the fallback with its reason, and the budgets (max_graphs, max_bytes: core/budgets.py).
 """
 
 import collections
@@ -13,14 +13,16 @@ import warnings
 
 from ..io import arguments
 from . import saved_hooks
-from ..backends import capture_open, in_whole_step, resolve_backend
+from ..backends import capture_open, in_whole_step, is_own_error, resolve_backend
+from .body import Action
+from .budgets import budget_allows, enforce_max_bytes
 from .call import Call
 from .keys import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
-from ..errors import FunctionRaised, ReplayShapeError
+from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, describe_entries, explain
+from .stats import Counters, describe_entries, explain, summarize
 
 __all__ = ["Lifecycle"]
 
@@ -29,25 +31,47 @@ logger = logging.getLogger(__name__)
 # NOTE [ The function's own exceptions ]
 # An exception the graphed function raises during its capture call (a ValueError of the user's own,
 # a shape error eager raises too) is the call's result, not a failure of the capture: eager would
-# raise it, once. The capture marks it (backends.function_errors -> FunctionRaised); the capture is
+# raise it, once. The capture marks it (backends.function_errors, own_error); the capture is
 # ended and dropped as for any failure, and the exception reaches the caller unchanged. The call is
 # not re-run (its Python side effects happen once, as in eager) and the key stays in warmup: the
 # next call captures again. Our refusals (CudaGraphError), errors of the capture itself (a CUDA
 # error that broke it, backends/cuda.py) and an exception raised by code that asked is_capturing()
 # during the call (communication code refusing a capture) stay contained: the key runs eagerly
-# with the reason. On
-# the cuda backend a capture records without executing, so device work the function did before
-# raising is not applied (eager would have applied it); the simulated backend executes it and then
-# takes back what a capture takes back (RNG, Layer buffers, a step's optimizer state).
+# with the reason. On the cuda backend a capture records without executing, so device work the
+# function did before raising is not applied (eager would have applied it); the simulated backend
+# executes it and then takes back what a capture takes back (RNG, Layer buffers, a step's state).
+
+def _raise_own_error(counters, entry, err):
+    """Raises ``err`` on when the function raised it itself (backends.own_error), counted, as eager
+    raises it (same object, same context). On cuda its frames' locals are dropped first: they hold
+    tensors of the dropped capture's pool, and freeing one while a later capture is open aborts
+    (NOTE [ Garbage collection around capture ] in backends/cuda.py)."""
+    if not is_own_error(err):
+        return
+    counters.eager("the function raised during capture")
+    if entry.backend.name == "cuda":
+        traceback.clear_frames(err.__traceback__)
+    raise err
+
+
+_CAPTURE_FAILED = (
+    "capture of key {label} failed: {reason}. The key runs eagerly from now on (results stay correct, without the "
+    "speed-up). Fix the cause and call .reset() to capture again, or return None from dispatch_key_fn for such calls.")
+_MISMATCH = (
+    "the graph of key {label} does not reproduce eager: {mismatch}. This key now runs eagerly. A graph repeats what "
+    "capture saw: Python branches or values read from CPU tensors or Python state, and tensors rebound between "
+    "calls, are frozen at capture. Make the function depend only on its tensor arguments and Layers, or return "
+    "None from dispatch_key_fn for such calls.")
+_IN_FLIGHT = (
+    "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
+    "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
 class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
-        body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
-            whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
-            ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
-            ``replay``, ``verified_replay``.
+        body: what each phase runs for this kind of call, a Body (core/body.py): BlockBody for
+            blocks, StepBody for whole training steps.
         fn: the wrapped function (keys read its signature).
     """
 
@@ -80,14 +104,9 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
-        out = self.counters.snapshot()
-        out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
-        out["keys"] = len(self._entries)
-        out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
-        # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
-        out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
-        return out
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots`` and
+        ``slot_bytes`` (stats.summarize)."""
+        return summarize(self.counters, self._entries.values())
 
     def report(self):
         """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
@@ -96,14 +115,14 @@ class Lifecycle:
     def explain(self):
         """A readable report: every key's phase and counts, and a reason for every eager call
         (stats.explain shows an example)."""
-        return explain(self.__name__, self.stats(), self._entries.values(), self.counters)
+        return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
-        is still pending keeps its graphs until that backward has run (they go with it)."""
+        """Drops every graph, pool and static buffer, and zeroes the counters. A slot whose backward
+        is still pending keeps its graphs until that backward has run (they go with it: NOTE
+        [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
-            if not entry.backward_pending():
-                entry.release()
+            entry.release()
         self._entries.clear()
         self._warned.clear()
         self.counters = Counters()
@@ -140,7 +159,7 @@ class Lifecycle:
                 return self._body.warmup(entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
-            if not self._budget_allows(entry):
+            if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
                 return self._eager(call, "max_graphs reached")
             return self._recapture(entry, call)
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
@@ -164,7 +183,7 @@ class Lifecycle:
         if topic in self._warned:
             return
         self._warned.add(topic)
-        warnings.warn(f"autocudagraph({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
+        warnings.warn(f"{self._body.api}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _new_entry(self, key, call):
         backend, reason = resolve_backend(self._options.backend, call.tensors)
@@ -178,7 +197,7 @@ class Lifecycle:
             self._last_refusal = refused
             return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named))
-        if not self._budget_allows(entry):
+        if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
             self._last_refusal = "max_graphs reached"
             return None
         self._entries[key] = entry
@@ -187,37 +206,24 @@ class Lifecycle:
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
-        raised = None
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
-        except FunctionRaised as err:  # NOTE [ The function's own exceptions ]
-            raised = err.error
         except Exception as err:  # contained: this key runs eagerly from now on
+            _raise_own_error(self.counters, entry, err)  # NOTE [ The function's own exceptions ]
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
             if where is not None:
                 reason += f" (at {where})"
             entry.fall_back(reason)
             logger.debug("capture of %s failed", self.__name__, exc_info=True)
-            self._warn_once(
-                ("capture", id(entry)),
-                f"capture of key {entry.label} failed: {reason.rstrip('.')}. The key runs eagerly from now on "
-                "(results stay correct, without the speed-up). Fix the cause and call .reset() to capture "
-                "again, or return None from dispatch_key_fn for such calls.",
-            )
+            message = _CAPTURE_FAILED.format(label=entry.label, reason=reason.rstrip("."))
+            self._warn_once(("capture", id(entry)), message)
             return self._eager(call, "capture failed")
-        if raised is not None:
-            self.counters.eager("the function raised during capture")
-            if entry.backend.name == "cuda":
-                # Its frames hold tensors of the dropped capture's pool; freeing one while a later
-                # capture is open aborts (NOTE [ Garbage collection around capture ] in backends/cuda.py).
-                traceback.clear_frames(raised.__traceback__)
-            raise raised  # outside the handler: the caller sees the function's exception as eager raises it
         entry.captured(graphs, self._options.verify_replays)
         self.counters.captures += 1
-        self._entries = self._keys.track(graphs.layers, self._entries)
-        if not self._enforce_max_bytes(entry):
+        self._rekey(self._keys.track(graphs.layers))
+        if not enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted):
             return self._eager(call, "static buffers exceed max_bytes")
         return self._graph_call(entry, call, copy=False)
 
@@ -225,23 +231,51 @@ class Lifecycle:
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.warning is not None:
             self._warn_once(("blocked", blocked.reason), blocked.warning)
-        if blocked is not None and blocked.action == "recapture_once" and entry.recaptures:
+        if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
-        if blocked is not None and blocked.action in ("recapture", "recapture_once"):
+        if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
-            logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
+            logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)
             return self._recapture(entry, call)
+        if blocked is not None and blocked.action is Action.NEW_SLOT:
+            return self._capture_slot(entry, call)
         if blocked is not None:
             if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
-                self._warn_once(
-                    "inflight",
-                    "called again with the same key before the backward of the previous call ran; this call runs "
-                    "eagerly so the graph's saved activations are not overwritten. Run backward between calls, "
-                    "or give such calls their own key.",
-                )
+                self._warn_once("inflight", _IN_FLIGHT)
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
+
+    def _rekey(self, training):
+        """Appends the training flags of Layers a capture found to every key, so that keys made
+        before (other keys still in warmup included) keep matching the calls made from now on."""
+        if not training:
+            return
+        rekeyed = collections.OrderedDict()
+        for key, entry in self._entries.items():
+            entry.key = key.with_layers(training)
+            rekeyed[entry.key] = entry
+        self._entries = rekeyed
+
+    def _evicted(self, victim, budget):
+        self.counters.evictions += 1
+        logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
+
+    def _capture_slot(self, entry, call):
+        """Captures a new slot of ``entry``'s key from ``call``, whose every slot waits for its
+        backward (NOTE [ Slots ] in block/slots.py), and runs it; eager when no slot is made."""
+        last_inputs = entry.last_inputs
+        entry.remember_inputs(call.tensors)
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        if refused is not None:
+            return self._eager(call, refused)
+        entry.slot_added()
+        self.counters.captures += 1
+        self.counters.slot_captures += 1
+        # The new slot fits (add_slot checked it); other keys may be evicted for it.
+        enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted)
+        return self._graph_call(entry, call, copy=False)
 
     def _recapture(self, entry, call):
         entry.recaptures += 1
@@ -266,17 +300,14 @@ class Lifecycle:
             return result
         self.counters.verify_mismatches += 1
         entry.fall_back(mismatch)
-        self._warn_once(
-            ("verify", id(entry)),
-            f"the graph of key {entry.label} does not reproduce eager: {mismatch}. This key now runs eagerly. "
-            "A graph repeats what capture saw: Python branches or values read from CPU tensors or Python "
-            "state, and tensors rebound between calls, are frozen at capture. Make the function depend only "
-            "on its tensor arguments and Layers, or return None from dispatch_key_fn for such calls.",
-        )
+        self._warn_once(("verify", id(entry)), _MISMATCH.format(label=entry.label, mismatch=mismatch))
         return self._eager(call, "verification found a mismatch")
 
     def _run_graphs(self, entry, call, copy):
-        result, copied, skipped = self._body.replay(entry, call, copy)
+        result, copied, skipped, then = self._body.replay(entry, call, copy)
+        if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
+            entry.fall_back(then.reason)
+            self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")
         if copy:
             entry.replays += 1
             self.counters.replays += 1
@@ -285,45 +316,3 @@ class Lifecycle:
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
-
-    # ------------------------------------------------------------------ budgets
-    def _budget_allows(self, entry):
-        live = sum(1 for e in self._entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY))
-        if live < self._options.max_graphs:
-            return True
-        self._warn_once(
-            "max_graphs",
-            f"max_graphs={self._options.max_graphs} keys are already warming up or holding graphs; further "
-            "keys run eagerly (correct, without the speed-up). Raise max_graphs, or return fewer distinct "
-            "keys from dispatch_key_fn (e.g. pad shapes to a few sizes).",
-        )
-        return False
-
-    def _enforce_max_bytes(self, entry):
-        """Evicts least recently used keys until the static buffers fit max_bytes; returns False
-        (and moves ``entry`` to eager) when ``entry`` alone does not fit."""
-        budget = self._options.max_bytes
-        if budget is None:
-            return True
-        own = entry.nbytes()
-        if own > budget:
-            reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
-            entry.fall_back(reason)
-            self._warn_once(
-                ("max_bytes", id(entry)),
-                f"key {entry.label} runs eagerly: {reason}. Raise max_bytes, or split the function so each "
-                "graph holds less.",
-            )
-            return False
-        holders = [e for e in self._entries.values() if e.has_graphs]
-        total = sum(e.nbytes() for e in holders)
-        for victim in sorted(holders, key=lambda e: e.last_used):
-            if total <= budget:
-                break
-            if victim is entry or victim.backward_pending():
-                continue
-            total -= victim.nbytes()
-            victim.evict()
-            self.counters.evictions += 1
-            logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
-        return True

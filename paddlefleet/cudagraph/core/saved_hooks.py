@@ -24,14 +24,16 @@ reason in ``explain()``), in the forward and in recompute's re-run alike, which 
 
 Paddle keeps one pair of hooks per process and has no getter (``core.eager`` offers only
 ``register_saved_tensors_hooks`` and ``reset_saved_tensors_hooks``; ``saved_tensors_hooks`` calls
-the first on enter and the second on exit, also when nested). This module wraps those two functions
-when it is imported and mirrors that state. Hooks registered before ``paddlefleet.cudagraph`` was
+the first on enter and the second on exit, also when nested). ``install()`` wraps those two functions
+when the package is imported and mirrors that state. Hooks registered before ``paddlefleet.cudagraph`` was
 imported are not seen.
 """
 
 import threading
 
 from paddle.base import core
+
+from .paddle_patches import install_for_process
 
 __all__ = ["active", "REASON", "warning"]
 
@@ -69,7 +71,7 @@ def _wrap(name, registered):
 
     tracked._paddlefleet_saved_hooks = True
     tracked.__wrapped__ = original
-    setattr(core.eager, name, tracked)
+    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
 
 def install():
@@ -80,6 +82,3 @@ def install():
             return
         _wrap("register_saved_tensors_hooks", True)
         _wrap("reset_saved_tensors_hooks", False)
-
-
-install()

@@ -18,7 +18,7 @@ import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
+__all__ = ["Counters", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -31,6 +31,7 @@ _FIELDS = (
     "input_copies_skipped",
     "verified_replays",
     "verify_mismatches",
+    "slot_captures",
 )
 
 
@@ -79,6 +80,7 @@ class Counters:
     input_copies_skipped: int = 0
     verified_replays: int = 0
     verify_mismatches: int = 0
+    slot_captures: int = 0
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):
@@ -143,6 +145,28 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
     return "(" + ", ".join(parts) + ")"
 
 
+def summarize(counters, entries):
+    """A wrapper's stats(): its counters plus ``graphs`` (keys holding graphs now), ``keys``,
+    ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+    entries = list(entries)
+    out = counters.snapshot()
+    out["graphs"] = sum(1 for e in entries if e.has_graphs)
+    out["keys"] = len(entries)
+    out["static_bytes"] = sum(e.nbytes() for e in entries)
+    # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+    out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    out.update(slot_stats(entries))
+    return out
+
+
+def slot_stats(entries):
+    """``{"slots": slots held by all keys, "slot_bytes": {key label: [static bytes per slot]}}``
+    (NOTE [ Slots ] in block/slots.py: forwards of one key in flight, each in its own static buffers)."""
+    held = {e.label or repr(e.key): e.graphs.slot_bytes() for e in entries
+            if e.graphs is not None and hasattr(e.graphs, "slot_bytes")}
+    return {"slots": sum(len(b) for b in held.values()), "slot_bytes": held}
+
+
 def describe_entries(entries):
     """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
     rows = []
@@ -163,14 +187,15 @@ def describe_entries(entries):
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
+                "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
             }
         )
     return rows
 
 
-def explain(name, stats, entries, counters):
+def explain(name, stats, entries, counters, api="autocudagraph"):
     """A readable report of one wrapper: every key's phase and counts, and a reason for every
-    eager call.
+    eager call; ``api``: the public name of the wrapper (the body's, core/body.py).
 
     Example::
 
@@ -183,7 +208,7 @@ def explain(name, stats, entries, counters):
     """
     entries = list(entries)
     lines = [
-        f"autocudagraph({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+        f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
         f"{stats['static_bytes']} static bytes"
     ]
     backends = {e.backend.describe() for e in entries if e.backend is not None}
@@ -196,6 +221,9 @@ def explain(name, stats, entries, counters):
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        if row["slot_bytes"]:
+            sizes = sorted(set(row["slot_bytes"]))
+            line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:

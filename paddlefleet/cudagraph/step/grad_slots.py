@@ -35,6 +35,7 @@ import contextlib
 
 import paddle
 
+from ..core.paddle_patches import patched
 from .optimizer_state import optimizer_params
 
 __all__ = ["GradSlots", "CLOSED", "PERSISTENT", "representative_grads", "grad_ptr"]
@@ -99,15 +100,10 @@ class GradSlots:
                     grad.zero_()
             return None
 
-        paddle.Tensor.backward = backward
-        paddle.autograd.backward = backward_fn
-        paddle.Tensor.clear_gradient = clear
-        try:
+        # NOTE [ Paddle patches ] in core/paddle_patches.py
+        with patched((paddle.Tensor, "backward", backward), (paddle.autograd, "backward", backward_fn),
+                     (paddle.Tensor, "clear_gradient", clear)):
             yield record
-        finally:
-            paddle.Tensor.clear_gradient = clear_gradient
-            paddle.autograd.backward = autograd_backward
-            paddle.Tensor.backward = tensor_backward
 
     def observe(self, record):
         """After a host-executing call: switches to persistent mode when it left grads holding
