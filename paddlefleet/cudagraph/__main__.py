@@ -1,4 +1,4 @@
-"""Command line: ``python -m paddlefleet.cudagraph demo [--steps N]``."""
+"""Command line: ``python -m paddlefleet.cudagraph demo [--steps N]`` and ``python -m paddlefleet.cudagraph doctor``."""
 
 import argparse
 import sys
@@ -9,7 +9,13 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model eagerly and graphed, side by side")
     demo.add_argument("--steps", type=int, default=20)
+    sub.add_parser("doctor", help="report Paddle's build, the GPU, whether Paddle's kernels run on it, and the "
+                   "backend autocudagraph picks")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor()
     from .demo.main import run_demo
 
     return run_demo(steps=args.steps)

@@ -743,7 +743,7 @@ def _c_library():
     stats = g.stats()
     warned = "; ".join(str(w.message)[:300] for w in caught)
     return (f"bitwise per call={rows}, captures={stats['captures']}, replays={stats['replays']}, "
-            f"eager calls={stats['fallbacks']}, warnings={warned or 'none'}")
+            f"eager calls={stats['eager_calls']}, warnings={warned or 'none'}")
 
 
 def run_child(name):

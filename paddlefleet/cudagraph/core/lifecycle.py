@@ -37,6 +37,7 @@ class Lifecycle:
     """
 
     __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
+    kind = "autocudagraph"  # names the wrapper in warnings: autocudagraph(name)
 
     def __init__(self, body, fn):
         self._body = body
@@ -45,6 +46,7 @@ class Lifecycle:
         self._last_refusal = None
         self._tick = 0
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
+        self._keys.who = self.kind
         self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -149,7 +151,7 @@ class Lifecycle:
         if topic in self._warned:
             return
         self._warned.add(topic)
-        warnings.warn(f"autocudagraph({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
+        warnings.warn(f"{self.kind}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _new_entry(self, key, call):
         backend, reason = resolve_backend(self._options.backend, call.tensors)

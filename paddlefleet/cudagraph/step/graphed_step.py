@@ -10,7 +10,7 @@ import paddle
 
 from ..core.lifecycle import Lifecycle
 from .optimizer_state import inner_optimizer
-from ..options import BACKEND_NAMES
+from ..options import BACKEND_NAMES, check_key_fn, check_option_names
 from .body import StepBody
 
 __all__ = ["autocudagraph_step", "StepOptions", "GraphedStep"]
@@ -60,8 +60,7 @@ class StepOptions:
         if self.backend is not None and self.backend not in BACKEND_NAMES:
             _fail(ValueError, f"backend must be one of {BACKEND_NAMES} or None, got {self.backend!r}. "
                               "Use backend=None to graph on a GPU and run eagerly elsewhere.")
-        if self.dispatch_key_fn is not None and not callable(self.dispatch_key_fn):
-            _fail(TypeError, f"dispatch_key_fn must be callable or None, got {self.dispatch_key_fn!r}.")
+        check_key_fn("autocudagraph_step", self.dispatch_key_fn)
         hooks = () if self.capture_hooks is None else self.capture_hooks
         if callable(hooks) or not isinstance(hooks, Sequence) or not all(callable(h) for h in hooks):
             _fail(TypeError, f"capture_hooks must be a list of context-manager factories, got {hooks!r}.")
@@ -87,6 +86,8 @@ class StepOptions:
 class GraphedStep(Lifecycle):
     """A training step with per-key whole-step graphs. Made by autocudagraph_step()."""
 
+    kind = "autocudagraph_step"
+
     def __init__(self, fn, options):
         if not isinstance(options, StepOptions):
             raise TypeError(f"GraphedStep: options must be StepOptions, got {options!r}")
@@ -104,7 +105,7 @@ class GraphedStep(Lifecycle):
 
 
 def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, max_graphs=8, backend=None,
-                       dispatch_key_fn=None, capture_hooks=()):
+                       dispatch_key_fn=None, capture_hooks=(), **unknown):
     """Captures a whole training step into one graph per key and replays it.
 
     ``train_step_fn(*batch)`` runs forward, loss, ``backward()``, optional clipping,
@@ -135,6 +136,8 @@ def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, m
         See docs/train_step.md: what the step function may and may not do (host values, grads
         cleared inside the step, paddle.amp.GradScaler replaced by GraphGradScaler).
     """
+    check_option_names("autocudagraph_step", unknown,
+                       [f.name for f in dataclasses.fields(StepOptions) if f.init])
     options = StepOptions(optimizers=optimizers, warmup_steps=warmup_steps, max_graphs=max_graphs,
                           backend=backend, dispatch_key_fn=dispatch_key_fn, capture_hooks=capture_hooks)
     if train_step_fn is None:

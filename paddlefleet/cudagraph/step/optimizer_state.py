@@ -83,7 +83,7 @@ def _numpy_dtype(t):
         if t.dtype == dtype:
             return np_dtype
     raise CaptureError(
-        f"autocudagraph: the learning-rate tensor has dtype {t.dtype}, which autocudagraph_step cannot feed. "
+        f"autocudagraph_step: the learning-rate tensor has dtype {t.dtype}, which autocudagraph_step cannot feed. "
         "Paddle's optimizers keep it in float32 or float64; use one of those."
     )
 
@@ -188,14 +188,14 @@ def check_supported(opt):
     name = type(opt).__name__
     if getattr(opt, "_use_multi_tensor", False):
         raise CaptureError(
-            f"autocudagraph: {name}(use_multi_tensor=True) keeps its state in merged lists "
+            f"autocudagraph_step: {name}(use_multi_tensor=True) keeps its state in merged lists "
             "(_beta1_pow_acc_dict ...) that autocudagraph_step does not move to the device or check. "
             "Use use_multi_tensor=False for a graphed step."
         )
     for attr in ("_beta1", "_beta2"):
         if isinstance(getattr(opt, attr, None), paddle.Tensor):
             raise CaptureError(
-                f"autocudagraph: {name} has {attr[1:]} as a Tensor; its step reads it with .item() on the host, "
+                f"autocudagraph_step: {name} has {attr[1:]} as a Tensor; its step reads it with .item() on the host, "
                 "so a graph would freeze it. Pass a Python float."
             )
 
