@@ -1,4 +1,4 @@
-"""Safety and diagnostics (issue 5): contained capture failures, explain(), verification mode,
+"""Safety and diagnostics: contained capture failures, explain(), verification mode,
 host (CPU) tensors in IO, input copies, the max_bytes budget and stale-output detection.
 
 Every graphed result is compared with eager bit for bit; phases are pinned with the counters.

@@ -1,4 +1,4 @@
-"""Recompute around graphed Layers (issue 14, item 2), and what verify_replays checks of grads.
+"""Recompute around graphed Layers, and what verify_replays checks of grads.
 
 NOTE [ Saved-tensors hooks ] in paddlefleet/cudagraph/saved_hooks.py has the root cause: calls
 made under ``paddle.autograd.saved_tensors_hooks`` (non-reentrant recompute) run eagerly.
