@@ -1,6 +1,6 @@
 """Benchmark: autocudagraph against Paddle eager, raw CUDA-graph replay and PyTorch, in two timing modes.
 
-On the GPU host (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/bench.py                  # docs/benchmarks.json, docs/benchmarks.md, docs/benchmarks.png
     python tools/bench.py --quick          # a few steps, to see that everything runs

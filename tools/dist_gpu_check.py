@@ -1,7 +1,6 @@
 """Two-GPU data-parallel check of autocudagraph with NCCL, bitwise against eager.
 
-On a host with two GPUs (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh`` where
-Paddle 2.6.2 is the GPU build at hand)::
+On a host with two GPUs and a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/dist_gpu_check.py --out docs/dist_gpu_check.md
 

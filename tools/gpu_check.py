@@ -1,6 +1,6 @@
 """End-to-end check of autocudagraph's cuda backend on a real GPU: the suite's matmul-only cases.
 
-On the GPU host (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/gpu_check.py --out docs/gpu_check.md
 

@@ -1,6 +1,6 @@
 """Where the host time of a graphed training step goes: each piece timed alone.
 
-On the GPU host (after ``source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/host_breakdown.py --out docs/host_breakdown.md
 

@@ -1,6 +1,6 @@
 """Probe the installed Paddle for every API paddlefleet.cudagraph relies on, and how it behaves.
 
-Run on the GPU host first (after ``source .gpu/bin/env.sh``)::
+Run on a GPU host first (a GPU build of Paddle: README.md, "Install on a GPU")::
 
     python tools/probes/paddle26_probe.py --out /tmp/probe.md
 
