@@ -1,6 +1,6 @@
 """Where the host time of a graphed training step goes: each piece timed alone.
 
-On the GPU host (after ``source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/host_breakdown.py --out docs/host_breakdown.md
 
@@ -46,6 +46,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
 from testkit.common import (  # noqa: E402
     SPEED_OPTIONS,
     MatMLP,
@@ -61,6 +62,8 @@ from testkit.common import (  # noqa: E402
 )
 
 TOOL = "tools/host_breakdown.py"
+#: (full size on a GPU, smoke size with --backend simulate)
+SIZES = {"layers": (16, 4), "width": (512, 32), "batch": (16, 4), "reps": (300, 20)}
 
 
 class Passthrough(PyLayer):
@@ -285,16 +288,18 @@ def parse():
     parser = argparse.ArgumentParser(description="host time of the pieces of a graphed step")
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: simulate, 4 x 32, 20 reps, output under the temp dir")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=300)
+    for name, text in (("layers", "matmul layers"), ("width", "layer width"), ("batch", "batch size"),
+                       ("reps", "timed repetitions per piece")):
+        parser.add_argument(f"--{name}", type=int, help=sized_help(text, *SIZES[name]))
     parser.add_argument("--out", help="write the report here (markdown; text above its generated-text mark is kept)")
     parser.add_argument("--profile", help="also write a cProfile of 100 graphed steps here")
     args = parser.parse_args()
     if args.smoke:
-        args.backend, args.layers, args.width, args.batch, args.reps = "simulate", 4, 32, 4, 20
+        args.backend = "simulate"
         args.out = args.out or os.path.join(tempfile.gettempdir(), "host_breakdown_smoke.md")
+    require_gpu(TOOL, args.backend)
+    for name, (full, smoke) in SIZES.items():
+        setattr(args, name, sized(getattr(args, name), args.backend, full, smoke))
     try:
         for path in (args.out, args.profile) if args.backend != "cuda" else ():
             if path:

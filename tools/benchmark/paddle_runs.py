@@ -1,7 +1,7 @@
 """The Paddle side of tools/bench.py: one runner per way of running the same training step.
 
 A step is forward + backward with an explicit ``dy`` on a matmul-only MLP, then parameter grads
-released with ``clear_gradient(False)`` (NOTE [ Kernel-less GPUs ] in paddlefleet/cudagraph/testing.py).
+released with ``clear_gradient(False)`` (NOTE [ Kernel-less GPUs ] in testkit/common.py).
 Runners: Paddle eager; autocudagraph with default options and with each speed option
 (SPEED_OPTIONS, feature-detected); the whole-step graph ``autocudagraph_step`` where the package
 has it; raw replay of one graph of the whole step (the floor).

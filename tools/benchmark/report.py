@@ -104,7 +104,7 @@ def _verdict(ok):
 
 
 def _targets(rows):
-    """Issue 10's targets, each with the numbers it was judged on."""
+    """The speed targets, each with the numbers it was judged on."""
     out = []
     base = [r for r in rows if r["blocks"] == 1]
     for r in (r for r in base if r["mode"] == "throughput"):
@@ -167,7 +167,7 @@ def markdown(rows, info, torch, run, plot_note):
         out += [f"### {mode.capitalize()}: autocudagraph's options and the whole-step graph", ""]
         out += _time_table(rows, mode, OPTION_COLUMNS) + [""]
         out += [f"### {mode.capitalize()}: ratios", ""] + _ratio_table(rows, mode) + [""]
-    out += ["## Targets (issue 10)", ""] + _targets(rows) + ["", "## Checks and missing runners", ""]
+    out += ["## Targets", ""] + _targets(rows) + ["", "## Checks and missing runners", ""]
     for r in (r for r in rows if r["mode"] == MODES[0]):
         failed = {n: c for n, c in r["checks"].items() if c.startswith("FAILED")}
         passed = sorted(n for n, c in r["checks"].items() if c.startswith("bitwise"))

@@ -14,6 +14,7 @@ import paddle
 from . import state
 from ..io.host_tensors import check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
+from ..options import call_key_fn
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
 
@@ -58,6 +59,7 @@ class KeyMaker:
         self._bound = bound
         self._signature = None
         self.layers = list(layers)
+        self.who = "autocudagraph"  # the wrapper's kind, for messages
 
     def signature(self):
         """The signature a call is made with: the function's, without the owner when bound."""
@@ -106,14 +108,14 @@ class KeyMaker:
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
             return Key(False, (spec, metas), self.state_key())
-        user_key = self._key_fn(self.bound_arguments(args, kwargs))
+        user_key = call_key_fn(self.who, self._key_fn, self.bound_arguments(args, kwargs))
         if user_key is None:
             return None
         try:
             hash(user_key)
         except TypeError as err:
             raise CudaGraphError(
-                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
+                f"{self.who}: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
                 "Return a tuple, string or number (or None to run the call eagerly)."
             ) from None
         return Key(True, user_key, self.state_key())

@@ -57,6 +57,7 @@ class Lifecycle:
         self._last_refusal = None
         self._tick = 0
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
+        self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
