@@ -36,6 +36,8 @@ class GraphEntry:
             ``grad_copies()``.
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in io/static_inputs.py).
+        capture_ms: host milliseconds of this key's latest capture (forward and backward graphs,
+            static buffers), None before the first.
     """
 
     key: Any
@@ -55,6 +57,7 @@ class GraphEntry:
     input_copies_skipped: int = 0
     evictions: int = 0
     verified: int = 0
+    capture_ms: Optional[float] = None
 
     @property
     def has_graphs(self):

@@ -8,6 +8,7 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 
 import collections
 import logging
+import time
 import warnings
 
 from ..io import arguments
@@ -65,13 +66,17 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now), ``capture_ms``
+        (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key label: bytes
+        of its static buffers}``, keys holding graphs)."""
         out = self.counters.snapshot()
         out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
         out["keys"] = len(self._entries)
         out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
         # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
         out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
+        out["capture_ms"] = {e.label: e.capture_ms for e in self._entries.values() if e.capture_ms is not None}
+        out["key_bytes"] = {e.label: e.nbytes() for e in self._entries.values() if e.has_graphs}
         return out
 
     def report(self):
@@ -172,6 +177,7 @@ class Lifecycle:
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
+        start = time.perf_counter()
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
@@ -190,6 +196,7 @@ class Lifecycle:
             )
             return self._eager(call, "capture failed")
         entry.captured(graphs, self._options.verify_replays)
+        entry.capture_ms = (time.perf_counter() - start) * 1e3
         self.counters.captures += 1
         self._entries = self._keys.track(graphs.layers, self._entries)
         if not self._enforce_max_bytes(entry):

@@ -144,7 +144,7 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
 
 
 def describe_entries(entries):
-    """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
+    """One dict per key: phase, counts, fallback reason, bytes held, input copies, capture time."""
     rows = []
     for entry in entries:
         rows.append(
@@ -162,6 +162,7 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
+                "capture_ms": entry.capture_ms,
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
             }
         )
@@ -196,6 +197,8 @@ def explain(name, stats, entries, counters):
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        if row["capture_ms"] is not None:
+            line += f"; captured in {row['capture_ms']:.1f} ms"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
