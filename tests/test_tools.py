@@ -59,3 +59,32 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
     for name in private:
         assert not pieces[name.strip()].startswith("n/a"), (name, pieces[name.strip()])
     assert float(pieces["graphed step: forward call + backward + release grads"]) > 0
+
+
+def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_ms(tmp_path):
+    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp32x1024_b32_perlayer", "--no-torch", "--out-dir", str(tmp_path))
+    assert rc == 0, log[-3000:]
+    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [(r["config"], r["mode"]) for r in rows] == [("mlp32x1024_b32_perlayer", m) for m in ("throughput", "latency")]
+    for row in rows:
+        assert row["per_layer"] and row["blocks"] == row["layers"] == 8  # shrunk for the CPU, still one Layer each
+        assert row["checks"]["autocudagraph"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph"]["captures"] == 8 and row["counters"]["autocudagraph"]["eager"] == 0
+        assert row["autocudagraph_clone_outputs_false_us"] is None and "options are timed" in \
+            row["why_null"]["autocudagraph_clone_outputs_false"]
+        for name in ("paddle_eager", "autocudagraph", "raw_replay"):
+            assert name in row["peak_bytes"] and row["peak_bytes"][name] is None  # no device memory on the CPU
+            assert row["startup_ms"][name] > 0
+        assert row["capture_ms"]["autocudagraph"]["keys"] == 8 and row["capture_ms"]["autocudagraph"]["total_ms"] > 0
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Start-up, captures and peak memory" in text and "start-up of 8 graphed layers" in text
+
+
+def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
+    out = tmp_path / "host.md"
+    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
+    assert rc == 0, log[-3000:]
+    text = out.read_text()
+    for name in ("per-layer step: 4 graphed layers", "per graphed layer call", "whole-step graph (autocudagraph_step)"):
+        line = next(line for line in text.splitlines() if name in line)
+        assert float(line.split("|")[3]) > 0, line

@@ -220,6 +220,62 @@ class Breakdown:
             self.row(name, who, resolve)
         return model, step
 
+    def per_layer_rows(self):
+        """The same MLP with each layer graphed on its own (as users graph each decoder layer), and
+        as one whole-step graph (autocudagraph_step), where the package has it."""
+        args = self.args
+        layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), seed=0)
+        for layer in layers:
+            autocudagraph(layer, backend=args.backend, warmup_steps=1)
+        params = layers.parameters()
+
+        def per_layer_step():
+            h = self.x
+            for layer in layers:
+                h = layer(h)
+            h.backward(self.dy)
+            for p in params:
+                p.clear_gradient(False)
+
+        for _ in range(3):  # warmup, capture, first replay
+            per_layer_step()
+        self.sync()
+        name = f"per-layer step: {args.layers} graphed layers (one Layer each), forward + backward + release"
+        self.row(name, "total", lambda: per_layer_step)
+        us = self.rows[-1][2]
+        per_call = f"{float(us) / args.layers:.1f}" if not us.startswith("n/a") else us
+        self.rows.append(("  per graphed layer call (forward + backward)", "total", per_call))
+        self.whole_step_row()
+
+    def whole_step_row(self):
+        from paddlefleet import cudagraph as package
+
+        make = getattr(package, "autocudagraph_step", None)
+        name = "whole-step graph (autocudagraph_step): one call, forward + backward + release inside"
+        if make is None:
+            self.rows.append((name, "total", "n/a (no autocudagraph_step in this version)"))
+            return
+        args = self.args
+        model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
+        params = model.parameters()
+
+        def train(x, dy):
+            y = model(x)
+            y.backward(dy)
+            for p in params:
+                p.clear_gradient(False)
+            return y
+
+        graphed = make(train, optimizers=[], warmup_steps=2, backend=args.backend)
+
+        def step():
+            graphed(self.x, self.dy)
+
+        for _ in range(4):  # 2 warmup steps, capture, first replay
+            step()
+        self.sync()
+        self.row(name, "total", lambda: step)
+
     def option_rows(self):
         for option in SPEED_OPTIONS:
             name = f"graphed step with {option.options}"
@@ -311,6 +367,7 @@ def main():
     paddle.set_device("gpu" if cuda else "cpu")
     bd = Breakdown(args)
     model, step = bd.wrapper_rows()
+    bd.per_layer_rows()
     bd.option_rows()
     bd.paddle_rows(model.parameters())
     if args.profile:
