@@ -163,6 +163,7 @@ def describe_entries(entries):
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
                 "capture_ms": entry.capture_ms,
+                "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
             }
         )
@@ -199,6 +200,8 @@ def explain(name, stats, entries, counters):
         )
         if row["capture_ms"] is not None:
             line += f"; captured in {row['capture_ms']:.1f} ms"
+        if row["host_cost"]:
+            line += f"; {row['host_cost']}"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
