@@ -88,3 +88,9 @@ def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
     for name in ("per-layer step: 4 graphed layers", "per graphed layer call", "whole-step graph (autocudagraph_step)"):
         line = next(line for line in text.splitlines() if name in line)
         assert float(line.split("|")[3]) > 0, line
+
+
+def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
+    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3")
+    assert rc == 0, log[-3000:]
+    assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]
