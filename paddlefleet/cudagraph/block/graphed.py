@@ -90,8 +90,10 @@ class BlockBody:
         graphs = entry.graphs
         if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
             capture_second_backward(graphs)
+        if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
+            return run_graphs(graphs, call, copy, self.name, entry.label)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
-        with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
+        with state_restored_on_refusal(graphs.layers, True):
             return run_graphs(graphs, call, copy, self.name, entry.label)
 
     def verified_replay(self, entry, call, run_graphs):

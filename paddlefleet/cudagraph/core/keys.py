@@ -76,7 +76,7 @@ class KeyMaker:
         return (
             paddle.is_grad_enabled(),
             state.amp_state(),
-            tuple(layer.training for layer in self.layers),
+            tuple([layer.training for layer in self.layers]),
         )
 
     def key(self, args, kwargs, tensors, spec):
