@@ -114,8 +114,9 @@ class PerLayerCases(MatmulOnlyCase):
         for layer in layers:
             h = layer(h)
         h.backward(self.tensor(dyn))
-        got = [h, x.grad] + [p.grad for p in layers.parameters()]
+        got = [t.numpy() for t in [h, x.grad] + [p.grad for p in layers.parameters()]]  # before the release
         release_grads(layers)
+        self.last = (h, x)
         return got
 
     def test_layers_evicted_and_captured_again_stay_bitwise(self):
@@ -135,7 +136,7 @@ class PerLayerCases(MatmulOnlyCase):
             batch = 4 if k % 2 == 0 else 8
             xn, dyn = draw(batch, self.width), draw(batch, self.width)
             got = self.step(graphed, xn, dyn)
-            cycle = [got]
+            cycle = [got, self.last]
             cycle.append(cycle)  # freed only by the cyclic collector, never inside a capture
             garbage.append(cycle)
             self.assertBitwise(got, self.step(eager, xn, dyn), f"step {k} (batch {batch}): y, x.grad, parameter grads")

@@ -76,6 +76,8 @@ def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_m
             assert name in row["peak_bytes"] and row["peak_bytes"][name] is None  # no device memory on the CPU
             assert row["startup_ms"][name] > 0
         assert row["capture_ms"]["autocudagraph"]["keys"] == 8 and row["capture_ms"]["autocudagraph"]["total_ms"] > 0
+        assert row["checks"]["autocudagraph_step"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph_step"]["captures"] == 1 and row["capture_ms"]["autocudagraph_step"]["keys"] == 1
     text = (tmp_path / "benchmarks.md").read_text()
     assert "Start-up, captures and peak memory" in text and "start-up of 8 graphed layers" in text
 

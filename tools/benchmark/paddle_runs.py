@@ -287,7 +287,7 @@ def whole_step_entry(s, name, with_sgd):
     if with_sgd and s.cuda and cuda_skip_reason("all"):
         raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
     body, twin = TrainStep(s.model(), with_sgd), TrainStep(s.model(), with_sgd)
-    graphed = make(body, optimizers=body.optimizers, warmup_steps=2)
+    graphed = make(body, optimizers=body.optimizers, warmup_steps=2, backend=s.backend)
     counted, timed = [0], timed_call(graphed, s.x, s.dy)
 
     def step():
@@ -300,7 +300,11 @@ def whole_step_entry(s, name, with_sgd):
         counted[0] += 1
         got = [graphed(s.x, s.dy).numpy()] + [p.numpy() for p in body.model.parameters()]
         want = [twin(s.x, s.dy).numpy()] + [p.numpy() for p in twin.model.parameters()]
-        return compare(got, want, "returned y and parameters (grads are released inside the step)")
+        failures = compare(got, want, "returned y and parameters (grads are released inside the step)")
+        counts = stats() if stats else None
+        if counts is not None and (counts["captures"] < 1 or eager_calls(counts)):
+            failures.append(f"the step is not replaying: {graphed.explain()}")
+        return failures
 
     stats = getattr(graphed, "stats", None)
     return Entry(Runner(name, step, s.sync, short), check, (lambda: dict(stats())) if stats else None,
