@@ -18,6 +18,7 @@ graphed layer by layer would give it once per layer); explain() has every key's 
 """
 
 import statistics
+import time
 
 __all__ = ["HostCost", "REPLAYS_TIMED", "measured", "warn_once_per_process"]
 
@@ -52,6 +53,22 @@ class HostCost:
         self.eager_s = None
         self.replay_s = []
         self.judged = not measure
+
+    def timed_warmup(self, warmup, entry, call):
+        """``warmup(entry, call)``, its host time kept as the eager call's."""
+        start = time.perf_counter()
+        out = warmup(entry, call)
+        self.eager_s = time.perf_counter() - start
+        return out
+
+    def timed_replay(self, replay, entry, call, warn_once):
+        """``replay(entry, call)``, timed; once judged, ``warn_once(topic, message)`` where the key cannot
+        pay (once per process)."""
+        start = time.perf_counter()
+        out = replay(entry, call)
+        if self.add_replay(time.perf_counter() - start) and self.cannot_pay() and warn_once_per_process():
+            warn_once("cannot_pay", self.warning(entry.label))
+        return out
 
     @property
     def timing(self):

@@ -17,7 +17,6 @@ from ..backends import in_whole_step, is_capturing, resolve_backend
 from .call import Call
 from .keys import BoundSignature, KeyMaker
 from .entry import GraphEntry, Phase
-from .host_cost import warn_once_per_process
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
@@ -124,16 +123,13 @@ class Lifecycle:
         self._entries.move_to_end(key)
         if entry.phase is Phase.REPLAY:
             if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-                return self._timed_replay(entry, call)
+                return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
                 entry.warmed_up(call.tensors)
                 self.counters.warmup_calls += 1
-                start = time.perf_counter()
-                out = self._body.warmup(entry, call)
-                entry.host_cost.eager_s = time.perf_counter() - start
-                return out
+                return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
             if not self._budget_allows(entry):
@@ -230,14 +226,6 @@ class Lifecycle:
                 )
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
-
-    def _timed_replay(self, entry, call):
-        start = time.perf_counter()
-        out = self._replay(entry, call)
-        cost = entry.host_cost
-        if cost.add_replay(time.perf_counter() - start) and cost.cannot_pay() and warn_once_per_process():
-            self._warn_once("cannot_pay", cost.warning(entry.label))
-        return out
 
     def _recapture(self, entry, call):
         entry.recaptures += 1
