@@ -886,7 +886,7 @@ class TestBackendChoice(unittest.TestCase):
                 mock.patch.object(gc, "collect") as collect:
             graph = cuda_backend.CudaBackend(place="gpu:0").new_graph(None)
             self.assertEqual(graph.capture(lambda: 7), 7)
-        collect.assert_not_called()  # 30-60 ms per graph: most of a per-layer model's start-up
+        collect.assert_not_called()  # 60-70 ms per graph: seconds of a per-layer model's start-up
         self.assertFalse(seen["enabled_in_capture"])
         self.assertTrue(gc.isenabled())
 
