@@ -65,7 +65,9 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
 
 
 # ----------------------------------------------------------------------------- every tool on a CPU
-TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py"))
+#: Tools that time host work on a CPU by design (no --backend): not asked for a GPU below.
+CPU_TOOLS = ["cpu_host_time.py"]
+TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
 SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
          "bench.py": "--steps"}
 
@@ -126,3 +128,40 @@ def test_dist_gpu_check_reports_a_case_it_cannot_run_as_skip_not_pass():
     assert "- **SKIP** `all_reduce_in_graph_compute_stream`: gloo has no compute-stream all_reduce" in log, log[-3000:]
     assert "- **PASS** `forward_only_in_place_all_reduce`" in log, log[-3000:]
     assert "Overall: PASS (1 passed, 0 failed, 1 skipped)" in log, log[-3000:]
+
+
+def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_ms(tmp_path):
+    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp32x1024_b32_perlayer", "--no-torch", "--out-dir", str(tmp_path))
+    assert rc == 0, log[-3000:]
+    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [(r["config"], r["mode"]) for r in rows] == [("mlp32x1024_b32_perlayer", m) for m in ("throughput", "latency")]
+    for row in rows:
+        assert row["per_layer"] and row["blocks"] == row["layers"] == 8  # shrunk for the CPU, still one Layer each
+        assert row["checks"]["autocudagraph"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph"]["captures"] == 8 and row["counters"]["autocudagraph"]["eager"] == 0
+        assert row["autocudagraph_clone_outputs_false_us"] is None and "options are timed" in \
+            row["why_null"]["autocudagraph_clone_outputs_false"]
+        for name in ("paddle_eager", "autocudagraph", "raw_replay"):
+            assert name in row["peak_bytes"] and row["peak_bytes"][name] is None  # no device memory on the CPU
+            assert row["startup_ms"][name] > 0
+        assert row["capture_ms"]["autocudagraph"]["keys"] == 8 and row["capture_ms"]["autocudagraph"]["total_ms"] > 0
+        assert row["checks"]["autocudagraph_step"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph_step"]["captures"] == 1 and row["capture_ms"]["autocudagraph_step"]["keys"] == 1
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Start-up, captures and peak memory" in text and "start-up of 8 graphed layers" in text
+
+
+def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
+    out = tmp_path / "host.md"
+    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
+    assert rc == 0, log[-3000:]
+    text = out.read_text()
+    for name in ("per-layer step: 4 graphed layers", "per graphed layer call", "whole-step graph (autocudagraph_step)"):
+        line = next(line for line in text.splitlines() if name in line)
+        assert float(line.split("|")[3]) > 0, line
+
+
+def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
+    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3")
+    assert rc == 0, log[-3000:]
+    assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]

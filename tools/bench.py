@@ -71,7 +71,7 @@ def paddle_configs(args, configs):
     groups = [g for g in paddle_runs.GROUPS if g != "step" or paddle_runs.has_whole_step()]
     results, info = {}, {}
     for cfg in configs:
-        merged = {"times": {}, "checks": {}, "why_null": {}, "counters": {}}
+        merged = {key: {} for key in paddle_runs.RESULT_KEYS}
         if "step" not in groups:
             merged["why_null"].update(dict.fromkeys(paddle_runs.runner_names("step"), paddle_runs.NO_STEP))
         for group in groups:
@@ -82,7 +82,7 @@ def paddle_configs(args, configs):
                 merged["why_null"].update(dict.fromkeys(paddle_runs.runner_names(group), failed))
                 continue
             for key, value in got["result"].items():
-                merged[key].update(value)
+                merged.setdefault(key, {}).update(value)
             info = info or got["info"]
         results[cfg.name] = merged
     return results, info

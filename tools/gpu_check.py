@@ -37,7 +37,7 @@ from testkit.cli import require_gpu  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
-CASES = ["tests/test_gpu_safe.py"]  # modules holding the gpu_safe cases
+CASES = ["tests/test_gpu_safe.py", "tests/test_per_layer_speed.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

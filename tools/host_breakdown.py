@@ -14,7 +14,8 @@ inside the timed region; one sync after each repetition so the queue stays short
 first config of tools/bench.py). The rows split a graphed step into the wrapper's own pieces (key,
 checks, copies), Paddle's (PyLayer, autograd engine, Tensor.backward, copies), and the whole step
 with default options and with each speed option this version has. ``--profile PATH`` also writes
-a cProfile of the graphed step's host side.
+a cProfile of the graphed step's host side, and of the start-up (first 3 steps: warmup, capture,
+first replay) of a model graphed layer by layer, to PATH.startup.
 
 NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
@@ -223,6 +224,73 @@ class Breakdown:
             self.row(name, who, resolve)
         return model, step
 
+    def per_layer_rows(self):
+        """The same MLP with each layer graphed on its own (as users graph each decoder layer), and
+        as one whole-step graph (autocudagraph_step), where the package has it."""
+        args = self.args
+        per_layer_step, layers = self.per_layer_model()
+        start = time.perf_counter()
+        for _ in range(3):  # warmup, capture, first replay
+            per_layer_step()
+        self.sync()
+        startup = (time.perf_counter() - start) * 1e3
+        captures = sum(sum(layer.forward.stats().get("capture_ms", {}).values()) for layer in layers)
+        self.rows.append((f"start-up of {args.layers} graphed layers: first 3 steps, ms (of which captures, ms)", "total",
+                          f"{startup:.1f} ms ({captures:.1f} ms)"))
+        name = f"per-layer step: {args.layers} graphed layers (one Layer each), forward + backward + release"
+        self.row(name, "total", lambda: per_layer_step)
+        us = self.rows[-1][2]
+        per_call = f"{float(us) / args.layers:.1f}" if not us.startswith("n/a") else us
+        self.rows.append(("  per graphed layer call (forward + backward)", "total", per_call))
+        self.whole_step_row()
+
+    def per_layer_model(self):
+        """``(step, layers)``: the MLP with each layer its own graphed Layer, nothing run yet."""
+        args = self.args
+        layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), seed=0)
+        for layer in layers:
+            autocudagraph(layer, backend=args.backend, warmup_steps=1)
+        params = layers.parameters()
+
+        def per_layer_step():
+            h = self.x
+            for layer in layers:
+                h = layer(h)
+            h.backward(self.dy)
+            for p in params:
+                p.clear_gradient(False)
+
+        return per_layer_step, layers
+
+    def whole_step_row(self):
+        from paddlefleet import cudagraph as package
+
+        make = getattr(package, "autocudagraph_step", None)
+        name = "whole-step graph (autocudagraph_step): one call, forward + backward + release inside"
+        if make is None:
+            self.rows.append((name, "total", "n/a (no autocudagraph_step in this version)"))
+            return
+        args = self.args
+        model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
+        params = model.parameters()
+
+        def train(x, dy):
+            y = model(x)
+            y.backward(dy)
+            for p in params:
+                p.clear_gradient(False)
+            return y
+
+        graphed = make(train, optimizers=[], warmup_steps=2, backend=args.backend)
+
+        def step():
+            graphed(self.x, self.dy)
+
+        for _ in range(4):  # 2 warmup steps, capture, first replay
+            step()
+        self.sync()
+        self.row(name, "total", lambda: step)
+
     def option_rows(self):
         for option in SPEED_OPTIONS:
             name = f"graphed step with {option.options}"
@@ -268,15 +336,15 @@ class Breakdown:
         self.row("eager matmul + Tensor.backward (1 layer) + release, for scale", "Paddle", lambda: tiny_backward)
 
 
-def profile(step, steps, path):
-    """cProfile of ``steps`` graphed steps (host side), top functions to ``path``."""
+def profile(step, steps, path, what="graphed steps"):
+    """cProfile of ``steps`` calls of ``step`` (host side), top functions to ``path``."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         step()
     prof.disable()
     buf = io.StringIO()
-    buf.write(f"# {steps} graphed steps (host time; each line's times are totals over all steps)\n")
+    buf.write(f"# {steps} {what} (host time; each line's times are totals over all steps)\n")
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumulative").print_stats(35)
@@ -316,10 +384,13 @@ def main():
     paddle.set_device("gpu" if cuda else "cpu")
     bd = Breakdown(args)
     model, step = bd.wrapper_rows()
+    bd.per_layer_rows()
     bd.option_rows()
     bd.paddle_rows(model.parameters())
     if args.profile:
         profile(step, 100, args.profile)
+        startup, _ = bd.per_layer_model()
+        profile(startup, 3, args.profile + ".startup", f"first steps of {args.layers} graphed layers (warmup, capture, replay)")
     title = "Host time of the pieces of a graphed step" + ("" if cuda else " (SMOKE RUN on the CPU: not a GPU result)")
     lines = [f"# {title}", ""] + info_lines(run_info(cuda, REPO)) + [
         f"- backend {args.backend}; model: {args.layers} matmul layers x {args.width}, batch {args.batch}; median of "

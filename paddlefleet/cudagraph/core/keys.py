@@ -6,6 +6,7 @@ call computes: grad mode, AMP autocast, and the ``training`` flag of every Layer
 ``dispatch_key_fn(bound_arguments)`` replaces the argument part; the state part is always kept.
 """
 
+import collections
 import inspect
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ from ..options import call_key_fn
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
 
-__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature"]
+__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature", "rekeyed"]
 
 
 class StateKey(NamedTuple):
@@ -97,7 +98,7 @@ class KeyMaker:
         return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):
-        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple(layer.training for layer in self.layers))
+        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple([layer.training for layer in self.layers]))
 
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
@@ -143,3 +144,16 @@ class BoundSignature:
         except (TypeError, ValueError):
             # No signature to give (a builtin): inspect falls back to __wrapped__, which raises alike.
             raise AttributeError("__signature__") from None
+
+
+def rekeyed(entries, training):
+    """``entries`` (key -> entry, in order) with the training flags ``training`` of Layers a
+    capture found appended to every key, each entry's own key too, so that keys made before
+    (other keys still in warmup included) keep matching the calls made from now on."""
+    if not training:
+        return entries
+    out = collections.OrderedDict()
+    for key, entry in entries.items():
+        entry.key = key.with_layers(training)
+        out[entry.key] = entry
+    return out

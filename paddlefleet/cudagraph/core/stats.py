@@ -157,6 +157,8 @@ def summarize(counters, entries):
     out["static_bytes"] = sum(e.nbytes() for e in entries)
     # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
     out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    out["capture_ms"] = {e.label: e.capture_ms for e in entries if e.capture_ms is not None}
+    out["key_bytes"] = {e.label: e.nbytes() for e in entries if e.has_graphs}
     out.update(slot_stats(entries))
     return out
 
@@ -170,7 +172,7 @@ def slot_stats(entries):
 
 
 def describe_entries(entries):
-    """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
+    """One dict per key: phase, counts, fallback reason, bytes held, input copies, capture time."""
     rows = []
     for entry in entries:
         rows.append(
@@ -188,6 +190,8 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
+                "capture_ms": entry.capture_ms,
+                "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
                 "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
             }
@@ -226,6 +230,10 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         if row["slot_bytes"]:
             sizes = sorted(set(row["slot_bytes"]))
             line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
+        if row["capture_ms"] is not None:
+            line += f"; captured in {row['capture_ms']:.1f} ms"
+        if row["host_cost"]:
+            line += f"; {row['host_cost']}"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
