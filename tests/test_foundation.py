@@ -866,7 +866,7 @@ class TestBackendChoice(unittest.TestCase):
         t = paddle.randn([2, 3])
         self.assertEqual(tensor_meta(t, IdentityPlace()), tensor_meta(t, IdentityPlace()))
 
-    def test_cuda_capture_collects_garbage_first_and_pauses_the_collector(self):
+    def test_cuda_capture_pauses_the_collector_without_a_full_collection(self):
         import gc
 
         seen = {}
@@ -886,7 +886,7 @@ class TestBackendChoice(unittest.TestCase):
                 mock.patch.object(gc, "collect") as collect:
             graph = cuda_backend.CudaBackend(place="gpu:0").new_graph(None)
             self.assertEqual(graph.capture(lambda: 7), 7)
-        collect.assert_called_once()
+        collect.assert_not_called()  # 60-70 ms per graph: seconds of a per-layer model's start-up
         self.assertFalse(seen["enabled_in_capture"])
         self.assertTrue(gc.isenabled())
 

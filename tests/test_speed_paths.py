@@ -1,4 +1,4 @@
-"""Speed paths (issue 10), each bitwise against eager on every backend that runs here.
+"""Speed paths, each bitwise against eager on every backend that runs here.
 
 * ``clone_param_grads="auto"`` (the default): grads handed out as aliases, copied only where a
   later replay could overwrite a tensor someone still holds (NOTE [ Grad hand-out ]). Fleet's own
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Chain(paddle.nn.Layer):
-    """Matmuls only (the lent Hopper GPUs run Paddle 2.6's cuBLAS and copies, nothing else)."""
+    """Matmuls only (Hopper GPUs with Paddle 2.6.2 run its cuBLAS and copies, nothing else)."""
 
     def __init__(self, width=8, depth=3):
         super().__init__()

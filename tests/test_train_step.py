@@ -84,7 +84,7 @@ class WholeStepBitwiseTest(BackendCase):
                 self.assertBitwise(b[name], a[name], f"{name} after step {k}")
 
     def test_transformer_thirty_steps_accumulation_clipping_cosine_lr_and_loss_scaling(self):
-        # Issue 11 item 6: attention + MLP + LayerNorm + dropout, AdamW, global-norm clipping,
+        # Attention + MLP + LayerNorm + dropout, AdamW, global-norm clipping,
         # warmup + cosine LR, accumulation 2 (one graph per micro-batch phase), GraphGradScaler
         # with an overflow step that must be skipped - 30 optimizer steps, 60 calls.
         result = step_examples.compare_transformer_steps(steps=30, accumulate=2, backend=self.backend, inf_at=(7,))

@@ -1,7 +1,6 @@
 """Two-GPU data-parallel check of autocudagraph with NCCL, bitwise against eager.
 
-On a host with two GPUs (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh`` where
-Paddle 2.6.2 is the GPU build at hand)::
+On a host with two GPUs and a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/dist_gpu_check.py --out docs/dist_gpu_check.md
 
@@ -24,7 +23,9 @@ passed explicitly (``y.backward(dy)``), grads are released with ``clear_gradient
 done by hand: ``paddle.DataParallel``'s reducer concatenates and scales grads with Paddle's own
 kernels, which 2.6.2 lacks for sm_90.
 
-Exit code: 0 when every case passed on both ranks, 1 otherwise.
+Exit code: 0 when every case that ran passed on both ranks (a case this backend cannot run is
+reported as SKIP, not as a pass), 1 otherwise, 2 when asked for the cuda backend on a host with
+fewer than two GPUs.
 """
 
 import argparse
@@ -51,6 +52,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu  # noqa: E402
 from testkit.common import (  # noqa: E402
     MatMLP,
     bitwise_failures,
@@ -96,6 +98,10 @@ class Check:
 
     def __init__(self):
         self.failures, self.notes, self.compared = [], [], 0
+        self.skipped = None  # why the case did not run here, when it did not
+
+    def skip(self, reason):
+        self.skipped = reason
 
     def bitwise(self, what, actual, expected):
         compared, failures = bitwise_failures(actual, expected, what)
@@ -219,7 +225,7 @@ def _all_reduce_in_graph(chk, rank, calc_stream):
 @case("all_reduce_in_graph_compute_stream")
 def case_in_graph_calc(chk, rank, world):
     if BACKEND != "cuda":
-        chk.notes.append("skipped: gloo has no compute-stream all_reduce")
+        chk.skip("gloo has no compute-stream all_reduce")
         return {}
     return _all_reduce_in_graph(chk, rank, calc_stream=True)
 
@@ -339,6 +345,79 @@ def case_whole_step_accumulation(chk, rank, world):
     return _whole_step(chk, rank, micro=2)
 
 
+# ----------------------------------------------------------------------------- pipeline stages
+def _p2p(t, peer, send):
+    """Blocking point-to-point transfer of ``t`` (NCCL on GPUs, gloo on the CPU)."""
+    if send:
+        dist.send(t, dst=peer)
+    else:
+        dist.recv(t, src=peer)
+    return t
+
+
+def _stage_schedule(model, rank, order, inputs, dys, width_in, width_out):
+    """Runs this rank's stage of a two-stage pipeline in ``order`` ([("F", i) | ("B", i)]):
+    stage 0 sends each forward's output to stage 1 and receives the grad of it back; stage 1
+    receives its input, runs the loss grad ``dys[i]`` backward and sends its input's grad back.
+    Returns ``(outputs, param_grads)`` per micro-batch (grads read and released after each
+    backward: accumulating them would need an add kernel)."""
+    held, outs, grads = {}, {}, {}
+    params = list(model.parameters())
+    for kind, i in order:
+        if kind == "F":
+            if rank == 0:
+                x = T(inputs[i])
+            else:
+                x = _p2p(T(np.zeros((inputs[i].shape[0], width_in), "float32")), 0, send=False)
+                x.stop_gradient = False
+            y = model(x)
+            if rank == 0:
+                _p2p(y, 1, send=True)
+            held[i] = (x, y)
+            outs[i] = y.numpy()
+        else:
+            x, y = held.pop(i)
+            dy = T(dys[i]) if rank == 1 else _p2p(T(np.zeros((y.shape[0], width_out), "float32")), 1, send=False)
+            y.backward(dy)
+            if rank == 1:
+                _p2p(x.grad, 0, send=True)
+            grads[i] = [p.grad.numpy() for p in params]
+            for p in params:
+                p.clear_gradient(False)
+    return outs, grads
+
+
+@case("pipeline_two_stages")
+def case_pipeline(chk, rank, world):
+    """A two-stage pipeline, one stage per rank, activations and grads sent between the ranks;
+    each stage a graphed matmul chain with slots (max_inflight=4): GPipe (all forwards, then all
+    backwards) and the backwards in reverse order, 3 rounds of 4 micro-batches, bitwise against
+    the same schedule eagerly."""
+    dims = [[32, 64, 48], [48, 40, 16]][rank]
+    graphed, eager = MatChain(dims, seed=20 + rank), MatChain(dims, seed=20 + rank)
+    autocudagraph(graphed, backend=BACKEND, warmup_steps=1, max_inflight=4)
+    common = rng(900)  # the same micro-batches on both ranks (stage 0 reads the inputs, stage 1 the grads)
+    micro = 4
+    rounds = [([common(8, 32) for _ in range(micro)], [common(8, 16, scale=0.1) for _ in range(micro)])
+              for _ in range(3)]
+    gpipe = [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
+    reverse = [("F", i) for i in range(micro)] + [("B", i) for i in reversed(range(micro))]
+    for r, (inputs, dys) in enumerate(rounds):
+        order = gpipe if r % 2 == 0 else reverse
+        before = graphed.forward.stats()
+        got = _stage_schedule(graphed, rank, order, inputs, dys, dims[0], dims[-1])
+        want = _stage_schedule(eager, rank, order, inputs, dys, dims[0], dims[-1])
+        after = graphed.forward.stats()
+        for i in range(micro):
+            chk.bitwise(f"round {r} micro-batch {i} stage {rank} output", got[0][i], want[0][i])
+            chk.bitwise(f"round {r} micro-batch {i} stage {rank} parameter grads", got[1][i], want[1][i])
+        if r == len(rounds) - 1 and (after["replays"] - before["replays"], after["eager_calls"] - before["eager_calls"]) != (micro, 0):
+            chk.failures.append(f"round {r}: not every micro-batch replayed: {graphed.forward.explain()}")
+    s = graphed.forward.stats()
+    chk.notes.append(f"slots={s['slots']} captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
+    return {}
+
+
 @case("timing")
 def case_timing(chk, rank, world):
     """Per-step time of the data-parallel step, eager vs graphed (not a pass/fail check)."""
@@ -389,7 +468,7 @@ def run_rank(names):
         except Exception as err:  # the next case still runs
             row.update(ok=False, detail={}, error=f"{type(err).__name__}: {str(err).strip()[:800]}",
                        traceback=traceback.format_exc()[-3000:])
-        row.update(failures=chk.failures[:20], notes=chk.notes, compared=chk.compared,
+        row.update(failures=chk.failures[:20], notes=chk.notes, compared=chk.compared, skipped=chk.skipped,
                    ms=round((time.perf_counter() - start) * 1e3))
         failed += not row["ok"]
         print("RESULT " + json.dumps(row), flush=True)
@@ -431,6 +510,9 @@ def summarize(name, rc, out, logs):
                 r = json.loads(line[len("RESULT "):])
                 rows[r["rank"]] = r
     lines, ok = [], len(rows) == 2 and all(r["ok"] for r in rows.values())
+    skipped = {r.get("skipped") for r in rows.values()} - {None}
+    if ok and skipped:  # a case that did not run is neither a pass nor a failure
+        return None, [f"- **SKIP** `{name}`: {'; '.join(sorted(skipped))}"]
     replicated = {r["detail"].get("replicated") for r in rows.values()}
     if ok and len(replicated) != 1:
         ok = False
@@ -472,7 +554,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     parser.add_argument("--cases", default="all", help=f"comma-separated, from: {', '.join(CASES)}")
-    parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated)")
+    parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated; "
+                        "always so with --backend simulate, the smoke run)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--rank-cases", help=argparse.SUPPRESS)
@@ -485,13 +568,15 @@ def main():
             check_smoke_path(args.out, "tools/dist_gpu_check.py")
         except ValueError as err:
             raise SystemExit(str(err)) from None
+    require_gpu("tools/dist_gpu_check.py", args.backend, gpus=2)
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
     report, all_ok = header(args.backend), True
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
     print("\n".join(report), flush=True)
-    jobs = [names] if args.one_job else [[n] for n in names]
+    jobs = [names] if args.one_job or args.backend != "cuda" else [[n] for n in names]
     with tempfile.TemporaryDirectory(prefix="dist_gpu_check_") as tmp:
         for i, job in enumerate(jobs):
             rc, out, logs = launch(job, args.backend, pathlib.Path(tmp) / f"job{i}", args.timeout)
@@ -499,10 +584,13 @@ def main():
                 sub = {k: "\n".join(l for l in v.splitlines() if not l.startswith("RESULT ") or f'"case": "{name}"' in l)
                        for k, v in logs.items()}
                 ok, lines = summarize(name, rc, out, sub)
-                all_ok &= ok
+                counts["skipped" if ok is None else "passed" if ok else "failed"] += 1
+                all_ok &= ok is not False
                 report += lines
                 print("\n".join(lines), flush=True)
-    report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'}"]
+    all_ok &= counts["passed"] > 0
+    report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'} ({counts['passed']} passed, {counts['failed']} failed, "
+                   f"{counts['skipped']} skipped)"]
     print(report[-1])
     if args.out:
         write_generated(args.out, report, "tools/dist_gpu_check.py", smoke=args.backend != "cuda")

@@ -20,7 +20,8 @@ index after replay ] in backends/cuda.py):
 5. dropout with four forwards in flight before their backwards (pipeline slots, NOTE [ Slots ] in
    block/slots.py): each forward's mask and grads equal eager's.
 
-Exit code: 0 when every case passes, 1 when one fails, 2 when the GPU cannot run the kernels.
+Exit code: 0 when every case passes, 1 when one fails, 2 when the GPU cannot run the kernels or
+there is no GPU (use --backend simulate on a CPU).
 """
 
 import argparse
@@ -42,6 +43,7 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker  # noqa
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.core import state  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu  # noqa: E402
 
 STATE = "rng_gpu_check"
 BACKEND = "cuda"
@@ -177,6 +179,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     BACKEND = parser.parse_args().backend
+    require_gpu("tools/rng_gpu_check.py", BACKEND)
     os.environ.pop(ENV_BACKEND, None)
     paddle.set_device("gpu" if BACKEND == "cuda" else "cpu")
     print(f"paddle {paddle.__version__}, backend {BACKEND}, device {paddle.get_device()}, "

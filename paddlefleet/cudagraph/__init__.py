@@ -8,6 +8,15 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/recip
 
 __version__ = "0.1.0"
 
+try:
+    import paddle  # noqa: F401
+except ImportError as _err:
+    raise ImportError(
+        f"paddlefleet.cudagraph needs PaddlePaddle, which is not importable here ({_err}). Install one build: "
+        "'pip install paddlepaddle' (CPU) or a GPU build, paddlepaddle-gpu, matching your GPU and CUDA version "
+        "(README.md, section 'Install on a GPU'; check with 'python -m paddlefleet.cudagraph doctor')."
+    ) from _err
+
 from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
 from .api import autocudagraph

@@ -3,11 +3,14 @@ phase machine's options) and GraphOptions (autocudagraph's); StepOptions (step/g
 extends the same core."""
 
 import dataclasses
+import difflib
+import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from .backends import BACKEND_NAMES, ENV_BACKEND
 
-__all__ = ["OptionsCore", "GraphOptions", "BACKEND_NAMES", "ENV_BACKEND"]
+__all__ = ["OptionsCore", "GraphOptions", "BACKEND_NAMES", "ENV_BACKEND", "check_option_names", "check_key_fn",
+           "call_key_fn"]
 
 
 def _is_int(value):
@@ -32,6 +35,60 @@ def _check_bool(name, value, hint):
             f"autocudagraph: {name} must be True or False, got {value!r} "
             f"({type(value).__name__}). {hint}"
         )
+
+
+def check_option_names(who, given, valid):
+    """Raises a TypeError naming the valid options and the nearest one for every name in
+    ``given`` that is not in ``valid`` (a typo such as ``warmup=`` for ``warmup_steps=``)."""
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+        hints.append(f"'{name}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    raise TypeError(
+        f"{who}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}. "
+        f"Valid options: {', '.join(valid)}."
+    )
+
+
+_KEY_FN_HINT = (
+    "It receives ONE argument, the call's inspect.BoundArguments (bound.arguments['x'] is the argument x, "
+    "defaults applied), and returns a hashable key or None (run that call eagerly), e.g. "
+    "dispatch_key_fn=lambda bound: bound.arguments['x'].shape[0]."
+)
+
+
+def check_key_fn(who, fn):
+    """Checks a dispatch_key_fn at decoration: callable, and callable with one positional
+    argument where its signature can be read (a builtin's may not: call_key_fn checks it then)."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"{who}: dispatch_key_fn must be callable or None, got {fn!r}. {_KEY_FN_HINT}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise TypeError(
+            f"{who}: dispatch_key_fn {getattr(fn, '__name__', type(fn).__name__)}{signature} cannot be called with one "
+            f"argument. {_KEY_FN_HINT}"
+        ) from None
+
+
+def call_key_fn(who, fn, bound):
+    """``fn(bound)``; a TypeError raised by the call itself (not inside ``fn``: a signature
+    check_key_fn could not read) says what dispatch_key_fn receives."""
+    try:
+        return fn(bound)
+    except TypeError as err:
+        if err.__traceback__ is not None and err.__traceback__.tb_next is not None:
+            raise  # raised inside the user's function: its own error
+        raise TypeError(f"{who}: calling dispatch_key_fn {fn!r} failed: {err}. {_KEY_FN_HINT}") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +127,7 @@ class OptionsCore:
         _check_int("warmup_steps", self.warmup_steps, self.MIN_WARMUP, self.WARMUP_HINT, api)
         _check_int("max_graphs", self.max_graphs, 0,
                    "Pass how many keys may hold graphs, e.g. max_graphs=8 (0 runs every call eagerly).", api)
-        if self.dispatch_key_fn is not None and not callable(self.dispatch_key_fn):
-            raise TypeError(
-                f"{api}: dispatch_key_fn must be callable or None, got {self.dispatch_key_fn!r}. "
-                "Pass a function bound_arguments -> hashable key (or None for eager)."
-            )
+        check_key_fn(api, self.dispatch_key_fn)
         if self.backend is not None and self.backend not in BACKEND_NAMES:
             raise ValueError(
                 f"{api}: backend must be one of {BACKEND_NAMES} or None, got {self.backend!r}. "

@@ -84,16 +84,16 @@ class GraphedFunction(PyLayer):
                 "before calling the graphed function again with the same key, or wrap the extra calls "
                 "in dispatch_key_fn returning None."
             )
-        with paddle.no_grad():
-            buffers = iter(backward.grad_outputs)
-            for grad, differentiable in zip(grads, graphs.out_differentiable):
-                if not differentiable:
-                    continue
-                buf = next(buffers)
-                if grad is None:
-                    buf.zero_()
-                elif grad is not buf:
-                    buf.copy_(grad, False)
+        # Grad mode is off here (checked above): the copies record nothing without a no_grad() block.
+        buffers = iter(backward.grad_outputs)
+        for grad, differentiable in zip(grads, graphs.out_differentiable):
+            if not differentiable:
+                continue
+            buf = next(buffers)
+            if grad is None:
+                buf.zero_()
+            elif grad is not buf:
+                buf.copy_(grad, False)
         acc = backward.accumulators
         if acc is not None:
             acc.check_before_backward()

@@ -116,8 +116,10 @@ class BlockBody(Body):
         graphs = entry.graphs.current
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
+        if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
+            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
-        with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
+        with state_restored_on_refusal(graphs.layers, True):
             return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
 
     def verified_replay(self, entry, call, run_graphs):

@@ -13,6 +13,8 @@ import enum
 import weakref
 from typing import Any, Optional
 
+from .host_cost import HostCost, measured
+
 __all__ = ["Phase", "GraphEntry"]
 
 
@@ -35,6 +37,10 @@ class GraphEntry:
             after a release (which keeps what a pending backward still needs).
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in io/static_inputs.py).
+        capture_ms: host milliseconds of this key's latest capture (forward and backward graphs,
+            static buffers), None before the first.
+        host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
+            that cannot pay ] in core/host_cost.py).
     """
 
     key: Any
@@ -54,6 +60,12 @@ class GraphEntry:
     input_copies_skipped: int = 0
     evictions: int = 0
     verified: int = 0
+    capture_ms: Optional[float] = None
+    host_cost: Optional[HostCost] = None
+
+    def __post_init__(self):
+        if self.host_cost is None:
+            self.host_cost = HostCost(measure=measured(self.backend))
 
     @property
     def has_graphs(self):

@@ -6,6 +6,7 @@ call computes: grad mode, AMP autocast, and the ``training`` flag of every Layer
 ``dispatch_key_fn(bound_arguments)`` replaces the argument part; the state part is always kept.
 """
 
+import collections
 import inspect
 from typing import Any, NamedTuple
 
@@ -14,10 +15,11 @@ import paddle
 from . import state
 from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
+from ..options import call_key_fn
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
 
-__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature"]
+__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature", "rekeyed"]
 
 
 class StateKey(NamedTuple):
@@ -58,6 +60,7 @@ class KeyMaker:
         self._bound = bound
         self._signature = None
         self.layers = list(layers)
+        self.who = "autocudagraph"  # the wrapper's kind, for messages
 
     def signature(self):
         """The signature a call is made with: the function's, without the owner when bound."""
@@ -97,7 +100,7 @@ class KeyMaker:
         return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):
-        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple(layer.training for layer in self.layers))
+        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple([layer.training for layer in self.layers]))
 
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
@@ -108,14 +111,14 @@ class KeyMaker:
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
             return Key(False, (spec, metas), self.state_key())
-        user_key = self._key_fn(self.bound_arguments(args, kwargs))
+        user_key = call_key_fn(self.who, self._key_fn, self.bound_arguments(args, kwargs))
         if user_key is None:
             return None
         try:
             hash(user_key)
         except TypeError as err:
             raise CudaGraphError(
-                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
+                f"{self.who}: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
                 "Return a tuple, string or number (or None to run the call eagerly)."
             ) from None
         return Key(True, user_key, self.state_key())
@@ -143,3 +146,16 @@ class BoundSignature:
         except (TypeError, ValueError):
             # No signature to give (a builtin): inspect falls back to __wrapped__, which raises alike.
             raise AttributeError("__signature__") from None
+
+
+def rekeyed(entries, training):
+    """``entries`` (key -> entry, in order) with the training flags ``training`` of Layers a
+    capture found appended to every key, each entry's own key too, so that keys made before
+    (other keys still in warmup included) keep matching the calls made from now on."""
+    if not training:
+        return entries
+    out = collections.OrderedDict()
+    for key, entry in entries.items():
+        entry.key = key.with_layers(training)
+        out[entry.key] = entry
+    return out

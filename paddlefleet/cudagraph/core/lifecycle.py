@@ -8,6 +8,7 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 
 import collections
 import logging
+import time
 import traceback
 import warnings
 
@@ -17,7 +18,7 @@ from ..backends import capture_open, in_whole_step, is_own_error, resolve_backen
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
 from .call import Call
-from .keys import BoundSignature, KeyMaker
+from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
@@ -84,6 +85,7 @@ class Lifecycle:
         self._last_refusal = None
         self._tick = 0
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
+        self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -104,8 +106,9 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots`` and
-        ``slot_bytes`` (stats.summarize)."""
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots``, ``slot_bytes``,
+        ``capture_ms`` (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key
+        label: bytes of its static buffers}``, keys holding graphs): stats.summarize."""
         return summarize(self.counters, self._entries.values())
 
     def report(self):
@@ -151,12 +154,14 @@ class Lifecycle:
         entry.last_used = self._tick
         self._entries.move_to_end(key)
         if entry.phase is Phase.REPLAY:
+            if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+                return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
                 entry.warmed_up(call.tensors)
                 self.counters.warmup_calls += 1
-                return self._body.warmup(entry, call)
+                return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
             if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
@@ -206,6 +211,7 @@ class Lifecycle:
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
+        start = time.perf_counter()
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
@@ -221,8 +227,10 @@ class Lifecycle:
             self._warn_once(("capture", id(entry)), message)
             return self._eager(call, "capture failed")
         entry.captured(graphs, self._options.verify_replays)
+        entry.capture_ms = (time.perf_counter() - start) * 1e3
         self.counters.captures += 1
-        self._rekey(self._keys.track(graphs.layers))
+        # The training flags of Layers a capture found join every key (keys still in warmup too).
+        self._entries = rekeyed(self._entries, self._keys.track(graphs.layers))
         if not enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted):
             return self._eager(call, "static buffers exceed max_bytes")
         return self._graph_call(entry, call, copy=False)
@@ -245,17 +253,6 @@ class Lifecycle:
                 self._warn_once("inflight", _IN_FLIGHT)
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
-
-    def _rekey(self, training):
-        """Appends the training flags of Layers a capture found to every key, so that keys made
-        before (other keys still in warmup included) keep matching the calls made from now on."""
-        if not training:
-            return
-        rekeyed = collections.OrderedDict()
-        for key, entry in self._entries.items():
-            entry.key = key.with_layers(training)
-            rekeyed[entry.key] = entry
-        self._entries = rekeyed
 
     def _evicted(self, victim, budget):
         self.counters.evictions += 1

@@ -14,7 +14,7 @@ A graphed call made under such hooks cannot be right:
    warmup) the inner unpack raises, and Paddle then leaves grad mode off (measured on 2.6.2 and
    3.3.1: ``paddle.is_grad_enabled()`` is False after an unpack hook raised inside
    ``paddle.grad``), so the ``backward()`` retry captured a forward without grads: outputs that
-   need no grad, the input's grad None and parameter grads 0/None from then on (issue 14).
+   need no grad, the input's grad None and parameter grads 0/None from then on.
 2. A replay saves no tensor through autograd, and a call that runs eagerly saves several: a replay
    in recompute's forward and an eager call in its re-run (or the reverse) would hand the backward
    tensors saved for other ops.

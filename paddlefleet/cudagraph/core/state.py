@@ -14,10 +14,13 @@ __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written
            "RngRewindGuard", "RecordingRngGuard", "generator_state_indices"]
 
 
+_dygraph_tracer = paddle.base.framework._dygraph_tracer  # read on every call's key: looked up once
+
+
 def amp_state():
     """The autocast state that changes what a call computes: ``(level, dtype)``, or None when
     Paddle exposes no tracer state. On a CPU build auto_cast is a no-op and this stays O0."""
-    tracer = paddle.base.framework._dygraph_tracer()
+    tracer = _dygraph_tracer()
     if tracer is None:
         return None
     # Raw (hashable) values: str() of the level enum costs ~15 us per call.

@@ -18,6 +18,8 @@ import warnings
 
 import paddle
 
+from .location import user_stacklevel
+
 __all__ = ["Counters", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
 
 _FIELDS = (
@@ -45,7 +47,7 @@ def _renamed(name):
             f"autocudagraph: the counter '{name}' is now called '{new}' (it counts every eager call, not "
             f"only keys that fell back); '{name}' will be removed in the next release.",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the caller's line (also through contextlib for expect())
         )
     return new
 
@@ -155,6 +157,8 @@ def summarize(counters, entries):
     out["static_bytes"] = sum(e.nbytes() for e in entries)
     # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
     out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    out["capture_ms"] = {e.label: e.capture_ms for e in entries if e.capture_ms is not None}
+    out["key_bytes"] = {e.label: e.nbytes() for e in entries if e.has_graphs}
     out.update(slot_stats(entries))
     return out
 
@@ -168,7 +172,7 @@ def slot_stats(entries):
 
 
 def describe_entries(entries):
-    """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
+    """One dict per key: phase, counts, fallback reason, bytes held, input copies, capture time."""
     rows = []
     for entry in entries:
         rows.append(
@@ -186,6 +190,8 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
+                "capture_ms": entry.capture_ms,
+                "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
                 "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
             }
@@ -202,8 +208,8 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         autocudagraph(block): 2 key(s), 1 holding graphs, 4096 static bytes
           key (x: float32[8, 16], w: float32[16, 16] grad): replay on simulate; 1 warmup, 1 capture(s), 5 replays; ...
           key (x: float32[4, 16], ...): fallback on simulate; ...; fell back: CaptureError: ... (at model.py:12 in block)
-          eager calls: 3
-            2 x warmup (before the capture of their key)
+          warmup calls: 2 (eager, before the capture of their key)
+          eager calls: 1
             1 x capture failed
     """
     entries = list(entries)
@@ -224,6 +230,10 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         if row["slot_bytes"]:
             sizes = sorted(set(row["slot_bytes"]))
             line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
+        if row["capture_ms"] is not None:
+            line += f"; captured in {row['capture_ms']:.1f} ms"
+        if row["host_cost"]:
+            line += f"; {row['host_cost']}"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
@@ -233,11 +243,11 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         if row["fallback_reason"]:
             line += f"; fell back: {row['fallback_reason']}"
         lines.append(line)
-    reasons = collections.Counter(counters.eager_reasons)
+    # The same counts as stats(): warmup calls apart from eager_calls (the calls run eagerly for a reason).
     if counters.warmup_calls:
-        reasons["warmup (before the capture of their key)"] = counters.warmup_calls
-    if reasons:
-        lines.append(f"  eager calls: {sum(reasons.values())}")
-        for reason, count in reasons.most_common():
+        lines.append(f"  warmup calls: {counters.warmup_calls} (eager, before the capture of their key)")
+    if counters.eager_calls:
+        lines.append(f"  eager calls: {counters.eager_calls}")
+        for reason, count in collections.Counter(counters.eager_reasons).most_common():
             lines.append(f"    {count} x {reason}")
     return "\n".join(lines)

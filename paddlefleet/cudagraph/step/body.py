@@ -131,7 +131,7 @@ def _refusing_scaler(name, original):
     def refusing(self, *args, **kwargs):
         if getattr(self, "_enable", False):
             raise CaptureError(
-                f"autocudagraph: paddle.amp.GradScaler.{name}() was called during capture. It reads "
+                f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture. It reads "
                 "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
                 "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
                 "on the device) in a graphed step."
@@ -258,12 +258,12 @@ class StepBody(Body):
         warm = self._warm.get(entry)
         if warm is None or warm.trace is None:
             raise CaptureError(
-                "autocudagraph: this key has no warmup step to compare the capture with (it is captured again "
+                "autocudagraph_step: this key has no warmup step to compare the capture with (it is captured again "
                 "after a reset). Call reset() on the step to warm it up again."
             )
         if warm.changes:
             raise CaptureError(
-                f"autocudagraph: every warmup step of this key created or replaced state: {warm.changes}. A graph "
+                f"autocudagraph_step: every warmup step of this key created or replaced state: {warm.changes}. A graph "
                 "keeps reading the tensors that exist at capture, so the step would silently train stale ones. "
                 "Create parameters and optimizer state before training (or in the first step only), and update "
                 "tensors in place (paddle.assign(new, output=t)) instead of rebinding them."
@@ -356,11 +356,34 @@ def _simulated_replay_check(graphs, replayed):
 def _binding_message(changed, between):
     name, old, new = changed
     return (
-        f"autocudagraph: the step function reads '{name}', which was rebound between {between} "
+        f"autocudagraph_step: the step function reads '{name}', which was rebound between {between} "
         f"({short_repr(old)} -> {short_repr(new)}). A graph replays what the capture saw, so the new value would "
         "be ignored. Pass it as an argument (a Python value becomes part of the key; a tensor is copied in), or "
         "keep it in a tensor updated in place."
     )
+
+
+def _unlisted_optimizers(body):
+    """``[(name, optimizer)]`` the step function reads (its globals and closure) that optimizers=
+    lacks: their learning rate (and Adam's beta powers) reach the step as host values that change
+    every step, which is what a changing op argument at an optimizer op usually is."""
+    listed = {id(inner_optimizer(opt)) for opt in body.optimizers}
+    found = {}
+    for name, value in body._bindings.snapshot().items():
+        inner = inner_optimizer(value)
+        if inner is not None and id(inner) not in listed:
+            found.setdefault(id(inner), (name, inner))
+    return list(found.values())
+
+
+def _unlisted_optimizers_hint(body):
+    """A sentence naming the optimizers of _unlisted_optimizers, or ""."""
+    missing = _unlisted_optimizers(body)
+    if not missing:
+        return ""
+    return (f" The step uses {', '.join(f'{n} ({type(o).__name__})' for n, o in missing)}, which optimizers= does "
+            "not list: autocudagraph_step feeds the learning rate of the listed optimizers only. Pass every "
+            f"optimizer the step steps: add {', '.join(n for n, _ in missing)} to optimizers=[...].")
 
 
 class _StepCapture:
@@ -380,7 +403,10 @@ class _StepCapture:
         graphs = StepGraphs(backend=backend, pool=backend.new_pool(), grad_mode=body.slots.mode)
         place = _device_place(body.optimizers) if self.on_gpu else None
         graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
-        rollback = Rollback(body.optimizers, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
+        # Unlisted optimizers the step steps are rolled back too: the capture is refused (their
+        # learning rate changes), and the eager call that replaces it must not update twice.
+        rolled_back = list(body.optimizers) + [opt for _, opt in _unlisted_optimizers(body)]
+        rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
@@ -459,7 +485,7 @@ class _StepCapture:
         new = [k for k, opt in enumerate(body.optimizers) if id(opt) in live["stepped"] - self.warm.stepped]
         if new:  # its rate was not fed before the capture
             raise CaptureError(
-                f"autocudagraph: the capture step updates optimizers[{new[0]}] "
+                f"autocudagraph_step: the capture step updates optimizers[{new[0]}] "
                 f"({type(body.optimizers[new[0]]).__name__}), which the last warmup step of this key did not. A key "
                 "must update the same optimizers on every call; give other phases their own key (e.g. a Python bool "
                 "argument)."
@@ -469,34 +495,35 @@ class _StepCapture:
         if host:
             i, op, line = host[0]
             raise CaptureError(
-                f"autocudagraph: op #{i} {op}{f' at {line}' if line else ''} reads a host (CPU) tensor inside the "
+                f"autocudagraph_step: op #{i} {op}{f' at {line}' if line else ''} reads a host (CPU) tensor inside the "
                 "step. A graph reads host memory once, at capture. Keep the step's tensors on the device."
             )
         after = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if changes:
             raise CaptureError(
-                f"autocudagraph: the capture step created or replaced state: {changes}. A graph keeps using the "
+                f"autocudagraph_step: the capture step created or replaced state: {changes}. A graph keeps using the "
                 "tensors that existed at capture, so later steps would silently train stale ones. Create "
                 "parameters and optimizer state before training, and update tensors in place."
             )
         diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
         if diff is not None:
             raise CaptureError(
-                f"autocudagraph: the step reads a host value that changes between steps: {diff}. A graph replays "
+                f"autocudagraph_step: the step reads a host value that changes between steps: {diff}. A graph replays "
                 "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
                 "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
+                + _unlisted_optimizers_hint(body)
             )
         if live["record"].leaves_grads and graphs.grad_mode == CLOSED:
             raise CaptureError(
-                "autocudagraph: the capture step left grads for the next call, but its warmup steps cleared them. "
+                "autocudagraph_step: the capture step left grads for the next call, but its warmup steps cleared them. "
                 "A step must clear grads on every call or on none of a key's calls; give accumulation phases "
                 "their own key (e.g. a Python bool argument)."
             )
         for value in live["spec"][1]:
             if holds_tensor(value):
                 raise CaptureError(
-                    f"autocudagraph: the step returns a {type(value).__name__} object holding tensors; it would be "
+                    f"autocudagraph_step: the step returns a {type(value).__name__} object holding tensors; it would be "
                     "returned as captured, with frozen values. Return tensors in a tuple, list or dict."
                 )
 

@@ -10,7 +10,7 @@ import paddle
 
 from ..core.lifecycle import Lifecycle
 from .optimizer_state import inner_optimizer
-from ..options import OptionsCore
+from ..options import OptionsCore, check_option_names
 from .body import StepBody
 
 __all__ = ["autocudagraph_step", "StepOptions", "GraphedStep"]
@@ -78,7 +78,7 @@ class GraphedStep(Lifecycle):
 
 
 def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, max_graphs=8, backend=None,
-                       dispatch_key_fn=None, capture_hooks=()):
+                       dispatch_key_fn=None, capture_hooks=(), **unknown):
     """Captures a whole training step into one graph per key and replays it.
 
     ``train_step_fn(*batch)`` runs forward, loss, ``backward()``, optional clipping,
@@ -109,6 +109,8 @@ def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, m
         See docs/train_step.md: what the step function may and may not do (host values, grads
         cleared inside the step, paddle.amp.GradScaler replaced by GraphGradScaler).
     """
+    check_option_names("autocudagraph_step", unknown,
+                       [f.name for f in dataclasses.fields(StepOptions) if f.init])
     options = StepOptions(optimizers=optimizers, warmup_steps=warmup_steps, max_graphs=max_graphs,
                           backend=backend, dispatch_key_fn=dispatch_key_fn, capture_hooks=capture_hooks)
     if train_step_fn is None:

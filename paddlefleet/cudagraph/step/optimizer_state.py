@@ -98,7 +98,7 @@ def _numpy_dtype(t):
         if t.dtype == dtype:
             return np_dtype
     raise CaptureError(
-        f"autocudagraph: the learning-rate tensor has dtype {t.dtype}, which autocudagraph_step cannot feed. "
+        f"autocudagraph_step: the learning-rate tensor has dtype {t.dtype}, which autocudagraph_step cannot feed. "
         "Paddle's optimizers keep it in float32 or float64; use one of those."
     )
 
@@ -222,14 +222,14 @@ def check_supported(opt):
     name = type(opt).__name__
     if getattr(opt, "_use_multi_tensor", False):
         raise CaptureError(
-            f"autocudagraph: {name}(use_multi_tensor=True) keeps its state in merged lists "
+            f"autocudagraph_step: {name}(use_multi_tensor=True) keeps its state in merged lists "
             "(_beta1_pow_acc_dict ...) that autocudagraph_step does not move to the device or check. "
             "Use use_multi_tensor=False for a graphed step."
         )
     for attr in ("_beta1", "_beta2"):
         if isinstance(getattr(opt, attr, None), paddle.Tensor):
             raise CaptureError(
-                f"autocudagraph: {name} has {attr[1:]} as a Tensor; its step reads it with .item() on the host, "
+                f"autocudagraph_step: {name} has {attr[1:]} as a Tensor; its step reads it with .item() on the host, "
                 "so a graph would freeze it. Pass a Python float."
             )
 
@@ -300,7 +300,7 @@ def unlisted_message(unlisted, listed, bindings):
         names.append(name)
     ours = [_name_of(opt, bindings) or f"<optimizer {k}>" for k, opt in enumerate(listed)]
     return (
-        f"autocudagraph: the step steps {' and '.join(described)}, which is not in optimizers=. A graph would "
+        f"autocudagraph_step: the step steps {' and '.join(described)}, which is not in optimizers=. A graph would "
         "freeze its learning rate and its host-side state, and a failed capture could not take its update back. "
         f"Pass every optimizer the step steps: optimizers=[{', '.join(ours + names)}]."
     )
@@ -336,7 +336,7 @@ class SchedulerWatch:
     def message(stepped):
         names = ", ".join(type(s).__name__ for s in stepped)
         return (
-            f"autocudagraph: the step function steps its learning-rate scheduler ({names}) inside. A replay "
+            f"autocudagraph_step: the step function steps its learning-rate scheduler ({names}) inside. A replay "
             "does not run the step's Python, so on a GPU the scheduler, and the rate, would stop at the capture. "
             "Call sched.step() after the graphed step, outside the step function."
         )

@@ -111,7 +111,7 @@ class ReturnedValues:
             why = _refusal(value, warm, same_shape, id(value) in arguments)
             if why is not None:
                 raise CaptureError(
-                    f"autocudagraph: the step returns {why} at {names[i] if i < len(names) else f'value {i}'}. A "
+                    f"autocudagraph_step: the step returns {why} at {names[i] if i < len(names) else f'value {i}'}. A "
                     "graph produces tensors only: every replay would return the capture's value. Return it as a "
                     "tensor, compute it outside the step, or pass it as an argument (it becomes part of the key); "
                     "opt.get_lr() itself is recomputed on every replay."
