@@ -376,6 +376,42 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
+# A capture broken on the device itself: the guard is switched off in the child, so the host read
+# and the host-to-device copy reach CUDA inside the capture (error 900/906 on a GPU), and NOTE
+# [ Ending a broken capture ] in backends/cuda.py must leave Paddle and the stream usable.
+_BROKEN_SCRIPT = textwrap.dedent('''
+    import contextlib, sys, warnings
+    import numpy.random
+    import numpy as np
+    import paddle
+    from paddlefleet.cudagraph import autocudagraph
+    from paddlefleet.cudagraph.backends import cuda as cuda_backend
+    from testkit.common import device
+    warnings.simplefilter("ignore")
+    cuda_backend.host_guard = lambda *args, **kwargs: contextlib.nullcontext()  # the guard off
+    A = np.full((8, 8), 0.25, "float32")
+    with device("gpu"):
+        def read(x, w):
+            y = paddle.matmul(x, w)
+            y.numpy()
+            return paddle.matmul(y, w)
+        def copy(x, w):
+            return paddle.matmul(paddle.matmul(x, w), paddle.to_tensor(A))
+        x = paddle.to_tensor(np.ones((4, 8), "float32"))
+        w = paddle.to_tensor(np.eye(8, dtype="float32") * 0.5)
+        for f in (read, copy):
+            g = autocudagraph(f, backend="cuda", warmup_steps=1)
+            for _ in range(4):
+                assert g(x, w).numpy().tobytes() == f(x, w).numpy().tobytes()
+            assert g.stats()["captures"] == 0, g.explain()
+        ok = autocudagraph(lambda x, w: paddle.matmul(x, w), backend="cuda", warmup_steps=1)
+        for _ in range(4):  # a later capture in the same process still works
+            assert ok(x, w).numpy().tobytes() == paddle.matmul(x, w).numpy().tobytes()
+        assert ok.stats()["replays"] == 2, ok.explain()
+    print("CONTAINED")
+''')
+
+
 class ProcessExit(MatmulOnlyCase):
     def test_failed_captures_leave_a_process_that_exits_0(self):
         """A host read and a host copy inside a block and a whole step, in a fresh process: results equal
@@ -388,6 +424,21 @@ class ProcessExit(MatmulOnlyCase):
         self.assertEqual(proc.returncode, 0, tail)
         self.assertIn("CONTAINED", proc.stdout, tail)
         RECORD.notes.append("results equal eager, no capture, exit code 0")
+
+    def test_a_capture_broken_on_the_device_is_ended_and_the_process_exits_0(self):
+        """With the host guard off in a fresh process, a host read and a host copy reach CUDA inside the
+        capture and break it on the device: each capture is ended, results equal eager, a later key still
+        captures and replays, and the process exits 0."""
+        if self.backend != "cuda":
+            self.skipTest("needs a device capture to break; the simulated backend's refusals are the rows above")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)
+        proc = subprocess.run([sys.executable, "-c", _BROKEN_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        self.assertEqual(proc.returncode, 0, tail)
+        self.assertIn("CONTAINED", proc.stdout, tail)
+        RECORD.notes.append("broken on the device, ended, results equal eager, later capture works, exit code 0")
 
 
 # ----------------------------------------------------------------------------- the guard itself
