@@ -612,6 +612,90 @@ class BrokenCudaCapture(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------- numpy arguments
+class StepFailureAfterBackward(MatmulOnlyCase):
+    """A whole step whose capture fails after its backward bound the grads (NOTE [ What a failed
+    recording capture leaves ] in step/rollback.py)."""
+
+    def _step(self, model, fail):
+        opt = MatmulSGD(model.parameters(), 1e-2)
+
+        def step(x, dy):
+            y = model(x)
+            y.backward(dy)
+            if fail[0]:
+                y.numpy()  # refused during the capture: after the backward, before the update
+            opt.step()
+            opt.clear_grad()
+            return y
+        return step
+
+    def _run(self):
+        draw = normal(31)
+        xs = [self.tensor(draw(4, 16)) for _ in range(3)]
+        dys = [self.tensor(draw(4, 16, scale=0.1)) for _ in range(3)]
+        eager_model, graphed_model = self.twins(lambda: MatMLP([16, 32, 16]), 5)
+        fail = [True]
+        eager = self._step(eager_model, [False])
+        graphed = autocudagraph_step(self._step(graphed_model, fail), optimizers=[], warmup_steps=1,
+                                     backend=self.backend)
+        for i in range(6):
+            fail[0] = i < 2  # the first capture fails; the next one (a re-capture is not made: eager) holds
+            x, dy = xs[i % 3], dys[i % 3]
+            self.assertBitwise(graphed(x, dy), eager(x, dy), f"step {i} output")
+            for k, (a, e) in enumerate(zip(graphed_model.parameters(), eager_model.parameters())):
+                self.assertBitwise(a, e, f"step {i} parameter {k}")
+                self.assertIsNone(a.grad, f"step {i} parameter {k}: a grad left by the failed capture")
+        return graphed
+
+    def test_grads_bound_by_a_failed_capture_are_taken_back(self):
+        """The capture fails after backward() bound grads to the parameters: the eager run that
+        replaces it starts from eager's grads (None), so every parameter equals eager's."""
+        graphed = self._run()
+        self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
+
+    def test_a_recording_capture_leaves_no_grad_either(self):
+        """The same through a backend whose capture does not execute (as CUDA's): the grads its Python
+        bound are taken back although no value changed."""
+        if self.backend != "simulate":
+            self.skipTest("the stand-in for a recording capture is the simulated backend")
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        with mock.patch.object(SimulatedBackend, "capture_executes", False):
+            graphed = self._run()
+        self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
+
+
+class GradAssignment(MatmulOnlyCase):
+    """NOTE [ Assigning a grad during capture ] in backends/host_guard.py."""
+
+    def test_assigning_a_grad_inside_a_whole_step_is_refused_and_stays_eager_exact(self):
+        """p.grad = t inside the step is refused at capture on both backends (a GPU fails it with
+        CUDA error 906); every step equals eager."""
+        draw = normal(41)
+        x, dy = self.tensor(draw(4, 16)), self.tensor(draw(4, 16, scale=0.1))
+
+        def make(model):
+            def step(x, dy):
+                params = list(model.parameters())
+                grads = paddle.grad([model(x)], params, [dy])
+                for p, g in zip(params, grads):
+                    p.grad = g
+                out = params[0].grad
+                for p in params:
+                    p.clear_gradient(False)
+                return out
+            return step
+
+        eager_model, graphed_model = self.twins(lambda: MatMLP([16, 32, 16]), 6)
+        eager = make(eager_model)
+        graphed = autocudagraph_step(make(graphed_model), optimizers=[], warmup_steps=1, backend=self.backend)
+        for i in range(4):
+            self.assertBitwise(graphed(x, dy), eager(x, dy), f"step {i}")
+        stats = graphed.stats()
+        self.assertEqual(stats["captures"], 0, graphed.explain())
+        self.assertTrue(any("p.grad = tensor" in r for r in stats["eager_reasons"]), stats["eager_reasons"])
+
+
 class NumpyArguments(MatmulOnlyCase):
     """NOTE [ Numpy arguments ] in io/static_inputs.py: an array argument keys the graph by value."""
 
@@ -656,6 +740,8 @@ class NumpyArguments(MatmulOnlyCase):
         self.assertEqual(g.stats()["keys"], 0)
 
 
-for _base in (BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments):
+for _base in (BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments, StepFailureAfterBackward,
+              GradAssignment):
     globals().update(backend_variants(_base))
-del FailureCase, BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments, _base, _name
+del (FailureCase, BlockFailures, NestedCallError, StepFailures, ProcessExit, NumpyArguments, StepFailureAfterBackward,
+     GradAssignment, _base, _name)

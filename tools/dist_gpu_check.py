@@ -66,7 +66,6 @@ from testkit.common import (  # noqa: E402
     run_info,
     write_generated,
 )
-from testkit.step_gpu import MatmulSGD  # noqa: E402
 
 BACKEND = "cuda"
 STEPS = 5
@@ -257,29 +256,44 @@ def case_forward_only(chk, rank, world):
 # ----------------------------------------------------------------------------- the whole step
 class DataParallelStep:
     """A whole training step of a matmul chain with the data-parallel all-reduce inside it: the
-    grads of ``micro`` micro-batches summed (by a matmul, NOTE [ SGD from matmuls ] in
+    grads of ``micro`` micro-batches stacked and summed by a matmul (NOTE [ SGD from matmuls ] in
     testkit/step_gpu.py: an elementwise add has no kernel on Hopper with Paddle 2.6.2) with no
     all-reduce in between (what ``no_sync`` does), then one SUM all-reduce per grad (NCCL on the
-    compute stream on cuda: inside the graph), then the matmul SGD update; grads released."""
+    compute stream on cuda: inside the graph), then ``W - lr * G`` as one matmul; grads released.
+    Only ``backward()``, copies, matmuls and the all-reduce: what step_gpu_check proves capturable
+    (``paddle.grad`` and assigning ``p.grad`` are not used)."""
 
-    def __init__(self, model, micro, lr=1e-2):
-        self.model, self.micro = model, micro
+    def __init__(self, model, micro, lr=1e-2, via=None):
+        self.model, self.micro, self.lr, self.via = model, micro, lr, via
         self.params = list(model.parameters())
-        self.opt = MatmulSGD(self.params, lr)
         self._stack = [T(np.zeros((micro * p.shape[0], p.shape[1]), "float32")) for p in self.params]
         self._sum = [T(np.hstack([np.eye(p.shape[0])] * micro).astype("float32")) for p in self.params]
+        self._wg = [T(np.zeros((2 * p.shape[0], p.shape[1]), "float32")) for p in self.params]
+        self._update = [T(np.hstack([np.eye(p.shape[0]), -lr * np.eye(p.shape[0])]).astype("float32"))
+                        for p in self.params]
 
     def __call__(self, *batches):
         for k in range(self.micro):
-            x, dy = batches[2 * k], batches[2 * k + 1]
-            grads = paddle.grad([self.model(x)], self.params, [dy])
+            if self.via == "paddle.grad":  # the probe below: grads returned instead of accumulated
+                grads = paddle.grad([self.model(batches[2 * k])], self.params, [batches[2 * k + 1]])
+            else:
+                self.model(batches[2 * k]).backward(batches[2 * k + 1])
+                grads = [p.grad for p in self.params]
             for p, g, stack in zip(self.params, grads, self._stack):
                 n = p.shape[0]
                 stack._slice(k * n, (k + 1) * n).copy_(g, False)
-        for p, stack, total in zip(self.params, self._stack, self._sum):
-            p.grad = all_reduce_sum(paddle.matmul(total, stack), calc_stream=BACKEND == "cuda")
-        self.opt.step()
-        self.opt.clear_grad()
+                p.clear_gradient(False)  # released: the next micro-batch's grad is assigned, not added
+        for p, stack, total, wg, update in zip(self.params, self._stack, self._sum, self._wg, self._update):
+            n = p.shape[0]
+            g = all_reduce_sum(paddle.matmul(total, stack), calc_stream=BACKEND == "cuda")
+            if self.via == "grad assignment":  # the probe below: the summed grad handed to p.grad
+                p.grad = g
+                g = p.grad
+            wg._slice(0, n).copy_(p, False)
+            wg._slice(n, 2 * n).copy_(g, False)
+            p.copy_(paddle.matmul(update, wg), False)
+            if self.via == "grad assignment":
+                p.clear_gradient(False)
         return self.params[0]
 
 
@@ -310,10 +324,10 @@ def _numpy_training(dims, micro, steps, world, lr):
     return ws
 
 
-def _whole_step(chk, rank, micro, steps=20):
+def _whole_step(chk, rank, micro, steps=20, via=None):
     dims = [32, 64, 48, 16]
-    eager = DataParallelStep(MatChain(dims, seed=3), micro)  # the same init on both ranks
-    body = DataParallelStep(MatChain(dims, seed=3), micro)
+    eager = DataParallelStep(MatChain(dims, seed=3), micro, via=via)  # the same init on both ranks
+    body = DataParallelStep(MatChain(dims, seed=3), micro, via=via)
     graphed = autocudagraph_step(body, optimizers=[], warmup_steps=2, backend=BACKEND)
     data = [[T(a) for a in batch] for batch in _batches(rank, dims, micro)]
     params = []
@@ -324,12 +338,15 @@ def _whole_step(chk, rank, micro, steps=20):
         for i, (a, e) in enumerate(zip(body.params, eager.params)):
             chk.bitwise(f"step {step} w{i} after the update", a, e)
         params.append(np.concatenate([p.numpy().ravel() for p in body.params]))
-    reference = _numpy_training(dims, micro, steps, world=2, lr=body.opt.lr)
+    reference = _numpy_training(dims, micro, steps, world=2, lr=body.lr)
     chk.close("parameters after training vs numpy float64", params[-1], np.concatenate([w.ravel() for w in reference]))
     s = graphed.stats()
-    if (s["captures"], s["replays"]) != (1, steps - 3):
+    if via is None and (s["captures"], s["replays"]) != (1, steps - 3):
         chk.failures.append(f"(captures, replays) {(s['captures'], s['replays'])} != {(1, steps - 3)}: {graphed.explain()}")
     chk.notes.append(f"captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
+    if via is not None:  # a probe: contained (bitwise, above) whether or not it graphs; say which
+        reasons = [r for r in s["eager_reasons"] if r.startswith("key fell back")]
+        chk.notes.append(f"graphed: {'no, ' + reasons[0][:160] if reasons else 'yes'}")
     return {"replicated": digest(params)}
 
 
@@ -337,6 +354,19 @@ def _whole_step(chk, rank, micro, steps=20):
 def case_whole_step(chk, rank, world):
     """The whole step (forward, backward, all-reduce, SGD) as one graph per rank, 20 steps."""
     return _whole_step(chk, rank, micro=1)
+
+
+@case("whole_step_probe_paddle_grad")
+def case_whole_step_paddle_grad(chk, rank, world):
+    """Probe: the same step with paddle.grad instead of backward(); bitwise either way (a capture the
+    device refuses falls back), the note says whether it graphed."""
+    return _whole_step(chk, rank, micro=1, via="paddle.grad")
+
+
+@case("whole_step_probe_grad_assignment")
+def case_whole_step_grad_assignment(chk, rank, world):
+    """Probe: the same step assigning the all-reduced grad to p.grad; the note says whether it graphed."""
+    return _whole_step(chk, rank, micro=1, via="grad assignment")
 
 
 @case("whole_step_no_sync_accumulation")

@@ -67,6 +67,21 @@ def _sync_error(what):
     )
 
 
+def _grad_assignment_error():
+    """NOTE [ Assigning a grad during capture ]
+    ``p.grad = t`` inside a captured whole step failed with CUDA error 906 ("operation would make
+    the legacy stream depend on a capturing blocking stream") on H200s with Paddle 2.6.2
+    (tools/dist_gpu_check.py's probe): the assignment copies on the legacy stream. Refused in
+    Python like a host copy, on both backends, so the capture fails cleanly and the simulated
+    backend refuses what a GPU does."""
+    return CaptureError(
+        "autocudagraph: a parameter's .grad was assigned (p.grad = tensor) during capture. Paddle copies the "
+        "value on the legacy CUDA stream, which a capturing stream refuses (CUDA error 906), so the capture "
+        "breaks. Let backward() write the grads, or change them in place (p.grad.copy_(t, False)); or assign "
+        "outside the graphed function."
+    )
+
+
 def _what(value):
     """``a numpy array``, ``a list``, ``a Python float``: what a host value is, for messages."""
     if type(value).__module__ == "numpy":
@@ -165,6 +180,20 @@ class _Guard:
             return sync
 
         return make
+
+    def patch_grad_setter(self):
+        """``p.grad = t`` refused (NOTE [ Assigning a grad during capture ]); reading ``p.grad`` is not."""
+        descriptor = paddle.Tensor.__dict__.get("grad")
+        if descriptor is None or not hasattr(descriptor, "__set__"):
+            return
+        guard = self
+
+        def assign(tensor, value):
+            if not guard.depth and threading.get_ident() == guard.thread and not guard.is_host(tensor):
+                raise _grad_assignment_error()
+            descriptor.__set__(tensor, value)
+
+        self.patches.set(paddle.Tensor, "grad", property(descriptor.__get__, assign, None, descriptor.__doc__))
 
     # ------------------------------------------------------------------ host -> device
     def to_tensor(self, original):
@@ -265,6 +294,7 @@ def host_guard(is_host, host_reads=None):
         cuda_mod = getattr(paddle.device, "cuda", None)
         if cuda_mod is not None:
             guard.patch(cuda_mod, "synchronize", guard.sync("paddle.device.cuda.synchronize()"))
+        guard.patch_grad_setter()
         yield
     finally:
         guard.patches.restore()

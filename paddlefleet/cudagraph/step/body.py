@@ -42,7 +42,8 @@ from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_opt
                               optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
 from .returned_values import ReturnedValues, tag_learning_rates
-from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
+from .rollback import (EXTRA_WARMUPS, NO_WATCH, GradValues, LayerWatch, Rollback, describe_changes, fingerprint,
+                       step_params)
 
 __all__ = ["StepBody", "StepGraphs"]
 
@@ -407,6 +408,8 @@ class _StepCapture:
         # learning rate changes), and the eager call that replaces it must not update twice.
         rolled_back = list(body.optimizers) + [opt for _, opt in _unlisted_optimizers(body)]
         rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
+        # NOTE [ What a failed recording capture leaves ] in step/rollback.py
+        grads = GradValues(step_params(rolled_back, roots=[body.fn])) if rollback is None else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
@@ -418,6 +421,7 @@ class _StepCapture:
                 for feed in body._feeds:  # the rollback put the previous step's rate back
                     feed.forget()
             else:
+                grads.restore()
                 state.restore_rng(rng)
                 self.schedulers.restore()
                 for scaler, stage in stages:

@@ -31,7 +31,7 @@ from .grad_slots import grad_ptr
 from .optimizer_state import optimizer_params, state_tensors
 from .reachable import InPlaceWrites, reachable
 
-__all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "LayerWatch", "Rollback"]
+__all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "GradValues", "LayerWatch", "Rollback", "step_params"]
 
 #: Warmup steps a key may add when its warmup steps keep creating state.
 EXTRA_WARMUPS = 3
@@ -146,7 +146,7 @@ class Rollback:
             tensors.update((id(t), t) for t in scaler.state_tensors())
         with paddle.no_grad():
             self._tensors = [(t, t.clone()) for t in tensors.values() if t._is_initialized()]
-            self._grads = [(p, _grad_copy(p)) for p in params.values()]
+        self._grads = GradValues(params.values())
         self._schedulers = [(s, copy.deepcopy(s.state_dict())) for s in found.schedulers.values()]
         self._scaler_states = [(s, s.python_state()) for s in scalers]
 
@@ -156,6 +156,32 @@ class Rollback:
             for t, saved in self._tensors:
                 if t._is_initialized():
                     t.copy_(saved, False)
+        self._grads.restore()
+        for sched, saved in self._schedulers:
+            sched.set_state_dict(copy.deepcopy(saved))
+        for scaler, py_state in self._scaler_states:
+            scaler.set_python_state(py_state)
+        self.buffers.restore()
+        state.restore_rng(self._rng)
+
+
+class GradValues:
+    """The grads of ``params`` (None, or a copy), put back by ``restore()``.
+
+    NOTE [ What a failed recording capture leaves ]
+    A CUDA capture records kernels without running them, so no tensor's values change; but the
+    step's Python ran: its backward bound grads from the graph's pool to parameters whose grad was
+    None, a clear released others. Left so, the eager call that replaces a failed capture would
+    add its grads into those (measured: wrong parameters from the capture step on, two H200s,
+    Paddle 2.6.2). So the grads of the step's parameters are taken before every capture, also a
+    recording one, and put back when it fails."""
+
+    def __init__(self, params):
+        with paddle.no_grad():
+            self._grads = [(p, _grad_copy(p)) for p in params]
+
+    def restore(self):
+        with paddle.no_grad():
             for p, saved in self._grads:
                 g = p.grad
                 if saved is None:
@@ -165,12 +191,14 @@ class Rollback:
                     g.copy_(saved, False)
                 else:  # released by the capture step (clear_grad(set_to_zero=False))
                     p.grad = saved
-        for sched, saved in self._schedulers:
-            sched.set_state_dict(copy.deepcopy(saved))
-        for scaler, py_state in self._scaler_states:
-            scaler.set_python_state(py_state)
-        self.buffers.restore()
-        state.restore_rng(self._rng)
+
+
+def step_params(optimizers, roots=()):
+    """The parameters a step can reach: those of its optimizers and those reachable from ``roots``."""
+    params = dict(reachable([*roots, *optimizers]).params)
+    for opt in optimizers:
+        params.update((id(p), p) for p in optimizer_params(opt))
+    return list(params.values())
 
 
 def _grad_copy(p):
