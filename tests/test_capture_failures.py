@@ -680,7 +680,7 @@ class GradAssignment(MatmulOnlyCase):
                 grads = paddle.grad([model(x)], params, [dy])
                 for p, g in zip(params, grads):
                     p.grad = g
-                out = params[0].grad
+                out = params[0].grad.clone()  # a copy: the grad itself is released below
                 for p in params:
                     p.clear_gradient(False)
                 return out
