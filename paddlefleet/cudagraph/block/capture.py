@@ -40,7 +40,7 @@ from ..grads.handles import GradSwap, can_hook, merge_leaf_grads
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
-from ..io.static_inputs import StaticInputs, check_rebuild, flatten, holds_tensor, leaf_names
+from ..io.static_inputs import StaticInputs, check_rebuild, contiguous_outputs, flatten, strided_copy_works, holds_tensor, leaf_names
 
 __all__ = ["capture_block", "capture_second_backward"]
 
@@ -69,6 +69,7 @@ def capture_block(fn, owner, options, backend, call, named, last_inputs, warn_on
     for name, value in named:  # NOTE [ Containers keep their type ] in io/static_inputs.py
         check_rebuild(value, f"argument {name}")
     names = leaf_names(named)
+    strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
     with CAPTURE_LOCK:
         try:
@@ -158,7 +159,8 @@ class _BlockCapture:
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
-            return out_tensors
+            # The static outputs; live["outputs"] keep the autograd graph the backward differentiates.
+            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
         watch = state.SlotWatch()
@@ -183,7 +185,7 @@ class _BlockCapture:
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
-            graphs.out_differentiable = [not o.stop_gradient for o in outputs]
+            graphs.out_differentiable = [not o.stop_gradient for o in live["outputs"]]
             out_host = host_mask(outputs, on_gpu=backend.name == "cuda") if outputs else None
             graphs.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
             if opts.check_stale_outputs and not opts.clone_outputs:
@@ -211,7 +213,7 @@ class _BlockCapture:
         leaves = [b for b, n in zip(graphs.static_inputs.buffers, needs_grad) if n] + params
         differentiable = grad_enabled and any(graphs.out_differentiable)
         if differentiable:
-            self._refuse_unknown_leaves(graphs, leaves)
+            self._refuse_unknown_leaves(graphs, live, leaves)
         if not (differentiable and (any(needs_grad) or params)):
             graphs.out_differentiable = [False] * len(graphs.static_outputs)
             return
@@ -264,10 +266,10 @@ class _BlockCapture:
             guard.check()
         return results
 
-    def _refuse_unknown_leaves(self, graphs, leaves):
+    def _refuse_unknown_leaves(self, graphs, live, leaves):
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
         it: neither call arguments nor parameters of the Layers the call uses."""
-        outputs = [o for o, d in zip(graphs.static_outputs, graphs.out_differentiable) if d]
+        outputs = [o for o, d in zip(live["outputs"], graphs.out_differentiable) if d]
         known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
