@@ -2,6 +2,8 @@
 
 * outputs that are views of another output or of an input (a slice, a transpose, a reshape, an
   unsqueeze): their values and the grads through them (NOTE [ Strided static outputs ]);
+* ``clone_param_grads="auto"``: a handle ``g = p.grad`` held across micro-batches stays the same
+  tensor as ``p.grad``, as in eager (NOTE [ Moving an adopted grad ]);
 """
 
 import unittest
@@ -10,6 +12,8 @@ import numpy as np
 import paddle
 from parameterized import parameterized
 
+from paddlefleet.cudagraph import autocudagraph
+from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, backend_classes, parameterized_class
 
 
@@ -53,6 +57,77 @@ class ViewOutputsTest(BackendCase):
             self.assertBitwise(got[1], got[0], f"{name} call {i}")
         stats = graphed.stats()
         self.assertEqual((stats["captures"], stats["replays"]), (1, 3), graphed.explain())
+
+
+class Net3(paddle.nn.Layer):
+    """Three matmuls with parameters of different shapes (no grad stacks) and one of a shared shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = self.create_parameter([8, 6])
+        self.b = self.create_parameter([6, 6])
+        self.c = self.create_parameter([6, 6])
+
+    def forward(self, x):
+        return paddle.matmul(paddle.matmul(paddle.matmul(x, self.a), self.b), self.c)
+
+
+def _mse(y):
+    return (y * y).mean()
+
+
+def _micro_batches(steps, micro, seed=0, shape=(4, 8)):
+    rs = np.random.RandomState(seed)
+    return [([paddle.to_tensor(rs.standard_normal(shape).astype("float32")) for _ in range(micro)],)
+            for _ in range(steps)]
+
+
+def _handle_trainee(set_to_zero, hook, take):
+    """A step of several micro-batches that keeps ``g = p.grad`` of every parameter after
+    micro-batch ``take`` and returns, before the optimizer step, each handle's values and whether it
+    is still ``p.grad``'s storage (and what a hook kept, when ``hook``)."""
+
+    def build():
+        paddle.seed(5)
+        model = Net3()
+        opt = paddle.optimizer.AdamW(learning_rate=0.01, parameters=model.parameters())
+        kept = []
+        if hook:
+            model.b.register_hook(lambda t: kept.append(t))
+
+        def step(xs):
+            held = None
+            for i, x in enumerate(xs):
+                _mse(model(x)).backward()
+                if i == take:
+                    held = [p.grad for p in model.parameters()]
+            params = list(model.parameters())
+            result = ([h.numpy().copy() for h in held], [h.data_ptr() == p.grad.data_ptr() for h, p in zip(held, params)],
+                      [k.numpy().copy() for k in kept])
+            kept.clear()
+            opt.step()
+            opt.clear_grad(set_to_zero=set_to_zero)
+            return result
+
+        return Trainee(step, {"model": model, "opt": opt})
+
+    return build
+
+
+@parameterized_class(backend_classes())
+class HeldGradHandleTest(BackendCase):
+    @parameterized.expand([(f"{'zero' if z else 'free'}_hook{h}_take{t}", z, h, t)
+                           for z in (True, False) for h in (False, True) for t in (0, 1)])
+    def test_a_held_grad_handle_tracks_p_grad_over_later_micro_batches(self, _, set_to_zero, hook, take):
+        graphed = []
+
+        def graph(trainee):
+            graphed.append(autocudagraph(trainee.objects["model"], backend=self.backend, warmup_steps=1))
+            return trainee.step
+
+        differential_run(_handle_trainee(set_to_zero, hook, take), _micro_batches(3, 4), graph)
+        stats = graphed[0].forward.stats()
+        self.assertEqual((stats["captures"], stats["replays"]), (1, 10), graphed[0].forward.explain())
 
 
 if __name__ == "__main__":
