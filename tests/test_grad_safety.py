@@ -4,6 +4,10 @@
   unsqueeze): their values and the grads through them (NOTE [ Strided static outputs ]);
 * ``clone_param_grads="auto"``: a handle ``g = p.grad`` held across micro-batches stays the same
   tensor as ``p.grad``, as in eager (NOTE [ Moving an adopted grad ]);
+* ``accumulate_in_graph=True``: parameters the forward does not use keep ``grad`` None, freed grads
+  stay None until a backward assigns them, parameters shared by two graphed blocks or used eagerly
+  as well (a tied weight) sum their grads as eager does (NOTE [ Accumulation inside the graph ],
+  NOTE [ Shared parameters leave the graph ]).
 """
 
 import unittest
@@ -128,6 +132,153 @@ class HeldGradHandleTest(BackendCase):
         differential_run(_handle_trainee(set_to_zero, hook, take), _micro_batches(3, 4), graph)
         stats = graphed[0].forward.stats()
         self.assertEqual((stats["captures"], stats["replays"]), (1, 10), graphed[0].forward.explain())
+
+
+class WithHeads(paddle.nn.Layer):
+    """A trunk and two heads; ``forward(x, head)`` uses one head (a Python branch: the head index
+    is part of the key), and ``spare`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = self.create_parameter([8, 6])
+        self.heads = paddle.nn.ParameterList([self.create_parameter([6, 4]) for _ in range(2)])
+        self.spare = self.create_parameter([6, 4])
+
+    def forward(self, x, head=0):
+        return paddle.matmul(paddle.matmul(x, self.trunk), self.heads[head])
+
+
+def _window_trainee(micro, set_to_zero, heads_per_step):
+    """AdamW over steps of ``micro`` micro-batches; step i uses head ``heads_per_step[i]``."""
+
+    def build():
+        paddle.seed(11)
+        model = WithHeads()
+        opt = paddle.optimizer.AdamW(learning_rate=0.05, parameters=model.parameters())
+        calls = [0]
+
+        def step(xs):
+            head = heads_per_step[calls[0] % len(heads_per_step)]
+            calls[0] += 1
+            losses = []
+            for x in xs:
+                loss = _mse(model(x, head))
+                loss.backward()
+                losses.append(loss)
+            opt.step()
+            opt.clear_grad(set_to_zero=set_to_zero)
+            return losses
+
+        return Trainee(step, {"model": model, "opt": opt})
+
+    return build
+
+
+class Block(paddle.nn.Layer):
+    def __init__(self, w=None):
+        super().__init__()
+        self.w = w if w is not None else self.create_parameter([8, 8])
+
+    def forward(self, x):
+        return paddle.matmul(x, self.w)
+
+
+class TwoBlocksSharingAWeight(paddle.nn.Layer):
+    """Two separately graphed blocks that share one weight, and one of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = Block()
+        self.second = Block(self.first.w)
+        self.own = Block()
+
+    def forward(self, x):
+        return self.own(self.second(self.first(x)))
+
+
+class TiedHead(paddle.nn.Layer):
+    """An embedding-like weight used by the graphed block and again, eagerly, by the output head."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.mid = self.create_parameter([8, 8])
+
+    def forward(self, x):
+        h = self.block(x)
+        return paddle.matmul(paddle.matmul(h, self.mid), self.block.w, transpose_y=True)
+
+
+def _accumulating_trainee(factory, micro, set_to_zero):
+    def build():
+        paddle.seed(13)
+        model = factory()
+        opt = paddle.optimizer.AdamW(learning_rate=0.05, parameters=model.parameters())
+
+        def step(xs):
+            losses = []
+            for x in xs:
+                loss = _mse(model(x))
+                loss.backward()
+                losses.append(loss)
+            opt.step()
+            opt.clear_grad(set_to_zero=set_to_zero)
+            return losses
+
+        return Trainee(step, {"model": model, "opt": opt})
+
+    return build
+
+
+@parameterized_class(backend_classes())
+class AccumulateInGraphSafetyTest(BackendCase):
+    def _graph(self, graphed, layer_of, **options):
+        def graph(trainee):
+            for layer in layer_of(trainee.objects["model"]):
+                graphed.append(autocudagraph(layer, backend=self.backend, accumulate_in_graph=True, **options))
+            return trainee.step
+        return graph
+
+    @parameterized.expand([("zero", True), ("free", False)])
+    def test_unused_parameters_keep_grad_none(self, _, set_to_zero):
+        graphed = []
+        graph = self._graph(graphed, lambda m: [m], warmup_steps=1)
+        differential_run(_window_trainee(2, set_to_zero, [0]), _micro_batches(4, 2), graph)
+        stats = graphed[0].forward.stats()
+        self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 6, 0), graphed[0].forward.explain())
+
+    @parameterized.expand([("micro1", 1), ("micro2", 2)])
+    def test_a_head_unused_in_a_window_after_freed_grads_is_not_decayed(self, _, micro):
+        graphed = []
+        graph = self._graph(graphed, lambda m: [m], warmup_steps=0)
+        differential_run(_window_trainee(micro, False, [0, 0, 1, 0, 1, 1]), _micro_batches(6, micro), graph)
+        stats = graphed[0].forward.stats()
+        # One key per head; they share the trunk but never a backward pass: both keep accumulating.
+        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 0, 0), graphed[0].forward.explain())
+        self.assertNotIn("handed out", graphed[0].forward.explain())
+
+    @parameterized.expand([(f"micro{m}_{'zero' if z else 'free'}", m, z) for m in (1, 3) for z in (True, False)])
+    def test_a_weight_shared_by_two_graphed_blocks_sums_as_eager(self, _, micro, set_to_zero):
+        graphed = []
+        graph = self._graph(graphed, lambda m: [m.first, m.second, m.own], warmup_steps=micro)
+        differential_run(_accumulating_trainee(TwoBlocksSharingAWeight, micro, set_to_zero), _micro_batches(5, micro),
+                         graph)
+        first, second, own = (g.forward for g in graphed)
+        # The first block is captured again once the second one shares its weight.
+        self.assertEqual([f.stats()["captures"] for f in (first, second, own)], [2, 1, 1])
+        self.assertEqual([f.stats()["eager_calls"] for f in (first, second, own)], [0, 0, 0])
+        for shared in (first, second):  # their only parameter is shared: it goes through autograd
+            self.assertIn("grads handed out with clone_param_grads", shared.explain())
+        self.assertIn("grads of 1 parameter(s) accumulated in the graph", own.explain())
+
+    @parameterized.expand([(f"micro{m}_{'zero' if z else 'free'}", m, z) for m in (1, 3) for z in (True, False)])
+    def test_a_tied_weight_used_eagerly_after_the_block_sums_as_eager(self, _, micro, set_to_zero):
+        graphed = []
+        graph = self._graph(graphed, lambda m: [m.block], warmup_steps=micro)
+        differential_run(_accumulating_trainee(TiedHead, micro, set_to_zero), _micro_batches(5, micro), graph)
+        stats = graphed[0].forward.stats()
+        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 1, 0), graphed[0].forward.explain())
+        self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
 
 
 if __name__ == "__main__":

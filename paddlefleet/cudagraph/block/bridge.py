@@ -20,6 +20,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ..errors import CudaGraphError, PendingBackwardError
+from ..grads.accumulate import own_backward
 from ..grads.handles import alias, copy
 
 __all__ = ["GraphedFunction", "hand_out_outputs"]
@@ -93,10 +94,11 @@ class GraphedFunction(PyLayer):
                     buf.copy_(grad, False)
         acc = graphs.accumulators
         if acc is not None:
-            acc.check_before_backward()
+            acc.prepare()
         graph, plan, adopted = graphs.backward_set()
         plan.before_replay(adopted)
-        graph.replay()
+        with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+            graph.replay()
         ctx.token.done = True
         if acc is not None:
             acc.after_backward()

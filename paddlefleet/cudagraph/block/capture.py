@@ -32,7 +32,7 @@ import paddle
 
 from ..grads import stacks as grad_stacks
 from ..core import state
-from ..grads.accumulate import Accumulators
+from ..grads.accumulate import Accumulators, split_params
 from .graphs import BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.hand_out_plan import GradPlan
@@ -224,18 +224,22 @@ class _BlockCapture:
                     buf = graphs.static_outputs[i].detach().clone()
                     buf.stop_gradient = True
                     grad_outputs.append(buf)
-        first_param = len(leaves) - len(params)
+        inputs = leaves[: len(leaves) - len(params)]
+        bridged, accumulated = _split_accumulated(params, self.opts.accumulate_in_graph)
+        leaves = inputs + bridged + accumulated
         # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: made before the capture.
-        acc = Accumulators(params) if self.opts.accumulate_in_graph and params else None
+        acc = Accumulators(accumulated) if accumulated else None
+        # Where the body's split starts: the accumulated parameters, else all parameters (stacks).
+        first = len(inputs) + (len(bridged) if acc is not None else 0)
         graphs.accumulators = acc
-        graphs.bridged = [] if acc is not None else params
+        graphs.bridged = bridged
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
         try:
             if acc is not None and not any(needs_grad):
                 graphs.anchor = _anchor(params[0].place)
             if acc is None:
                 grad_stacks.probe(params)
-            body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first_param, acc,
+            body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first, acc,
                                   self.by_grad)
             results = self._capture_backward(graphs, body)
         finally:
@@ -246,9 +250,11 @@ class _BlockCapture:
                          self.opts.clone_param_grads)
         graphs.grad_plan = recipe.plan(results)
         # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py. Not for a backward() body: it runs
-        # parameter hooks, which a second capture would run once more.
-        if graphs.bridged and self.opts.clone_param_grads is not True and self.by_grad:
+        # parameter hooks, which a second capture would run once more; nor where the body accumulates.
+        if graphs.bridged and acc is None and self.opts.clone_param_grads is not True and self.by_grad:
             graphs.recipe = recipe
+        if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
+            acc.register(graphs)
 
     def _capture_backward(self, graphs, backward_body):
         graphs.bwd_graph = self.backend.new_graph(graphs.pool)
@@ -326,8 +332,9 @@ def capture_second_backward(graphs):
 
 def _backward_body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad):
     """The body the backward graph captures: grads of the differentiable outputs with respect to
-    ``leaves`` (NOTE [ Backward body ]), then either added into the accumulators (``acc``) or
-    also copied into same-shape stacks (NOTE [ Grad groups ] in stacks.py)."""
+    ``leaves`` (NOTE [ Backward body ]), returned; with accumulators (``acc``) those of
+    ``leaves[first_param:]`` are also added into them, else the parameters' are also copied into
+    same-shape stacks (NOTE [ Grad groups ] in stacks.py)."""
     outputs = live["outputs"]
     diff_index = [i for i, d in enumerate(differentiable) if d]
     # An output returned more than once (``return y, y``) is differentiated once, with the sum
@@ -361,6 +368,14 @@ def _backward_body(live, differentiable, grad_outputs, leaves, first_param, acc,
         return list(grads) + grad_stacks.stack_grads(grads, live["grad_groups"])
 
     return backward_body
+
+
+def _split_accumulated(params, accumulate_in_graph):
+    """``(bridged, accumulated)`` parameters (NOTE [ Shared parameters leave the graph ] in
+    grads/accumulate.py)."""
+    if not (accumulate_in_graph and params):
+        return list(params), []
+    return split_params(params)
 
 
 def _anchor(place):

@@ -27,8 +27,8 @@ class BlockGraphs:
         host_outputs: indices of host (CPU) outputs (NOTE [ Host tensors ] in io/host_tensors.py).
         clone_outputs: the output policy fixed at capture (NOTE [ Policies fixed at capture ]).
         params: ParamSet of the Layers the call used (layers: those Layers).
-        bridged: the parameters handed through the bridge (all trainable ones, or none with
-            accumulate_in_graph); accumulators: Accumulators of the others, or None.
+        bridged: the parameters handed through the bridge (all trainable ones, or with
+            accumulate_in_graph the shared ones); accumulators: Accumulators of the others, or None.
         anchor: a leaf that needs grad, passed to the bridge when nothing else it takes does
             (so that autograd still runs its backward, which accumulates in the graph).
         static_grad_outputs: where the backward replay reads the outputs' grads.
@@ -88,12 +88,18 @@ class BlockGraphs:
         graph, plan = sets[k]
         return graph, plan, adopted
 
+    def leaf_params(self):
+        """The parameters in the order the backward graph returns their grads: the bridged ones,
+        then the accumulated ones."""
+        return list(self.bridged) + (list(self.accumulators.params) if self.accumulators is not None else [])
+
     def describe(self):
         """What explain() says about this key's grads, or "" (no backward)."""
         if self.bwd_graph is None:
             return ""
         if self.accumulators is not None:
-            return f"grads of {len(self.accumulators.params)} parameter(s) accumulated in the graph"
+            bridged = f", {len(self.bridged)} shared one(s) handed out" if self.bridged else ""
+            return f"grads of {self.accumulators.count()} parameter(s) accumulated in the graph{bridged}"
         plans = self.plans()
         copies = sum(p.copies for p in plans)
         rescues = sum(p.rescues for p in plans)
@@ -119,6 +125,8 @@ class BlockGraphs:
 
     def release(self):
         """Frees the graphs and drops every static buffer."""
+        if self.accumulators is not None:
+            self.accumulators.release()
         for graph in (self.second[0] if self.second else None, self.bwd_graph, self.fwd_graph):
             if graph is not None:
                 graph.reset()
