@@ -11,12 +11,13 @@
 """
 
 import unittest
+import warnings
 
 import numpy as np
 import paddle
 from parameterized import parameterized
 
-from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, backend_classes, parameterized_class
 
@@ -279,6 +280,49 @@ class AccumulateInGraphSafetyTest(BackendCase):
         stats = graphed[0].forward.stats()
         self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 1, 0), graphed[0].forward.explain())
         self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
+
+
+def _micro_step_trainee(set_to_zero):
+    """One call per micro-batch (``apply`` on the last one of a window: opt.step and clear_grad), the
+    head chosen per window: grads are kept between calls (persistent grad slots)."""
+
+    def build():
+        paddle.seed(3)
+        model = WithHeads()
+        opt = paddle.optimizer.AdamW(learning_rate=0.05, parameters=model.parameters())
+
+        def step(x, head, apply):
+            loss = _mse(model(x, head))
+            loss.backward()
+            if apply:
+                opt.step()
+                opt.clear_grad(set_to_zero=set_to_zero)
+            return loss
+
+        return Trainee(step, {"model": model, "opt": opt})
+
+    return build
+
+
+class WholeStepAccumulationTest(unittest.TestCase):
+    @parameterized.expand([("free", False), ("zero", True)])
+    def test_a_head_unused_in_a_window_matches_eager_under_persistent_grad_slots(self, _, set_to_zero):
+        rs = np.random.RandomState(0)
+        batches = [(paddle.to_tensor(rs.standard_normal((4, 8)).astype("float32")), head, m == 1)
+                   for head in (0, 0, 1, 0, 1, 1, 0, 0) for m in range(2)]
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], backend="simulate",
+                                            warmup_steps=1))
+            return steps[0]
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            differential_run(_micro_step_trainee(set_to_zero), batches, graph)
+        if not set_to_zero:  # freeing windows run eagerly, with the reason
+            self.assertTrue(any("created or replaced state" in str(w.message) or "set_to_zero=False" in str(w.message)
+                                for w in caught), [str(w.message) for w in caught])
 
 
 if __name__ == "__main__":
