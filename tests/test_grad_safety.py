@@ -210,6 +210,14 @@ class TiedHead(paddle.nn.Layer):
         return paddle.matmul(paddle.matmul(h, self.mid), self.block.w, transpose_y=True)
 
 
+class TiedBefore(TiedHead):
+    """The tied weight used eagerly before the graphed block (an embedding-like input projection)."""
+
+    def forward(self, x):
+        h = paddle.matmul(paddle.matmul(x, self.block.w, transpose_y=True), self.mid)
+        return self.block(h)
+
+
 def _accumulating_trainee(factory, micro, set_to_zero):
     def build():
         paddle.seed(13)
@@ -251,10 +259,11 @@ class AccumulateInGraphSafetyTest(BackendCase):
     @parameterized.expand([("micro1", 1), ("micro2", 2)])
     def test_a_head_unused_in_a_window_after_freed_grads_is_not_decayed(self, _, micro):
         graphed = []
-        graph = self._graph(graphed, lambda m: [m], warmup_steps=0)
+        graph = self._graph(graphed, lambda m: [m], warmup_steps=1)
         differential_run(_window_trainee(micro, False, [0, 0, 1, 0, 1, 1]), _micro_batches(6, micro), graph)
         stats = graphed[0].forward.stats()
-        # One key per head; they share the trunk but never a backward pass: both keep accumulating.
+        # One key per head; they share the trunk but never a backward pass (the second key's eager
+        # warmup included): both keep accumulating in their graphs.
         self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 0, 0), graphed[0].forward.explain())
         self.assertNotIn("handed out", graphed[0].forward.explain())
 
@@ -272,11 +281,13 @@ class AccumulateInGraphSafetyTest(BackendCase):
             self.assertIn("grads handed out with clone_param_grads", shared.explain())
         self.assertIn("grads of 1 parameter(s) accumulated in the graph", own.explain())
 
-    @parameterized.expand([(f"micro{m}_{'zero' if z else 'free'}", m, z) for m in (1, 3) for z in (True, False)])
-    def test_a_tied_weight_used_eagerly_after_the_block_sums_as_eager(self, _, micro, set_to_zero):
+    @parameterized.expand([(f"{where}_micro{m}_{'zero' if z else 'free'}", factory, m, z)
+                           for where, factory in (("after", TiedHead), ("before", TiedBefore))
+                           for m in (1, 3) for z in (True, False)])
+    def test_a_tied_weight_used_eagerly_with_the_block_sums_as_eager(self, _, factory, micro, set_to_zero):
         graphed = []
         graph = self._graph(graphed, lambda m: [m.block], warmup_steps=micro)
-        differential_run(_accumulating_trainee(TiedHead, micro, set_to_zero), _micro_batches(5, micro), graph)
+        differential_run(_accumulating_trainee(factory, micro, set_to_zero), _micro_batches(5, micro), graph)
         stats = graphed[0].forward.stats()
         self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 1, 0), graphed[0].forward.explain())
         self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())

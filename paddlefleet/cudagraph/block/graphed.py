@@ -14,6 +14,7 @@ import weakref
 import paddle
 
 from .capture import capture_block, capture_second_backward
+from ..grads.accumulate import note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -63,6 +64,7 @@ class BlockBody:
 
     def run(self, args, kwargs):
         """The function itself, eagerly."""
+        note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
         if self._owner_ref is None:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
@@ -88,6 +90,7 @@ class BlockBody:
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
         graphs = entry.graphs
+        note_call()
         if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
             capture_second_backward(graphs)
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py

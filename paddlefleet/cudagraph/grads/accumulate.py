@@ -43,7 +43,9 @@ through the bridge ] in block/bridge.py), where Paddle sums it as eager does. Sh
 (1) at a capture or forward replay, when another graph that accumulates the parameter has its
 backward pending (both feed one backward pass; that graph is captured again at its next call, this
 one at once), and (2) at a backward: a hook on each accumulated parameter fires when an eager use
-hands it a grad (the key is captured again at its next call). Keys of one block that never share a
+hands it a grad in the same backward pass (the key is captured again at its next call): while the
+graph's backward is pending, or after it with no graphed call in between (grads from a later pass,
+such as another key's eager warmup, are not sharing). Keys of one block that never share a
 backward pass (one key per sequence length, say) keep accumulating in their graphs. In the backward pass where the
 sharing is first seen, the grads are combined as ``(P + a) + b``: equal to eager bit for bit when
 that pass starts from cleared or freed grads (``P`` zero or None, where addition order cannot
@@ -62,7 +64,7 @@ import paddle
 from ..errors import CaptureError, CudaGraphError
 from .handles import alias
 
-__all__ = ["Accumulators", "is_shared", "own_backward", "split_params"]
+__all__ = ["Accumulators", "is_shared", "note_call", "own_backward", "split_params"]
 
 
 def _neg_zeros(p, dtype):
@@ -143,12 +145,22 @@ def own_backward():
         _QUIET[0] -= 1
 
 
+_CALLS = [0]  # graphed block calls so far (eager or replayed): a new call starts a new forward
+
+
+def note_call():
+    """Counts a call of a graphed block (NOTE [ Shared parameters leave the graph ])."""
+    _CALLS[0] += 1
+
+
 def _eager_use_hook(acc, p):
     """A gradient hook for ``p``: autograd runs it only for grads from outside acc's graph (or from
-    an inner backward of the graph's own body, see own_backward())."""
+    an inner backward of the graph's own body, see own_backward()). The grad is shared with the
+    graph's when it comes while the graph's backward is pending, or after it with no graphed
+    call since (the same backward pass); a later pass (another key's eager warmup, say) is not."""
 
     def hook(grad):
-        if _QUIET[0]:
+        if _QUIET[0] or not (acc.in_flight() or acc.backward_calls == _CALLS[0]):
             return
         _mark_shared(p)
         acc.eager_seen = True
@@ -194,6 +206,7 @@ class Accumulators:
         self._hooks = []
         self._graphs = None  # weakref to the BlockGraphs whose backward adds into these
         self._overlaps = []  # in-use parameters that other live Accumulators add into too
+        self.backward_calls = None  # _CALLS at the last backward replay
 
     def add(self, grads):
         """Inside the backward body: ``acc.add_(g)`` for every parameter with a grad."""
@@ -309,6 +322,7 @@ class Accumulators:
     def after_backward(self):
         """Resets Paddle's "fake empty" flag of cleared grads (NOTE [ Accumulation inside the graph ])."""
         self.eager_seen = False
+        self.backward_calls = _CALLS[0]
         for i in self._in_use():
             if not self.main[i]:
                 self.params[i]._unset_fake_empty()
