@@ -201,6 +201,7 @@ class Accumulators:
                 self.tensors.append(alias(p.grad) if _live(p) else _neg_zeros(p, p.dtype))
         self._ptrs = [t.data_ptr() for t in self.tensors]
         self.used = None  # per parameter: whether the graph differentiates it (set by add())
+        self._used_idx = []
         self.shared_seen = None
         self.eager_seen = False
         self._hooks = []
@@ -212,6 +213,7 @@ class Accumulators:
         """Inside the backward body: ``acc.add_(g)`` for every parameter with a grad."""
         if self.used is None:
             self.used = [g is not None for g in grads]
+            self._used_idx = [i for i, u in enumerate(self.used) if u]
         with paddle.no_grad():
             for acc, g in zip(self.tensors, grads):
                 if g is not None:
@@ -222,7 +224,7 @@ class Accumulators:
         return len(self._in_use())
 
     def _in_use(self):
-        return [i for i, u in enumerate(self.used or ()) if u]
+        return self._used_idx
 
     def register(self, graphs):
         """After a successful capture of ``graphs``: watches the accumulated parameters for grads
@@ -271,6 +273,7 @@ class Accumulators:
         self._hooks = []
         self._overlaps = []
         self.params = []
+        self._used_idx = []
 
     def undo(self):
         """A capture that failed leaves no trace: nothing was installed, nothing is watched."""
