@@ -101,6 +101,7 @@ class GraphedFunction(PyLayer):
             graph.replay()
         ctx.token.done = True
         if acc is not None:
+            acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
             acc.after_backward()
         grads = plan.hand_out()
         return grads if graphs.anchor is None else grads + (None,)

@@ -225,7 +225,7 @@ class _BlockCapture:
                     buf.stop_gradient = True
                     grad_outputs.append(buf)
         inputs = leaves[: len(leaves) - len(params)]
-        bridged, accumulated = _split_accumulated(params, self.opts.accumulate_in_graph)
+        bridged, accumulated = _split_accumulated(params, self.opts.accumulate_in_graph, self.call.tensors)
         leaves = inputs + bridged + accumulated
         # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: made before the capture.
         acc = Accumulators(accumulated) if accumulated else None
@@ -370,12 +370,12 @@ def _backward_body(live, differentiable, grad_outputs, leaves, first_param, acc,
     return backward_body
 
 
-def _split_accumulated(params, accumulate_in_graph):
+def _split_accumulated(params, accumulate_in_graph, inputs):
     """``(bridged, accumulated)`` parameters (NOTE [ Shared parameters leave the graph ] in
-    grads/accumulate.py)."""
+    grads/accumulate.py); ``inputs``: the call's own tensors."""
     if not (accumulate_in_graph and params):
         return list(params), []
-    return split_params(params)
+    return split_params(params, inputs)
 
 
 def _anchor(place):

@@ -40,7 +40,8 @@ elsewhere - another graphed block, or an eager use such as a tied embedding weig
 eager output head - which differs in the last bit. So a parameter seen to get grads from outside
 one graph is *shared*, for good, and goes through the autograd bridge instead (NOTE [ Parameters
 through the bridge ] in block/bridge.py), where Paddle sums it as eager does. Sharing is seen
-(1) at a capture or forward replay, when another graph that accumulates the parameter has its
+(0) at a capture, when the call's inputs were computed from the parameter (an eager use before
+the graph), (1) at a capture or forward replay, when another graph that accumulates the parameter has its
 backward pending (both feed one backward pass; that graph is captured again at its next call, this
 one at once), and (2) at a backward: a hook on each accumulated parameter fires when an eager use
 hands it a grad in the same backward pass (the key is captured again at its next call): while the
@@ -61,8 +62,9 @@ import weakref
 import numpy as np
 import paddle
 
+from ..core.layers import accumulation_nodes
 from ..errors import CaptureError, CudaGraphError
-from .handles import alias
+from .handles import alias, copy
 
 __all__ = ["Accumulators", "is_shared", "note_call", "own_backward", "split_params"]
 
@@ -117,16 +119,22 @@ def _other_owners(acc, p):
     return found
 
 
-def split_params(params):
+def split_params(params, inputs=()):
     """``(bridged, accumulated)``: the shared parameters, which go through the bridge, and the
     others, whose grads the graph accumulates. A parameter that a graph whose backward is pending
-    accumulates becomes shared here, and that graph is captured again at its next call (NOTE
+    accumulates becomes shared here, and that graph is captured again at its next call; so does one
+    the call's ``inputs`` were computed from (an eager use before the graph in the same pass: NOTE
     [ Shared parameters leave the graph ])."""
+    upstream = accumulation_nodes([t for t in inputs if not t.stop_gradient])
+    for p in params:
+        node = getattr(p, "grad_fn", None)
+        if node is not None and node.node_ptr() in upstream:
+            _mark_shared(p)
     for p in params:
         for other in _other_owners(None, p):
             if other.in_flight():
                 _mark_shared(p)
-                other.shared_seen = f"parameter '{p.name}' is also used by another graphed call in the same backward"
+                other.expect_from_autograd(p)
     bridged = [p for p in params if is_shared(p)]
     return bridged, [p for p in params if not is_shared(p)]
 
@@ -153,18 +161,28 @@ def note_call():
     _CALLS[0] += 1
 
 
-def _eager_use_hook(acc, p):
-    """A gradient hook for ``p``: autograd runs it only for grads from outside acc's graph (or from
-    an inner backward of the graph's own body, see own_backward()). The grad is shared with the
-    graph's when it comes while the graph's backward is pending, or after it with no graphed
-    call since (the same backward pass); a later pass (another key's eager warmup, say) is not."""
+def _eager_use_hook(acc, p, i):
+    """A gradient hook for ``p`` (index ``i`` in acc): autograd runs it only for grads from outside
+    acc's graph (or from an inner backward of the graph's own body, see own_backward()). The grad is
+    shared with the graph's when it comes while the graph's backward is pending, or after it with
+    no graphed call since (the same backward pass); a later pass (another key's eager warmup, say)
+    is not. In the pass that shows the sharing, the two grads are summed first, as eager does
+    (NOTE [ Shared parameters leave the graph ])."""
 
     def hook(grad):
-        if _QUIET[0] or not (acc.in_flight() or acc.backward_calls == _CALLS[0]):
-            return
+        in_flight = acc.in_flight()
+        if _QUIET[0] or not (in_flight or acc.backward_calls == _CALLS[0]):
+            return None
         _mark_shared(p)
         acc.eager_seen = True
         acc.shared_seen = f"parameter '{p.name}' also gets a grad from an eager use"
+        mine = acc.deferred.pop(i, None)
+        if mine is not None:  # the graph's grad came first: autograd adds the sum
+            return mine + grad
+        if in_flight:  # this one came first: the graph's backward adds the sum (combine())
+            acc.stash[i] = copy(grad)
+            return paddle.zeros_like(grad)
+        return None
 
     return hook
 
@@ -208,6 +226,11 @@ class Accumulators:
         self._graphs = None  # weakref to the BlockGraphs whose backward adds into these
         self._overlaps = []  # in-use parameters that other live Accumulators add into too
         self.backward_calls = None  # _CALLS at the last backward replay
+        # NOTE [ Shared parameters leave the graph ]: the pass that shows a sharing, by index.
+        self.expect = set()  # another graph hands this parameter's grad to autograd in this pass
+        self.stash = {}  # an eager grad that came before this graph's backward (autograd added zeros)
+        self.deferred = {}  # this graph's grad, waiting for the other one (the hook adds the sum)
+        self._before = {}  # the accumulator before this backward replay
 
     def add(self, grads):
         """Inside the backward body: ``acc.add_(g)`` for every parameter with a grad."""
@@ -236,7 +259,7 @@ class Accumulators:
                 self.tensors[i] = None
         for i in self._in_use():
             p = self.params[i]
-            self._hooks.append((p, p._register_grad_hook(_eager_use_hook(self, p))))
+            self._hooks.append((p, p._register_grad_hook(_eager_use_hook(self, p, i))))
             for other in _other_owners(self, p):
                 other._overlaps.append(p)
                 self._overlaps.append(p)
@@ -254,13 +277,24 @@ class Accumulators:
             for other in _other_owners(self, p):
                 if other.in_flight():
                     _mark_shared(p)
-                    reason = f"parameter '{p.name}' is also used by another graphed call in the same backward"
-                    other.shared_seen = reason
-                    self.shared_seen = reason
+                    other.expect_from_autograd(p)
+                    self.shared_seen = other.shared_seen
         return self.shared_seen
 
+    def expect_from_autograd(self, p):
+        """``p`` turned shared while this graph's backward is pending: its grad in this pass also
+        comes through autograd, from another graph (NOTE [ Shared parameters leave the graph ])."""
+        self.shared_seen = f"parameter '{p.name}' is also used by another graphed call in the same backward"
+        self.expect.update(i for i in self._in_use() if self.params[i] is p)
+
     def release(self):
-        """Stops watching (the graphs are released)."""
+        """Stops watching (the graphs are released); a grad still held for the pass is added."""
+        with paddle.no_grad():
+            for i, g in list(self.deferred.items()) + list(self.stash.items()):
+                current = self.params[i].main_grad if self.main[i] else self.params[i].grad
+                if current is not None and current._is_initialized():
+                    current.add_(g)
+        self.deferred, self.stash, self.expect, self._before = {}, {}, set(), {}
         for p, hook_id in self._hooks:
             p._remove_grad_hook(hook_id)
         for p in self.params:
@@ -303,6 +337,11 @@ class Accumulators:
                     acc.fill_(-0.0)
                 self._install(p, main, acc)
             elif (main and current is not acc) or current.data_ptr() != self._ptrs[i]:
+                if i in self.stash:  # was freed: autograd assigned the zeros the hook returned
+                    with paddle.no_grad():
+                        acc.fill_(-0.0)
+                    self._install(p, main, acc)
+                    continue
                 if not self.eager_seen:
                     what = "main_grad" if main else "grad"
                     raise CudaGraphError(
@@ -314,6 +353,25 @@ class Accumulators:
                 with paddle.no_grad():  # an eager use assigned its grad first in this pass
                     acc.copy_(current, False)
                 self._install(p, main, acc)
+        for i in self.expect | set(self.stash):
+            self._before[i] = copy(self.tensors[i])
+
+    def combine(self, grads):
+        """After a backward replay, for the parameters whose grad this pass also gets from outside
+        the graph: the accumulator gets back its value from before the replay plus the sum of both
+        grads, as eager sums them (``grads``: this replay's grad per parameter; NOTE [ Shared
+        parameters leave the graph ])."""
+        with paddle.no_grad():
+            for i, before in self._before.items():
+                acc, mine = self.tensors[i], grads[i]
+                other = self.stash.pop(i, None)
+                if other is None:  # the other grad comes later: the hook adds the sum
+                    self.deferred[i] = copy(mine)
+                    acc.copy_(before, False)
+                else:
+                    acc.copy_(paddle.add(before, paddle.add(other, mine)), False)
+        self._before = {}
+        self.expect = set()
 
     @staticmethod
     def _install(p, main, acc):
