@@ -48,11 +48,15 @@ hands it a grad in the same backward pass (the key is captured again at its next
 graph's backward is pending, or after it with no graphed call in between (grads from a later pass,
 such as another key's eager warmup, are not sharing). Keys of one block that never share a
 backward pass (one key per sequence length, say) keep accumulating in their graphs. In the backward pass where the
-sharing is first seen, the grads are combined as ``(P + a) + b``: equal to eager bit for bit when
-that pass starts from cleared or freed grads (``P`` zero or None, where addition order cannot
-matter), and possibly different in the last bit when it starts in the middle of a gradient
-accumulation. If eager's accumulation assigned its grad to a freed ``p.grad`` before the graph's
-backward ran, the graph takes that grad over and adds its own part to it.
+sharing is first seen, the graph still adds into the accumulator, and the two grads are summed
+first as eager does: an eager grad that comes while the graph's backward is pending is kept by
+the hook (autograd gets zeros instead), and the graph's backward puts back the accumulator's value
+from before its replay plus the sum; a grad that another graph hands to autograd after this
+graph's backward finds the graph's own grad held by the hook, which hands autograd the sum. What
+stays different: an eager grad that comes after the graph's backward in a pass where nothing
+announced it (an eager use after the block whose grad autograd happens to deliver after the
+block's backward) is added after the graph's, and a -0.0 accumulator element can read +0.0 where
+the hook handed autograd zeros.
 """
 
 import contextlib
