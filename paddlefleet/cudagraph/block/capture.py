@@ -159,7 +159,6 @@ class _BlockCapture:
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
-            # The static outputs; live["outputs"] keep the autograd graph the backward differentiates.
             return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
