@@ -64,6 +64,35 @@ class ViewOutputsTest(BackendCase):
         self.assertEqual((stats["captures"], stats["replays"]), (1, 3), graphed.explain())
 
 
+class WholeStepViewOutputsTest(unittest.TestCase):
+    def test_a_step_returning_views_of_its_outputs_equals_eager(self):
+        def build():
+            paddle.seed(4)
+            model = paddle.nn.Linear(8, 6)
+            opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+
+            def step(x):
+                y = model(x)
+                loss = (y * y).mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                return loss, y[:, :3], y.t()
+
+            return Trainee(step, {"model": model, "opt": opt})
+
+        rs = np.random.RandomState(1)
+        batches = [paddle.to_tensor(rs.standard_normal((4, 8)).astype("float32")) for _ in range(7)]
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], backend="simulate"))
+            return steps[0]
+
+        differential_run(build, batches, graph)
+        self.assertEqual(steps[0].stats()["replays"], 4, steps[0].explain())
+
+
 class Net3(paddle.nn.Layer):
     """Three matmuls with parameters of different shapes (no grad stacks) and one of a shared shape."""
 

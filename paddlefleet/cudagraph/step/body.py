@@ -40,7 +40,8 @@ from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
                           suppress_lr_fill)
 from ..block.replay import Blocked
-from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
+from ..io.static_inputs import (StaticInputs, contiguous_outputs, flatten, holds_tensor, leaf_names, nbytes,
+                                strided_copy_works, unflatten)
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
 __all__ = ["StepBody", "StepGraphs"]
@@ -250,6 +251,7 @@ class StepBody:
             raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
         for opt in self.optimizers:
             check_supported(opt)
+        strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
         with CAPTURE_LOCK:
             return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
 
@@ -378,7 +380,7 @@ class _StepCapture:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
-            return tensors
+            return contiguous_outputs(tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
