@@ -40,7 +40,8 @@ from ..grads.handles import GradSwap, can_hook, merge_leaf_grads
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
-from ..io.static_inputs import StaticInputs, check_rebuild, contiguous_outputs, flatten, strided_copy_works, holds_tensor, leaf_names
+from ..io.static_inputs import (StaticInputs, check_rebuild, contiguous_outputs, flatten, holds_tensor, leaf_names,
+                                strided_copy_works)
 
 __all__ = ["capture_block", "capture_second_backward"]
 
