@@ -136,7 +136,8 @@ def _handle_trainee(set_to_zero, hook, take):
                 if i == take:
                     held = [p.grad for p in model.parameters()]
             params = list(model.parameters())
-            result = ([h.numpy().copy() for h in held], [h.data_ptr() == p.grad.data_ptr() for h, p in zip(held, params)],
+            result = ([h.numpy().copy() for h in held],
+                      [h.data_ptr() == p.grad.data_ptr() for h, p in zip(held, params)],
                       [k.numpy().copy() for k in kept])
             kept.clear()
             opt.step()
@@ -161,7 +162,8 @@ class HeldGradHandleTest(BackendCase):
 
         differential_run(_handle_trainee(set_to_zero, hook, take), _micro_batches(3, 4), graph)
         stats = graphed[0].forward.stats()
-        self.assertEqual((stats["captures"], stats["replays"]), (1, 10), graphed[0].forward.explain())
+        self.assertEqual((stats["captures"], stats["replays"]), (1, 10),
+                         graphed[0].forward.explain())
 
 
 class WithHeads(paddle.nn.Layer):
@@ -283,7 +285,8 @@ class AccumulateInGraphSafetyTest(BackendCase):
         graph = self._graph(graphed, lambda m: [m], warmup_steps=1)
         differential_run(_window_trainee(2, set_to_zero, [0]), _micro_batches(4, 2), graph)
         stats = graphed[0].forward.stats()
-        self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 6, 0), graphed[0].forward.explain())
+        self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 6, 0),
+                         graphed[0].forward.explain())
 
     @parameterized.expand([("micro1", 1), ("micro2", 2)])
     def test_a_head_unused_in_a_window_after_freed_grads_is_not_decayed(self, _, micro):
@@ -293,7 +296,8 @@ class AccumulateInGraphSafetyTest(BackendCase):
         stats = graphed[0].forward.stats()
         # One key per head; they share the trunk but never a backward pass (the second key's eager
         # warmup included): both keep accumulating in their graphs.
-        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 0, 0), graphed[0].forward.explain())
+        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), (2, 0, 0),
+                         graphed[0].forward.explain())
         self.assertNotIn("handed out", graphed[0].forward.explain())
 
     @parameterized.expand([(f"micro{m}_warmup{w}_{'zero' if z else 'free'}", m, w, z)
@@ -322,7 +326,8 @@ class AccumulateInGraphSafetyTest(BackendCase):
         # Used after the block: seen by a hook in the capture call's backward, captured again.
         # Used before it: the call's input depends on it, seen at capture.
         expected = (2, 1, 0) if factory is TiedHead else (1, 0, 0)
-        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), expected, graphed[0].forward.explain())
+        self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), expected,
+                         graphed[0].forward.explain())
         self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
 
 

@@ -4,11 +4,11 @@ parameter's grad into a persistent accumulator, and those parameters leave the a
 NOTE [ Accumulation inside the graph ]
 The accumulator of a parameter is ``p.main_grad`` where Fleet keeps one (the attribute exists, as
 ``MixPrecisionLayer`` sets it), else ``p.grad``. Missing accumulators are made before the capture
-(and installed by the first backward replay), filled with -0.0: ``-0.0 + g`` is ``g`` bit for bit (also for ``g == -0.0``), so the first
-accumulation equals eager's "first grad is assigned" (and Fleet's hook's ``cast`` of its first
-grad). The captured backward then runs ``acc.add_(g)`` - the op Fleet's main_grad hook runs - for
-each parameter, and the bridge neither takes nor returns these parameters: no per-parameter
-autograd work on the host at all.
+(and installed by the first backward replay), filled with -0.0: ``-0.0 + g`` is ``g`` bit for bit
+(also for ``g == -0.0``), so the first accumulation equals eager's "first grad is assigned" (and
+Fleet's hook's ``cast`` of its first grad). The captured backward then runs ``acc.add_(g)`` - the
+op Fleet's main_grad hook runs - for each parameter, and the bridge neither takes nor returns these
+parameters: no per-parameter autograd work on the host at all.
 
 What the user must keep:
 * an accumulator is zeroed in place (``optimizer.clear_grad()``, ``MixPrecisionOptimizer.

@@ -36,8 +36,8 @@ import paddle
 
 from ..errors import CaptureError, InputMismatchError
 
-__all__ = ["flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes",
-           "contiguous_outputs", "strided_copy_works"]
+__all__ = ["flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta",
+           "numel", "nbytes", "contiguous_outputs", "strided_copy_works"]
 
 _TENSOR = "T"
 _CONST = "C"
