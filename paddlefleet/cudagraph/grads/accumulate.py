@@ -173,7 +173,12 @@ def _eager_use_hook(acc, p, i):
     is not. In the pass that shows the sharing, the two grads are summed first, as eager does
     (NOTE [ Shared parameters leave the graph ])."""
 
+    ref = weakref.ref(acc)  # a hook left on a parameter after its graphs were dropped does nothing
+
     def hook(grad):
+        acc = ref()
+        if acc is None:
+            return None
         in_flight = acc.in_flight()
         if _QUIET[0] or not (in_flight or acc.backward_calls == _CALLS[0]):
             return None
