@@ -164,16 +164,18 @@ class AutoPolicyTest(BackendCase):
         # moved out once, before the second buffer set exists.
         self.assertEqual(graphed.forward.stats()["grad_copies"], 4 + 3)
 
-    @parameterized.expand([("auto", {}), ("in_graph", {"accumulate_in_graph": True})])
-    def test_mix_precision_main_grad_with_accumulation_matches_eager(self, _, options):
+    @parameterized.expand([(f"{name}_{'zero' if z else 'free'}", options, z)
+                           for name, options in (("auto", {}), ("in_graph", {"accumulate_in_graph": True}))
+                           for z in (True, False)])
+    def test_mix_precision_main_grad_with_accumulation_matches_eager(self, _, options, set_to_zero):
         # MixPrecisionLayer's hook adds each grad into main_grad and frees the tensor it is
         # handed: an alias, never the static buffer (or, in the graph, the same add).
         eager, graphed = twin_layers(Chain)
         eager_mix, graphed_mix = MixPrecisionLayer(eager, dtype="float16"), MixPrecisionLayer(graphed, dtype="float16")
         self.graphed(graphed, warmup_steps=0, **options)
         xs = batches(12)
-        got = train(graphed_mix, xs, 3, True, mix=True)
-        want = train(eager_mix, xs, 3, True, mix=True)
+        got = train(graphed_mix, xs, 3, set_to_zero, mix=True)  # freed: MixPrecisionOptimizer _clear()s main_grad
+        want = train(eager_mix, xs, 3, set_to_zero, mix=True)
         self.assertBitwise(got, want)
         stats = graphed.forward.stats()
         self.assertEqual((stats["captures"], stats["replays"], stats["grad_copies"]), (1, 11, 0))

@@ -14,8 +14,9 @@ What the user must keep:
 * an accumulator is zeroed in place (``optimizer.clear_grad()``, ``MixPrecisionOptimizer.
   clear_grad()``, ``main_grad.zero_()``) or freed (``clear_grad(set_to_zero=False)``,
   ``p.main_grad = None``); never rebound to another tensor (``p.grad_ = t``). The accumulator's
-  storage is kept by this object (an alias of the grad, or the ``main_grad`` tensor itself), so
-  freeing ``p.grad`` frees nothing the graph writes: before a backward replay a freed accumulator
+  storage is kept by this object (an alias of the grad or ``main_grad``: Fleet frees ``main_grad``
+  with ``_clear()``, which frees only that tensor's hold on it), so freeing a grad frees nothing
+  the graph writes: before a backward replay a freed accumulator
   is filled with -0.0 and put back as ``p.grad`` / ``p.main_grad`` (eager's "first grad is
   assigned"), and a parameter whose grad is freed and not used again keeps ``grad`` None, as in
   eager. A rebound accumulator is detected before every replay: before a forward replay the key is
@@ -223,7 +224,7 @@ class Accumulators:
             if main:
                 current = p.main_grad
                 live = current is not None and current._is_initialized()
-                self.tensors.append(current if live else _neg_zeros(p, paddle.float32))
+                self.tensors.append(alias(current) if live else _neg_zeros(p, paddle.float32))
             else:
                 self.tensors.append(alias(p.grad) if _live(p) else _neg_zeros(p, p.dtype))
         self._ptrs = [t.data_ptr() for t in self.tensors]
@@ -326,11 +327,11 @@ class Accumulators:
         """Why the graph can no longer serve (an accumulator rebound), or None. A freed accumulator
         is not a reason: prepare() puts it back."""
         for i in self._in_use():
-            p, main, acc, ptr = self.params[i], self.main[i], self.tensors[i], self._ptrs[i]
+            p, main, ptr = self.params[i], self.main[i], self._ptrs[i]
             current = p.main_grad if main else p.grad
             if current is None or not current._is_initialized():
                 continue
-            if (main and current is not acc) or current.data_ptr() != ptr:
+            if current.data_ptr() != ptr:
                 what = "main_grad" if main else "grad"
                 return f"the {what} of parameter '{p.name}' was rebound to another tensor"
         return None
@@ -345,7 +346,7 @@ class Accumulators:
                 with paddle.no_grad():
                     acc.fill_(-0.0)
                 self._install(p, main, acc)
-            elif (main and current is not acc) or current.data_ptr() != self._ptrs[i]:
+            elif current.data_ptr() != self._ptrs[i]:
                 if i in self.stash:  # was freed: autograd assigned the zeros the hook returned
                     with paddle.no_grad():
                         acc.fill_(-0.0)
@@ -385,7 +386,7 @@ class Accumulators:
     @staticmethod
     def _install(p, main, acc):
         if main:
-            p.main_grad = acc
+            p.main_grad = alias(acc)
         else:
             p.grad_ = alias(acc)
 
