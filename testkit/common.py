@@ -1,4 +1,4 @@
-"""Checking autocudagraph against eager: shared by the test suite (tests/harness.py) and tools/.
+"""Checking autocudagraph against eager: shared by the test suite (testkit/harness.py) and tools/.
 
 Bitwise comparison, matmul-only models that a GPU without Paddle's arithmetic kernels can run,
 device placement, the probes that say whether the cuda backend can run here, which speed options

@@ -4,7 +4,7 @@ Every test class that mixes in BackendCase runs once per backend in BACKENDS (si
 cuda where Paddle has CUDA graphs and kernels for the GPU, else skipped with the reason). Classes
 of MatmulOnlyCase need only matmuls and copies, so their cuda variants also run on a GPU whose
 Paddle lacks its other kernels (tools/gpu_check.py runs them there). The comparison, device and
-model helpers live in paddlefleet/cudagraph/testing.py, which the tools share.
+model helpers live in testkit/common.py, which the tools share.
 """
 
 import functools
@@ -123,7 +123,7 @@ class BackendCase(unittest.TestCase):
 
 class MatmulOnlyCase(BackendCase):
     """Base for cases a GPU without Paddle's arithmetic kernels can run (NOTE [ Kernel-less GPUs ]
-    in paddlefleet/cudagraph/testing.py): marked ``gpu_safe`` by conftest, run by tools/gpu_check.py."""
+    in testkit/common.py): marked ``gpu_safe`` by conftest, run by tools/gpu_check.py."""
 
     kernels = "matmul"
 

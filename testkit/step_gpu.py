@@ -20,7 +20,7 @@ import paddle
 from paddlefleet.cudagraph.step.graphed_step import autocudagraph_step
 from testkit.common import MatMLP, build, host_tensor, normal
 
-__all__ = ["MatmulSGD", "MatmulStep", "whole_step_check"]
+__all__ = ["MatmulSGD", "MatmulStep", "whole_step_check", "EmaMatmulStep", "refused_capture_check"]
 
 
 class MatmulSGD:
@@ -69,6 +69,56 @@ class MatmulStep:
             for p in self.model.parameters():
                 p.clear_gradient(False)
         return y
+
+
+class EmaMatmulStep(MatmulStep):
+    """MatmulStep with an EMA of the parameters kept outside any optimizer (``ema = a*ema +
+    (1-a)*w``, one matmul per parameter as NOTE [ SGD from matmuls ]) and an input first
+    multiplied by the identity with ``transpose_y=flip[0]``: a host value the loop can change
+    right before the capture call, which the capture then refuses (the op trace differs from the
+    last warmup step's) after the whole step ran on the simulated backend."""
+
+    def __init__(self, model, lr, width, decay=0.9):
+        super().__init__(model, lr)
+        self.flip = [False]
+        self.eye = host_tensor(np.eye(width))
+        self.ema = [host_tensor(p.numpy()) for p in model.parameters()]
+        self._ema_stacked = [host_tensor(np.zeros((2 * p.shape[0], p.shape[1]))) for p in model.parameters()]
+        self._ema_mix = [host_tensor(np.hstack([decay * np.eye(p.shape[0]), (1 - decay) * np.eye(p.shape[0])]))
+                         for p in model.parameters()]
+
+    def __call__(self, x, dy):
+        y = super().__call__(paddle.matmul(x, self.eye, transpose_y=self.flip[0]), dy)
+        with paddle.no_grad():
+            for p, e, stacked, mix in zip(self.model.parameters(), self.ema, self._ema_stacked, self._ema_mix):
+                n = p.shape[0]
+                stacked._slice(0, n).copy_(e, False)
+                stacked._slice(n, 2 * n).copy_(p, False)
+                e.copy_(paddle.matmul(mix, stacked), False)
+        return y
+
+
+def refused_capture_check(width=256, layers=4, batch=16, steps=8, lr=1e-3, backend="cuda"):
+    """A whole step whose capture is refused after it ran (a host value changed at the capture
+    call), with the matmul SGD update and an EMA outside any optimizer: every step's output,
+    parameter and EMA tensor must equal eager's bit for bit (the refused capture wrote nothing
+    that the eager re-run writes again). Returns ``{"equal", "first_mismatch", "stats"}``."""
+    draw = normal(11)
+    xs = [host_tensor(draw(batch, width)) for _ in range(4)]
+    dys = [host_tensor(draw(batch, width, scale=1e-2)) for _ in range(4)]
+    eager, body = [EmaMatmulStep(build(lambda: MatMLP([width] * (layers + 1)), 1), lr, width) for _ in range(2)]
+    graphed = autocudagraph_step(body, optimizers=[], warmup_steps=2, backend=backend)
+    mismatch = None
+    for i in range(steps):
+        for twin in (eager, body):
+            twin.flip[0] = i >= 2  # changes at the capture call (the third)
+        x, dy = xs[i % 4], dys[i % 4]
+        pairs = [(eager(x, dy), graphed(x, dy))]
+        pairs += list(zip(eager.model.parameters(), body.model.parameters())) + list(zip(eager.ema, body.ema))
+        for k, (a, b) in enumerate(pairs):
+            if mismatch is None and a.numpy().tobytes() != b.numpy().tobytes():
+                mismatch = f"{'output' if k == 0 else f'state tensor {k}'} after step {i}"
+    return {"equal": mismatch is None, "first_mismatch": mismatch, "stats": dict(graphed.stats())}
 
 
 def _sync(backend):

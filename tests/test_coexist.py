@@ -1,4 +1,4 @@
-"""Coexistence with Paddle's own PaddleFleet and with PaddleFormers' probe for it (issue 14, item 1).
+"""Coexistence with Paddle's own PaddleFleet and with PaddleFormers' probe for it.
 
 ``paddlefleet`` here is a namespace package (no ``paddlefleet/__init__.py``); NOTE [ Two
 paddlefleets ] in ``_paddlefleet_cudagraph_finder.py`` says how ``paddlefleet.cudagraph`` is still

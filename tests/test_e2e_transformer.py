@@ -1,4 +1,4 @@
-"""End-to-end check (issue 3, item 10): a transformer block trained with graphs equals eager.
+"""End-to-end check: a transformer block trained with graphs equals eager.
 
 Attention + MLP + LayerNorm + dropout, the MLP under Fleet's recompute, 20 AdamW steps with
 gradient accumulation 2: every loss and every final parameter bit for bit. The model and loop

@@ -428,14 +428,28 @@ class FootgunTest(BackendCase):
                 self.assertEqual(differ, 0, "two outputs: bitwise equal")
             self.assertEqual(graphed.forward.stats()["replays"], 10)
 
-    def test_second_call_before_backward_runs_eagerly(self):
-        f = self.graphed(mm, warmup_steps=0)
+    def test_second_call_before_backward_runs_eagerly_past_max_inflight(self):
+        f = self.graphed(mm, warmup_steps=0, max_inflight=1)
         w = data(3, 3, grad=True)
         y1 = f(data(2, 3), w)
         with f.counters.expect(replays=0, eager_calls=1):
             y2 = f(data(2, 3, seed=1), w)
         (y1.sum() + y2.sum()).backward()
         self.assertIn("before the backward of the previous call ran", self.our_warnings()[0])
+        self.assertIn("max_inflight=1", self.our_warnings()[0])
+
+    def test_second_call_before_backward_gets_its_own_slot(self):
+        f = self.graphed(mm, warmup_steps=0)
+        w = data(3, 3, grad=True)
+        y1 = f(data(2, 3), w)
+        with f.counters.expect(captures=1, slot_captures=1, replays=0, eager_calls=0):
+            y2 = f(data(2, 3, seed=1), w)
+        (y1.sum() + 2 * y2.sum()).backward()
+        w_eager = data(3, 3, grad=True)
+        (mm(data(2, 3), w_eager).sum() + 2 * mm(data(2, 3, seed=1), w_eager).sum()).backward()
+        self.assertBitwise(y2, mm(data(2, 3, seed=1), w_eager))
+        self.assertBitwise(w.grad, w_eager.grad, "w.grad")
+        self.assertEqual(f.stats()["slots"], 2)
 
     def test_reused_argument_is_read_in_place_and_recaptured_when_replaced(self):
         f = self.graphed(mm, warmup_steps=1)

@@ -448,7 +448,7 @@ class TestNestedIO(BackendCase):
             self.assertTrue(y.stop_gradient)
             self.assertBitwise(y, y_e)
         entry = next(iter(model.forward._entries.values()))
-        self.assertIsNone(entry.graphs.bwd_graph)
+        self.assertIsNone(entry.graphs.backward)
         # Grad mode is part of the key: a call with grad captures its own graph with a backward.
         y = model(paddle.randn([4, 8]))
         self.assertFalse(y.stop_gradient)
@@ -616,7 +616,7 @@ class TestGradGroups(BackendCase):
                     self.assertBitwise(y, y_e)
                     self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
             entry = next(iter(model.forward._entries.values()))
-            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.grad_plan.groups), sizes)
+            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.backward.grad_plan.groups), sizes)
             self.assertEqual(model.forward.stats()["replays"], 2)
 
 
@@ -866,7 +866,7 @@ class TestBackendChoice(unittest.TestCase):
         t = paddle.randn([2, 3])
         self.assertEqual(tensor_meta(t, IdentityPlace()), tensor_meta(t, IdentityPlace()))
 
-    def test_cuda_capture_collects_garbage_first_and_pauses_the_collector(self):
+    def test_cuda_capture_pauses_the_collector_without_a_full_collection(self):
         import gc
 
         seen = {}
@@ -886,7 +886,7 @@ class TestBackendChoice(unittest.TestCase):
                 mock.patch.object(gc, "collect") as collect:
             graph = cuda_backend.CudaBackend(place="gpu:0").new_graph(None)
             self.assertEqual(graph.capture(lambda: 7), 7)
-        collect.assert_called_once()
+        collect.assert_not_called()  # 60-70 ms per graph: seconds of a per-layer model's start-up
         self.assertFalse(seen["enabled_in_capture"])
         self.assertTrue(gc.isenabled())
 

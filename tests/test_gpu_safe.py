@@ -395,6 +395,52 @@ class PatternCases(TwinCase):
         self.assertEqual(list(inspect.signature(layer.forward).parameters), ["x", "y", "scale"])
 
 
+class PipelineCases(TwinCase):
+    """Slots (NOTE [ Slots ] in block/slots.py): two matmul-only stages, four micro-batches in flight."""
+
+    def run_schedule(self, stages, order, draw, what):
+        """Runs ``order`` (("F" | "B", micro-batch)) over two stages for each twin: stage 1 reads a
+        detached copy of stage 0's output, a backward runs ``y.backward(dy)`` then stage 0's output
+        backward with that copy's grad; the grads are compared and released after each backward
+        (no accumulation add)."""
+        batches = {m: (draw(4, 16), draw(4, 16)) for _, m in order if _ == "F"}
+        got = []
+        for s0, s1 in stages:
+            live, side = {}, []
+            for kind, m in order:
+                if kind == "F":
+                    h = s0(self.tensor(batches[m][0]))
+                    recv = h.detach()
+                    recv.stop_gradient = False
+                    live[m] = (h, recv, s1(recv))
+                    continue
+                h, recv, y = live.pop(m)
+                y.backward(self.tensor(batches[m][1]))
+                h.backward(recv.grad)
+                side.append([y, recv.grad, grads_of(s0), grads_of(s1)])
+                release_grads(s0, s1)
+            got.append(side)
+        self.assertBitwise(got[0], got[1], what)
+
+    def test_slots_gpipe_and_1f1b_match_eager(self):
+        dims = [16, 32, 16]
+        (g0, e0), (g1, e1) = self.twins(lambda: MatMLP(dims), 120), self.twins(lambda: MatMLP(dims), 121)
+        self.graphed(g0)
+        self.graphed(g1)
+        draw = normal(12)
+        gpipe = [("F", m) for m in range(4)] + [("B", m) for m in range(4)]
+        one_f_one_b = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+        for k in range(3):
+            self.run_schedule([(g0, g1), (e0, e1)], gpipe, draw, f"GPipe step {k}")
+        for k in range(2):
+            self.run_schedule([(g0, g1), (e0, e1)], one_f_one_b, draw, f"1F1B step {k}")
+        # 20 calls per stage: one warmup, four captures (a slot each: GPipe has four in flight), replays.
+        for stage in (g0, g1):
+            stats = self.assertCounters(stage.forward, captures=4, replays=20 - 1 - 4, eager=0, slots=4)
+            self.assertEqual(stats["slot_captures"], 3)
+
+
+
 class _Tied(paddle.nn.Layer):
     """A graphed block whose weight is used again, eagerly, by the head; ``spare`` is never used."""
 
@@ -452,6 +498,6 @@ class GradSafetyCases(TwinCase):
             release_grads(g, e)
 
 
-for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, GradSafetyCases):
+for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases):
     globals().update(backend_variants(_base))
-del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, GradSafetyCases, _base, _option
+del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases, _base, _option

@@ -1,4 +1,4 @@
-"""Call patterns that real model code uses (issue 13; issue 14 item 2a): containers that keep
+"""Call patterns that real model code uses: containers that keep
 their type in and out, graphed forwards along a class hierarchy, static and class methods, and the
 signature a graphed callable presents (Paddle's reentrant recompute binds arguments against it).
 

@@ -1,4 +1,4 @@
-"""Models we did not write (issue 14): PaddleFormers' LLaMA, Paddle's vision models, Fleet's
+"""Models we did not write: PaddleFormers' LLaMA, Paddle's vision models, Fleet's
 main_grad wrappers, and inference and checkpoints after training.
 
 Each test trains (or runs) a graphed model and the same eager model from the same state and seed,

@@ -1,4 +1,4 @@
-"""Recompute around graphed Layers (issue 14, item 2), and what verify_replays checks of grads.
+"""Recompute around graphed Layers, and what verify_replays checks of grads.
 
 NOTE [ Saved-tensors hooks ] in paddlefleet/cudagraph/saved_hooks.py has the root cause: calls
 made under ``paddle.autograd.saved_tensors_hooks`` (non-reentrant recompute) run eagerly.
@@ -69,7 +69,7 @@ class NonReentrantRecomputeTest(BackendCase):
         want = train(eager, lambda x: recompute(eager, x, **kw), xs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with graphed.forward.counters.expect(captures=0, replays=0, warmup_calls=0, fallbacks=12):
+            with graphed.forward.counters.expect(captures=0, replays=0, warmup_calls=0, eager_calls=12):
                 got = train(graphed, lambda x: recompute(graphed, x, **kw), xs)
         self.assertBitwise(got, want)
         # Forward and backward re-run alike: 6 + 6 eager calls, each with the reason.
@@ -114,7 +114,7 @@ class NonReentrantRecomputeTest(BackendCase):
 
         want = train(eager, step(eager), xs)
         # The outer call (no hooks) warms up, captures and replays as always; the inner one is eager.
-        with graphed.forward.counters.expect(captures=1, replays=4, warmup_calls=1, fallbacks=12):
+        with graphed.forward.counters.expect(captures=1, replays=4, warmup_calls=1, eager_calls=12):
             got = train(graphed, step(graphed), xs)
         self.assertBitwise(got, want)
         self.assertFalse(saved_hooks.active())

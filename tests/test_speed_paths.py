@@ -1,4 +1,4 @@
-"""Speed paths (issue 10), each bitwise against eager on every backend that runs here.
+"""Speed paths, each bitwise against eager on every backend that runs here.
 
 * ``clone_param_grads="auto"`` (the default): grads handed out as aliases, copied only where a
   later replay could overwrite a tensor someone still holds (NOTE [ Grad hand-out ]). Fleet's own
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Chain(paddle.nn.Layer):
-    """Matmuls only (the lent Hopper GPUs run Paddle 2.6's cuBLAS and copies, nothing else)."""
+    """Matmuls only (Hopper GPUs with Paddle 2.6.2 run its cuBLAS and copies, nothing else)."""
 
     def __init__(self, width=8, depth=3):
         super().__init__()
@@ -206,8 +206,8 @@ class AccumulateInGraphTest(BackendCase):
             mse(graphed(x)).backward()
         self.assertEqual(calls, [], "hooks of in-graph parameters do not run (documented)")
         graphs = next(iter(graphed.forward._entries.values())).graphs
-        self.assertEqual(graphs.bridged, [])
-        self.assertIsNotNone(graphs.anchor, "nothing else needs grad: the anchor runs the backward")
+        self.assertEqual(graphs.backward.bridged, [])
+        self.assertIsNotNone(graphs.backward.anchor, "nothing else needs grad: the anchor runs the backward")
 
     def test_first_grad_equal_to_minus_zero_stays_minus_zero(self):
         class Scale(paddle.nn.Layer):

@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import paddle
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -59,3 +62,106 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
     for name in private:
         assert not pieces[name.strip()].startswith("n/a"), (name, pieces[name.strip()])
     assert float(pieces["graphed step: forward call + backward + release grads"]) > 0
+
+
+# ----------------------------------------------------------------------------- every tool on a CPU
+#: Tools that time host work on a CPU by design (no --backend): not asked for a GPU below.
+CPU_TOOLS = ["cpu_host_time.py"]
+TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
+SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
+         "bench.py": "--steps"}
+
+
+def run_tools_at_once(argvs, timeout=300):
+    """Runs several tools as scripts concurrently (each only imports Paddle and exits)."""
+    env = {k: v for k, v in os.environ.items() if k != "PADDLEFLEET_CUDAGRAPH_BACKEND"}
+    procs = {argv: subprocess.Popen([sys.executable, os.path.join(REPO, "tools", argv[0]), *argv[1:]], cwd=REPO,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv in argvs}
+    return {argv: (p.communicate(timeout=timeout)[0], p.returncode) for argv, p in procs.items()}
+
+
+def test_every_tool_is_listed():
+    assert TOOLS == ["bench.py", "dist_gpu_check.py", "gpu_check.py", "host_breakdown.py", "real_models_bench.py",
+                     "rng_gpu_check.py", "step_gpu_check.py"], "a new tool: add it to the CPU checks below"
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="checks what a tool says on a CPU build of Paddle")
+def test_every_tool_asked_for_the_gpu_on_a_cpu_says_so_and_exits_2():
+    results = run_tools_at_once([(tool,) for tool in TOOLS])
+    for (tool,), (log, rc) in results.items():
+        assert rc == 2, (tool, rc, log[-2000:])
+        assert f"tools/{tool}: no GPU here" in log and "use --backend simulate" in log, (tool, log[-2000:])
+        assert "Traceback" not in log, (tool, log[-2000:])
+
+
+def test_every_tool_shows_its_smoke_defaults_in_help():
+    results = run_tools_at_once([(tool, "--help") for tool in TOOLS])
+    for (tool, _), (log, rc) in results.items():
+        assert rc == 0 and "--backend" in log, (tool, log[-2000:])
+        if tool in SIZED:  # e.g. "(default 512; 32 with --backend simulate)"
+            assert "--backend simulate)" in " ".join(log.split()), (tool, log)
+
+
+def test_step_gpu_check_smoke_defaults_are_small():
+    rc, log = run_tool("step_gpu_check.py", "--backend", "simulate", timeout=120)
+    assert rc == 0, log[-3000:]
+    assert "MatMLP 4 x 32, batch 8" in log and log.count("bitwise equal to eager") == 3, log[-3000:]
+
+
+def test_rng_gpu_check_smoke_runs_every_case():
+    rc, log = run_tool("rng_gpu_check.py", "--backend", "simulate", timeout=120)
+    assert rc == 0, log[-3000:]
+    assert log.count("[PASS]") == 5 and "[FAIL]" not in log, log[-3000:]
+
+
+def test_real_models_bench_smoke_reports_bitwise_with_replays():
+    rc, log = run_tool("real_models_bench.py", "--backend", "simulate", "--models", "resnet18", timeout=120)
+    assert rc == 0, log[-3000:]
+    assert "resnet18" in log and "bitwise yes (8 block replays)" in log, log[-3000:]
+
+
+def test_dist_gpu_check_reports_a_case_it_cannot_run_as_skip_not_pass():
+    rc, log = run_tool("dist_gpu_check.py", "--backend", "simulate", "--cases",
+                       "forward_only_in_place_all_reduce,all_reduce_in_graph_compute_stream", timeout=180)
+    assert rc == 0, log[-3000:]
+    assert "- **SKIP** `all_reduce_in_graph_compute_stream`: gloo has no compute-stream all_reduce" in log, log[-3000:]
+    assert "- **PASS** `forward_only_in_place_all_reduce`" in log, log[-3000:]
+    assert "Overall: PASS (1 passed, 0 failed, 1 skipped)" in log, log[-3000:]
+
+
+def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_ms(tmp_path):
+    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp32x1024_b32_perlayer", "--no-torch", "--out-dir", str(tmp_path))
+    assert rc == 0, log[-3000:]
+    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [(r["config"], r["mode"]) for r in rows] == [("mlp32x1024_b32_perlayer", m) for m in ("throughput", "latency")]
+    for row in rows:
+        assert row["per_layer"] and row["blocks"] == row["layers"] == 8  # shrunk for the CPU, still one Layer each
+        assert row["checks"]["autocudagraph"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph"]["captures"] == 8 and row["counters"]["autocudagraph"]["eager"] == 0
+        assert row["autocudagraph_clone_outputs_false_us"] is None and "options are timed" in \
+            row["why_null"]["autocudagraph_clone_outputs_false"]
+        for name in ("paddle_eager", "autocudagraph", "raw_replay"):
+            assert name in row["peak_bytes"] and row["peak_bytes"][name] is None  # no device memory on the CPU
+            assert row["startup_ms"][name] > 0
+        assert row["capture_ms"]["autocudagraph"]["keys"] == 8 and row["capture_ms"]["autocudagraph"]["total_ms"] > 0
+        assert row["checks"]["autocudagraph_step"].startswith("bitwise equal"), row["checks"]
+        assert row["counters"]["autocudagraph_step"]["captures"] == 1 and row["capture_ms"]["autocudagraph_step"]["keys"] == 1
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Start-up, captures and peak memory" in text and "start-up of 8 graphed layers" in text
+
+
+def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
+    out = tmp_path / "host.md"
+    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
+    assert rc == 0, log[-3000:]
+    text = out.read_text()
+    for name in ("per-layer step: 4 graphed layers", "per graphed layer call", "whole-step graph (autocudagraph_step)"):
+        line = next(line for line in text.splitlines() if name in line)
+        assert float(line.split("|")[3]) > 0, line
+
+
+def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
+    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3")
+    assert rc == 0, log[-3000:]
+    assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]

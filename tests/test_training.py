@@ -1,4 +1,4 @@
-"""Training correctness (issue 3): graphed training is indistinguishable from eager training.
+"""Training correctness: graphed training is indistinguishable from eager training.
 
 Gradient accumulation and grad lifetime, warmup/capture leaving no trace, the clone policies,
 dropout RNG (default generator and Fleet's tracker), AMP keying, recompute, parameters that

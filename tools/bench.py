@@ -1,6 +1,6 @@
 """Benchmark: autocudagraph against Paddle eager, raw CUDA-graph replay and PyTorch, in two timing modes.
 
-On the GPU host (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/bench.py                  # docs/benchmarks.json, docs/benchmarks.md, docs/benchmarks.png
     python tools/bench.py --quick          # a few steps, to see that everything runs
@@ -71,7 +71,7 @@ def paddle_configs(args, configs):
     groups = [g for g in paddle_runs.GROUPS if g != "step" or paddle_runs.has_whole_step()]
     results, info = {}, {}
     for cfg in configs:
-        merged = {"times": {}, "checks": {}, "why_null": {}, "counters": {}}
+        merged = {key: {} for key in paddle_runs.RESULT_KEYS}
         if "step" not in groups:
             merged["why_null"].update(dict.fromkeys(paddle_runs.runner_names("step"), paddle_runs.NO_STEP))
         for group in groups:
@@ -82,7 +82,7 @@ def paddle_configs(args, configs):
                 merged["why_null"].update(dict.fromkeys(paddle_runs.runner_names(group), failed))
                 continue
             for key, value in got["result"].items():
-                merged[key].update(value)
+                merged.setdefault(key, {}).update(value)
             info = info or got["info"]
         results[cfg.name] = merged
     return results, info
@@ -144,10 +144,12 @@ def parse(argv=None):
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: --backend simulate --quick, output under the temp dir")
     parser.add_argument("--out-dir", help="where benchmarks.md/.json/.png go (default docs/; a smoke run: a new temp dir)")
     parser.add_argument("--quick", action="store_true", help="few steps: check that everything runs")
-    parser.add_argument("--steps", type=int, help="steps per runner, mode and round (default 200, --quick 20)")
-    parser.add_argument("--warmup", type=int, help="warmup steps per runner (default 20, --quick 3)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, --quick 2)")
+    parser.add_argument("--steps", type=int, help="steps per runner, mode and round (default 200; 20 with --quick or --backend simulate)")
+    parser.add_argument("--warmup", type=int, help="warmup steps per runner (default 20; 3 with --quick or --backend simulate)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 2 with --quick or --backend simulate)")
     parser.add_argument("--configs", help="comma-separated config names (default all)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the pipeline row only: 2 stages x 4 micro-batches (GPipe), slots against eager")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--torch-timeout", type=int, default=300)
     parser.add_argument("--config-timeout", type=int, default=300, help="seconds for one config's Paddle child")
@@ -159,7 +161,7 @@ def parse(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.backend, args.quick = "simulate", True
-    quick = args.quick
+    quick = args.quick or args.backend != "cuda"  # a simulated run is a smoke run: small by default
     args.steps = args.steps or (20 if quick else 200)
     args.warmup = args.warmup or (3 if quick else 20)
     args.rounds = args.rounds or (2 if quick else 3)
@@ -174,6 +176,8 @@ def main():
         return torch_runs.worker(args)
     if args.paddle_worker:
         return paddle_worker(args)
+    if args.pipeline:
+        return pipeline_main(args)
     from benchmark import report
     from testkit.common import check_smoke_path
 
@@ -186,8 +190,10 @@ def main():
             check_smoke_path(os.path.join(out_dir, "benchmarks.md"), TOOL)
         except ValueError as err:
             raise SystemExit(str(err)) from None
-    elif not cuda_build():
-        raise SystemExit(f"{TOOL}: this Paddle has no CUDA (or sees no GPU); run `{TOOL} --smoke` for the CPU smoke test.")
+    else:
+        from testkit.cli import require_gpu
+
+        require_gpu(TOOL, args.backend)  # exit 2 naming --backend simulate / --smoke
     paddle, info = paddle_configs(args, configs)
     if not any(result.get("times") for result in paddle.values()):
         out_dir = tempfile.mkdtemp(prefix="bench_failed_")
@@ -201,6 +207,32 @@ def main():
     print(f"wrote {out_dir}/benchmarks.md and benchmarks.json" + (f"; plot {note}" if note else ", benchmarks.png"),
           file=sys.stderr)
     return 0 if any(result.get("times") for result in paddle.values()) else 1
+
+
+def pipeline_main(args):
+    """``--pipeline``: the pipeline row (tools/benchmark/pipeline_runs.py), printed and written to
+    <out-dir>/benchmarks_pipeline.json (a smoke run: a temp dir)."""
+    import paddle
+
+    from benchmark.pipeline_runs import bench_pipeline
+
+    cuda = args.backend == "cuda"
+    if cuda and not cuda_build():
+        raise SystemExit(f"{TOOL}: this Paddle has no CUDA (or sees no GPU); run `{TOOL} --smoke --pipeline`.")
+    paddle.set_device("gpu" if cuda else "cpu")
+    width, layers, batch = (512, 8, 16) if cuda else (32, 4, 8)
+    result = bench_pipeline(args.backend, width, layers, batch, args.warmup, args.rounds, args.steps)
+    out_dir = args.out_dir or (os.path.join(REPO, "docs") if cuda else tempfile.mkdtemp(prefix="bench_smoke_"))
+    with open(os.path.join(out_dir, "benchmarks_pipeline.json"), "w") as fh:
+        json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
+    for name, times in result["times"].items():
+        cells = "  ".join(f"{m} {times[m]['us']:.0f} us" if times[m].get("us") else f"{m} -"
+                          for m in ("throughput", "latency"))
+        held = result["device_bytes_after_warmup"].get(name)
+        print(f"pipeline {name}: {cells}; check: {result['checks'].get(name, 'baseline') or 'bitwise'}"
+              + (f"; {held} device bytes held once warm" if held is not None else ""))
+    print(f"wrote {out_dir}/benchmarks_pipeline.json", file=sys.stderr)
+    return 0 if not any(result["checks"].values()) else 1
 
 
 def cuda_build():

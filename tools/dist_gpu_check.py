@@ -1,7 +1,6 @@
 """Two-GPU data-parallel check of autocudagraph with NCCL, bitwise against eager.
 
-On a host with two GPUs (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh`` where
-Paddle 2.6.2 is the GPU build at hand)::
+On a host with two GPUs and a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/dist_gpu_check.py --out docs/dist_gpu_check.md
 
@@ -24,7 +23,9 @@ passed explicitly (``y.backward(dy)``), grads are released with ``clear_gradient
 done by hand: ``paddle.DataParallel``'s reducer concatenates and scales grads with Paddle's own
 kernels, which 2.6.2 lacks for sm_90.
 
-Exit code: 0 when every case passed on both ranks, 1 otherwise.
+Exit code: 0 when every case that ran passed on both ranks (a case this backend cannot run is
+reported as SKIP, not as a pass), 1 otherwise, 2 when asked for the cuda backend on a host with
+fewer than two GPUs.
 """
 
 import argparse
@@ -49,8 +50,9 @@ import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 from paddle.autograd import PyLayer  # noqa: E402
 
-from paddlefleet.cudagraph import autocudagraph  # noqa: E402
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu  # noqa: E402
 from testkit.common import (  # noqa: E402
     MatMLP,
     bitwise_failures,
@@ -64,6 +66,7 @@ from testkit.common import (  # noqa: E402
     run_info,
     write_generated,
 )
+from testkit.step_gpu import MatmulSGD  # noqa: E402
 
 BACKEND = "cuda"
 STEPS = 5
@@ -95,6 +98,10 @@ class Check:
 
     def __init__(self):
         self.failures, self.notes, self.compared = [], [], 0
+        self.skipped = None  # why the case did not run here, when it did not
+
+    def skip(self, reason):
+        self.skipped = reason
 
     def bitwise(self, what, actual, expected):
         compared, failures = bitwise_failures(actual, expected, what)
@@ -218,7 +225,7 @@ def _all_reduce_in_graph(chk, rank, calc_stream):
 @case("all_reduce_in_graph_compute_stream")
 def case_in_graph_calc(chk, rank, world):
     if BACKEND != "cuda":
-        chk.notes.append("skipped: gloo has no compute-stream all_reduce")
+        chk.skip("gloo has no compute-stream all_reduce")
         return {}
     return _all_reduce_in_graph(chk, rank, calc_stream=True)
 
@@ -245,6 +252,170 @@ def case_forward_only(chk, rank, world):
             outs.append(ya.numpy())
     chk.phases(graphed, captures=1, replays=STEPS - 2)
     return {"replicated": digest(outs)}
+
+
+# ----------------------------------------------------------------------------- the whole step
+class DataParallelStep:
+    """A whole training step of a matmul chain with the data-parallel all-reduce inside it: the
+    grads of ``micro`` micro-batches summed (by a matmul, NOTE [ SGD from matmuls ] in
+    testkit/step_gpu.py: an elementwise add has no kernel on Hopper with Paddle 2.6.2) with no
+    all-reduce in between (what ``no_sync`` does), then one SUM all-reduce per grad (NCCL on the
+    compute stream on cuda: inside the graph), then the matmul SGD update; grads released."""
+
+    def __init__(self, model, micro, lr=1e-2):
+        self.model, self.micro = model, micro
+        self.params = list(model.parameters())
+        self.opt = MatmulSGD(self.params, lr)
+        self._stack = [T(np.zeros((micro * p.shape[0], p.shape[1]), "float32")) for p in self.params]
+        self._sum = [T(np.hstack([np.eye(p.shape[0])] * micro).astype("float32")) for p in self.params]
+
+    def __call__(self, *batches):
+        for k in range(self.micro):
+            x, dy = batches[2 * k], batches[2 * k + 1]
+            grads = paddle.grad([self.model(x)], self.params, [dy])
+            for p, g, stack in zip(self.params, grads, self._stack):
+                n = p.shape[0]
+                stack._slice(k * n, (k + 1) * n).copy_(g, False)
+        for p, stack, total in zip(self.params, self._stack, self._sum):
+            p.grad = all_reduce_sum(paddle.matmul(total, stack), calc_stream=BACKEND == "cuda")
+        self.opt.step()
+        self.opt.clear_grad()
+        return self.params[0]
+
+
+def _batches(rank, dims, micro):
+    draw = rng(600 + rank)  # each rank its own batches
+    return [[draw(8, dims[0]) if i % 2 == 0 else draw(8, dims[-1], scale=0.1) for i in range(2 * micro)]
+            for _ in range(3)]
+
+
+def _numpy_training(dims, micro, steps, world, lr):
+    """The same training in float64 numpy, every rank's batches summed: catches kernels that
+    return garbage on both sides of a bitwise comparison."""
+    ws = [w.numpy().astype("float64") for w in MatChain(dims, seed=3).parameters()]
+    data = [_batches(r, dims, micro) for r in range(world)]
+    for step in range(steps):
+        total = [np.zeros_like(w) for w in ws]
+        for r in range(world):
+            batch = data[r][step % 3]
+            for k in range(micro):
+                acts = [batch[2 * k].astype("float64")]
+                for w in ws:
+                    acts.append(acts[-1] @ w)
+                g = batch[2 * k + 1].astype("float64")
+                for i in reversed(range(len(ws))):
+                    total[i] += acts[i].T @ g
+                    g = g @ ws[i].T
+        ws = [w - lr * t for w, t in zip(ws, total)]
+    return ws
+
+
+def _whole_step(chk, rank, micro, steps=20):
+    dims = [32, 64, 48, 16]
+    eager = DataParallelStep(MatChain(dims, seed=3), micro)  # the same init on both ranks
+    body = DataParallelStep(MatChain(dims, seed=3), micro)
+    graphed = autocudagraph_step(body, optimizers=[], warmup_steps=2, backend=BACKEND)
+    data = [[T(a) for a in batch] for batch in _batches(rank, dims, micro)]
+    params = []
+    for step in range(steps):
+        batch = data[step % 3]
+        eager(*batch)
+        graphed(*batch)
+        for i, (a, e) in enumerate(zip(body.params, eager.params)):
+            chk.bitwise(f"step {step} w{i} after the update", a, e)
+        params.append(np.concatenate([p.numpy().ravel() for p in body.params]))
+    reference = _numpy_training(dims, micro, steps, world=2, lr=body.opt.lr)
+    chk.close("parameters after training vs numpy float64", params[-1], np.concatenate([w.ravel() for w in reference]))
+    s = graphed.stats()
+    if (s["captures"], s["replays"]) != (1, steps - 3):
+        chk.failures.append(f"(captures, replays) {(s['captures'], s['replays'])} != {(1, steps - 3)}: {graphed.explain()}")
+    chk.notes.append(f"captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
+    return {"replicated": digest(params)}
+
+
+@case("whole_step_all_reduce_in_graph")
+def case_whole_step(chk, rank, world):
+    """The whole step (forward, backward, all-reduce, SGD) as one graph per rank, 20 steps."""
+    return _whole_step(chk, rank, micro=1)
+
+
+@case("whole_step_no_sync_accumulation")
+def case_whole_step_accumulation(chk, rank, world):
+    """Two micro-batches accumulated without an all-reduce between them, then one all-reduce."""
+    return _whole_step(chk, rank, micro=2)
+
+
+# ----------------------------------------------------------------------------- pipeline stages
+def _p2p(t, peer, send):
+    """Blocking point-to-point transfer of ``t`` (NCCL on GPUs, gloo on the CPU)."""
+    if send:
+        dist.send(t, dst=peer)
+    else:
+        dist.recv(t, src=peer)
+    return t
+
+
+def _stage_schedule(model, rank, order, inputs, dys, width_in, width_out):
+    """Runs this rank's stage of a two-stage pipeline in ``order`` ([("F", i) | ("B", i)]):
+    stage 0 sends each forward's output to stage 1 and receives the grad of it back; stage 1
+    receives its input, runs the loss grad ``dys[i]`` backward and sends its input's grad back.
+    Returns ``(outputs, param_grads)`` per micro-batch (grads read and released after each
+    backward: accumulating them would need an add kernel)."""
+    held, outs, grads = {}, {}, {}
+    params = list(model.parameters())
+    for kind, i in order:
+        if kind == "F":
+            if rank == 0:
+                x = T(inputs[i])
+            else:
+                x = _p2p(T(np.zeros((inputs[i].shape[0], width_in), "float32")), 0, send=False)
+                x.stop_gradient = False
+            y = model(x)
+            if rank == 0:
+                _p2p(y, 1, send=True)
+            held[i] = (x, y)
+            outs[i] = y.numpy()
+        else:
+            x, y = held.pop(i)
+            dy = T(dys[i]) if rank == 1 else _p2p(T(np.zeros((y.shape[0], width_out), "float32")), 1, send=False)
+            y.backward(dy)
+            if rank == 1:
+                _p2p(x.grad, 0, send=True)
+            grads[i] = [p.grad.numpy() for p in params]
+            for p in params:
+                p.clear_gradient(False)
+    return outs, grads
+
+
+@case("pipeline_two_stages")
+def case_pipeline(chk, rank, world):
+    """A two-stage pipeline, one stage per rank, activations and grads sent between the ranks;
+    each stage a graphed matmul chain with slots (max_inflight=4): GPipe (all forwards, then all
+    backwards) and the backwards in reverse order, 3 rounds of 4 micro-batches, bitwise against
+    the same schedule eagerly."""
+    dims = [[32, 64, 48], [48, 40, 16]][rank]
+    graphed, eager = MatChain(dims, seed=20 + rank), MatChain(dims, seed=20 + rank)
+    autocudagraph(graphed, backend=BACKEND, warmup_steps=1, max_inflight=4)
+    common = rng(900)  # the same micro-batches on both ranks (stage 0 reads the inputs, stage 1 the grads)
+    micro = 4
+    rounds = [([common(8, 32) for _ in range(micro)], [common(8, 16, scale=0.1) for _ in range(micro)])
+              for _ in range(3)]
+    gpipe = [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
+    reverse = [("F", i) for i in range(micro)] + [("B", i) for i in reversed(range(micro))]
+    for r, (inputs, dys) in enumerate(rounds):
+        order = gpipe if r % 2 == 0 else reverse
+        before = graphed.forward.stats()
+        got = _stage_schedule(graphed, rank, order, inputs, dys, dims[0], dims[-1])
+        want = _stage_schedule(eager, rank, order, inputs, dys, dims[0], dims[-1])
+        after = graphed.forward.stats()
+        for i in range(micro):
+            chk.bitwise(f"round {r} micro-batch {i} stage {rank} output", got[0][i], want[0][i])
+            chk.bitwise(f"round {r} micro-batch {i} stage {rank} parameter grads", got[1][i], want[1][i])
+        if r == len(rounds) - 1 and (after["replays"] - before["replays"], after["eager_calls"] - before["eager_calls"]) != (micro, 0):
+            chk.failures.append(f"round {r}: not every micro-batch replayed: {graphed.forward.explain()}")
+    s = graphed.forward.stats()
+    chk.notes.append(f"slots={s['slots']} captures={s['captures']} replays={s['replays']} eager={eager_calls(s)}")
+    return {}
 
 
 @case("timing")
@@ -297,7 +468,7 @@ def run_rank(names):
         except Exception as err:  # the next case still runs
             row.update(ok=False, detail={}, error=f"{type(err).__name__}: {str(err).strip()[:800]}",
                        traceback=traceback.format_exc()[-3000:])
-        row.update(failures=chk.failures[:20], notes=chk.notes, compared=chk.compared,
+        row.update(failures=chk.failures[:20], notes=chk.notes, compared=chk.compared, skipped=chk.skipped,
                    ms=round((time.perf_counter() - start) * 1e3))
         failed += not row["ok"]
         print("RESULT " + json.dumps(row), flush=True)
@@ -339,6 +510,9 @@ def summarize(name, rc, out, logs):
                 r = json.loads(line[len("RESULT "):])
                 rows[r["rank"]] = r
     lines, ok = [], len(rows) == 2 and all(r["ok"] for r in rows.values())
+    skipped = {r.get("skipped") for r in rows.values()} - {None}
+    if ok and skipped:  # a case that did not run is neither a pass nor a failure
+        return None, [f"- **SKIP** `{name}`: {'; '.join(sorted(skipped))}"]
     replicated = {r["detail"].get("replicated") for r in rows.values()}
     if ok and len(replicated) != 1:
         ok = False
@@ -380,7 +554,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     parser.add_argument("--cases", default="all", help=f"comma-separated, from: {', '.join(CASES)}")
-    parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated)")
+    parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated; "
+                        "always so with --backend simulate, the smoke run)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--rank-cases", help=argparse.SUPPRESS)
@@ -393,13 +568,15 @@ def main():
             check_smoke_path(args.out, "tools/dist_gpu_check.py")
         except ValueError as err:
             raise SystemExit(str(err)) from None
+    require_gpu("tools/dist_gpu_check.py", args.backend, gpus=2)
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
     report, all_ok = header(args.backend), True
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
     print("\n".join(report), flush=True)
-    jobs = [names] if args.one_job else [[n] for n in names]
+    jobs = [names] if args.one_job or args.backend != "cuda" else [[n] for n in names]
     with tempfile.TemporaryDirectory(prefix="dist_gpu_check_") as tmp:
         for i, job in enumerate(jobs):
             rc, out, logs = launch(job, args.backend, pathlib.Path(tmp) / f"job{i}", args.timeout)
@@ -407,10 +584,13 @@ def main():
                 sub = {k: "\n".join(l for l in v.splitlines() if not l.startswith("RESULT ") or f'"case": "{name}"' in l)
                        for k, v in logs.items()}
                 ok, lines = summarize(name, rc, out, sub)
-                all_ok &= ok
+                counts["skipped" if ok is None else "passed" if ok else "failed"] += 1
+                all_ok &= ok is not False
                 report += lines
                 print("\n".join(lines), flush=True)
-    report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'}"]
+    all_ok &= counts["passed"] > 0
+    report += ["", f"Overall: {'PASS' if all_ok else 'FAIL'} ({counts['passed']} passed, {counts['failed']} failed, "
+                   f"{counts['skipped']} skipped)"]
     print(report[-1])
     if args.out:
         write_generated(args.out, report, "tools/dist_gpu_check.py", smoke=args.backend != "cuda")

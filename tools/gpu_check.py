@@ -1,6 +1,6 @@
 """End-to-end check of autocudagraph's cuda backend on a real GPU: the suite's matmul-only cases.
 
-On the GPU host (after ``bash .gpu/bin/setup.sh && source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/gpu_check.py --out docs/gpu_check.md
 
@@ -17,7 +17,8 @@ child. The report has the run's facts, what this GPU's Paddle can run, and a row
 GPU cannot run (an option this version lacks, a kernel this GPU's Paddle lacks) are listed as
 skipped with the reason.
 
-Exit code: 0 when every case that ran passed and at least one ran, 1 otherwise.
+Exit code: 0 when every case that ran passed and at least one ran, 1 otherwise, 2 when asked for
+the cuda backend where there is no GPU.
 """
 
 import argparse
@@ -32,10 +33,11 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
-CASES = ["tests/test_gpu_safe.py"]  # modules holding the gpu_safe cases
+CASES = ["tests/test_gpu_safe.py", "tests/test_per_layer_speed.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
@@ -169,6 +171,7 @@ def main():
     parser.add_argument("-k", "--cases", help="pytest -k expression: run only matching cases")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest child")
     args = parser.parse_args()
+    require_gpu("tools/gpu_check.py", args.backend)
     os.environ.pop(ENV_BACKEND, None)
     cuda = args.backend == "cuda"
     if args.out and not cuda:
@@ -182,7 +185,7 @@ def main():
     if cuda:
         head += gpu_facts()
     head += [f"- cases: `pytest -m gpu_safe {' '.join(CASES)}` with {ENV_BACKEND}={args.backend} "
-             "(matmul-only suite cases, NOTE [ Kernel-less GPUs ] in paddlefleet/cudagraph/testing.py)", ""]
+             "(matmul-only suite cases, NOTE [ Kernel-less GPUs ] in testkit/common.py)", ""]
     print("\n".join(head), flush=True)
     rows, notes = run_cases(args.backend, args.cases, args.timeout)
     rows = [r for r in rows if r.get("backend") == args.backend]

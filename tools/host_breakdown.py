@@ -1,6 +1,6 @@
 """Where the host time of a graphed training step goes: each piece timed alone.
 
-On the GPU host (after ``source .gpu/bin/env.sh``)::
+On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
     python tools/host_breakdown.py --out docs/host_breakdown.md
 
@@ -14,14 +14,15 @@ inside the timed region; one sync after each repetition so the queue stays short
 first config of tools/bench.py). The rows split a graphed step into the wrapper's own pieces (key,
 checks, copies), Paddle's (PyLayer, autograd engine, Tensor.backward, copies), and the whole step
 with default options and with each speed option this version has. ``--profile PATH`` also writes
-a cProfile of the graphed step's host side.
+a cProfile of the graphed step's host side, and of the start-up (first 3 steps: warmup, capture,
+first replay) of a model graphed layer by layer, to PATH.startup.
 
 NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
 ``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
-``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``grad_plan.adopted`` /
-``hand_out``, ``static_outputs``, ``fwd_graph`` / ``bwd_graph``), ``call.Call``,
+``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
+``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
 report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
 """
@@ -46,6 +47,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
 from testkit.common import (  # noqa: E402
     SPEED_OPTIONS,
     MatMLP,
@@ -61,6 +63,8 @@ from testkit.common import (  # noqa: E402
 )
 
 TOOL = "tools/host_breakdown.py"
+#: (full size on a GPU, smoke size with --backend simulate)
+SIZES = {"layers": (16, 4), "width": (512, 32), "batch": (16, 4), "reps": (300, 20)}
 
 
 class Passthrough(PyLayer):
@@ -115,10 +119,10 @@ class Internals:
         return lambda: self._entry().graphs.static_inputs.copy_in(call.tensors)
 
     def adopted(self):
-        return self._entry().graphs.grad_plan.adopted
+        return self._entry().graphs.backward.grad_plan.adopted
 
     def hand_out_grads(self):
-        return self._entry().graphs.grad_plan.hand_out
+        return self._entry().graphs.backward.grad_plan.hand_out
 
     def hand_out_outputs(self):
         from paddlefleet.cudagraph.block.bridge import hand_out_outputs
@@ -136,7 +140,7 @@ class Internals:
         return self._entry().graphs.fwd_graph.replay
 
     def backward_replay(self):
-        return self._entry().graphs.bwd_graph.replay
+        return self._entry().graphs.backward.graph.replay
 
     def pieces(self):
         """(row name, whose, resolver) for each private piece; resolver() returns what to time."""
@@ -220,6 +224,73 @@ class Breakdown:
             self.row(name, who, resolve)
         return model, step
 
+    def per_layer_rows(self):
+        """The same MLP with each layer graphed on its own (as users graph each decoder layer), and
+        as one whole-step graph (autocudagraph_step), where the package has it."""
+        args = self.args
+        per_layer_step, layers = self.per_layer_model()
+        start = time.perf_counter()
+        for _ in range(3):  # warmup, capture, first replay
+            per_layer_step()
+        self.sync()
+        startup = (time.perf_counter() - start) * 1e3
+        captures = sum(sum(layer.forward.stats().get("capture_ms", {}).values()) for layer in layers)
+        self.rows.append((f"start-up of {args.layers} graphed layers: first 3 steps, ms (of which captures, ms)", "total",
+                          f"{startup:.1f} ms ({captures:.1f} ms)"))
+        name = f"per-layer step: {args.layers} graphed layers (one Layer each), forward + backward + release"
+        self.row(name, "total", lambda: per_layer_step)
+        us = self.rows[-1][2]
+        per_call = f"{float(us) / args.layers:.1f}" if not us.startswith("n/a") else us
+        self.rows.append(("  per graphed layer call (forward + backward)", "total", per_call))
+        self.whole_step_row()
+
+    def per_layer_model(self):
+        """``(step, layers)``: the MLP with each layer its own graphed Layer, nothing run yet."""
+        args = self.args
+        layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), seed=0)
+        for layer in layers:
+            autocudagraph(layer, backend=args.backend, warmup_steps=1)
+        params = layers.parameters()
+
+        def per_layer_step():
+            h = self.x
+            for layer in layers:
+                h = layer(h)
+            h.backward(self.dy)
+            for p in params:
+                p.clear_gradient(False)
+
+        return per_layer_step, layers
+
+    def whole_step_row(self):
+        from paddlefleet import cudagraph as package
+
+        make = getattr(package, "autocudagraph_step", None)
+        name = "whole-step graph (autocudagraph_step): one call, forward + backward + release inside"
+        if make is None:
+            self.rows.append((name, "total", "n/a (no autocudagraph_step in this version)"))
+            return
+        args = self.args
+        model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
+        params = model.parameters()
+
+        def train(x, dy):
+            y = model(x)
+            y.backward(dy)
+            for p in params:
+                p.clear_gradient(False)
+            return y
+
+        graphed = make(train, optimizers=[], warmup_steps=2, backend=args.backend)
+
+        def step():
+            graphed(self.x, self.dy)
+
+        for _ in range(4):  # 2 warmup steps, capture, first replay
+            step()
+        self.sync()
+        self.row(name, "total", lambda: step)
+
     def option_rows(self):
         for option in SPEED_OPTIONS:
             name = f"graphed step with {option.options}"
@@ -265,15 +336,15 @@ class Breakdown:
         self.row("eager matmul + Tensor.backward (1 layer) + release, for scale", "Paddle", lambda: tiny_backward)
 
 
-def profile(step, steps, path):
-    """cProfile of ``steps`` graphed steps (host side), top functions to ``path``."""
+def profile(step, steps, path, what="graphed steps"):
+    """cProfile of ``steps`` calls of ``step`` (host side), top functions to ``path``."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         step()
     prof.disable()
     buf = io.StringIO()
-    buf.write(f"# {steps} graphed steps (host time; each line's times are totals over all steps)\n")
+    buf.write(f"# {steps} {what} (host time; each line's times are totals over all steps)\n")
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumulative").print_stats(35)
@@ -285,16 +356,18 @@ def parse():
     parser = argparse.ArgumentParser(description="host time of the pieces of a graphed step")
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: simulate, 4 x 32, 20 reps, output under the temp dir")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=300)
+    for name, text in (("layers", "matmul layers"), ("width", "layer width"), ("batch", "batch size"),
+                       ("reps", "timed repetitions per piece")):
+        parser.add_argument(f"--{name}", type=int, help=sized_help(text, *SIZES[name]))
     parser.add_argument("--out", help="write the report here (markdown; text above its generated-text mark is kept)")
     parser.add_argument("--profile", help="also write a cProfile of 100 graphed steps here")
     args = parser.parse_args()
     if args.smoke:
-        args.backend, args.layers, args.width, args.batch, args.reps = "simulate", 4, 32, 4, 20
+        args.backend = "simulate"
         args.out = args.out or os.path.join(tempfile.gettempdir(), "host_breakdown_smoke.md")
+    require_gpu(TOOL, args.backend)
+    for name, (full, smoke) in SIZES.items():
+        setattr(args, name, sized(getattr(args, name), args.backend, full, smoke))
     try:
         for path in (args.out, args.profile) if args.backend != "cuda" else ():
             if path:
@@ -311,10 +384,13 @@ def main():
     paddle.set_device("gpu" if cuda else "cpu")
     bd = Breakdown(args)
     model, step = bd.wrapper_rows()
+    bd.per_layer_rows()
     bd.option_rows()
     bd.paddle_rows(model.parameters())
     if args.profile:
         profile(step, 100, args.profile)
+        startup, _ = bd.per_layer_model()
+        profile(startup, 3, args.profile + ".startup", f"first steps of {args.layers} graphed layers (warmup, capture, replay)")
     title = "Host time of the pieces of a graphed step" + ("" if cuda else " (SMOKE RUN on the CPU: not a GPU result)")
     lines = [f"# {title}", ""] + info_lines(run_info(cuda, REPO)) + [
         f"- backend {args.backend}; model: {args.layers} matmul layers x {args.width}, batch {args.batch}; median of "

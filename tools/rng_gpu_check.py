@@ -16,9 +16,12 @@ index after replay ] in backends/cuda.py):
    generators keep states by index (3.x) and then bitwise with both streams' next draws equal
    and the caller's state index unchanged; refused (eager, still bitwise) without (2.6);
 3. the graphed call made inside a tracker block: captured on every Paddle, bitwise;
-4. ``paddle.rand`` inside the function: refused on cuda (Paddle does not re-seed it), bitwise.
+4. ``paddle.rand`` inside the function: refused on cuda (Paddle does not re-seed it), bitwise;
+5. dropout with four forwards in flight before their backwards (pipeline slots, NOTE [ Slots ] in
+   block/slots.py): each forward's mask and grads equal eager's.
 
-Exit code: 0 when every case passes, 1 when one fails, 2 when the GPU cannot run the kernels.
+Exit code: 0 when every case passes, 1 when one fails, 2 when the GPU cannot run the kernels or
+there is no GPU (use --backend simulate on a CPU).
 """
 
 import argparse
@@ -37,8 +40,10 @@ import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker  # noqa: E402
 
-from paddlefleet.cudagraph import autocudagraph, state  # noqa: E402
+from paddlefleet.cudagraph import autocudagraph  # noqa: E402
+from paddlefleet.cudagraph.core import state  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
+from testkit.cli import require_gpu  # noqa: E402
 
 STATE = "rng_gpu_check"
 BACKEND = "cuda"
@@ -134,6 +139,29 @@ def case_uniform(start):
     return compare("paddle.rand inside the function", got, want, graphed.stats(), expected)
 
 
+def case_slots_dropout(start):
+    """Four forwards in flight before their backwards (a pipeline stage under GPipe), three steps:
+    each in its own slot (NOTE [ Slots ] in block/slots.py), masks and grads equal eager's."""
+    fn = lambda x: F.dropout(x, 0.5)  # noqa: E731
+    graphed = autocudagraph(fn, backend=BACKEND, warmup_steps=1)
+    logs = []
+    for f in (fn, graphed):
+        paddle.seed(11)
+        get_rng_state_tracker().set_states_tracker(dict(start))
+        outs = []
+        for step in range(3):
+            xs = [paddle.to_tensor(np.full([4096], 1.0 + step + i / 8, dtype="float32"), stop_gradient=False)
+                  for i in range(4)]
+            ys = [f(x) for x in xs]
+            for y in reversed(ys):
+                (y * y).sum().backward()
+            outs += ys + [x.grad for x in xs]
+        logs.append(outs + draws())
+    want, got = logs
+    return compare("dropout, four forwards in flight (slots)", got, want, graphed.stats(),
+                   {"captures": 4, "replays": 7, "slots": 4, "eager_calls": 0})
+
+
 def kernels_run():
     """None when dropout and uniform run correctly here, else why not."""
     try:
@@ -151,6 +179,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
     BACKEND = parser.parse_args().backend
+    require_gpu("tools/rng_gpu_check.py", BACKEND)
     os.environ.pop(ENV_BACKEND, None)
     paddle.set_device("gpu" if BACKEND == "cuda" else "cpu")
     print(f"paddle {paddle.__version__}, backend {BACKEND}, device {paddle.get_device()}, "
@@ -164,7 +193,7 @@ def main():
         tracker.add(STATE, 4242)
     start = tracker.get_states_tracker()
     failed = 0
-    for case in (case_default_dropout, case_tracker_inside, case_call_inside_block, case_uniform):
+    for case in (case_default_dropout, case_tracker_inside, case_call_inside_block, case_uniform, case_slots_dropout):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:

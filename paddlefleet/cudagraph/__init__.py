@@ -8,6 +8,16 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/recip
 
 __version__ = "0.1.0"
 
+try:
+    import paddle  # noqa: F401
+except ImportError as _err:
+    raise ImportError(
+        f"paddlefleet.cudagraph needs PaddlePaddle, which is not importable here ({_err}). Install one build: "
+        "'pip install paddlepaddle' (CPU) or a GPU build, paddlepaddle-gpu, matching your GPU and CUDA version "
+        "(README.md, section 'Install on a GPU'; check with 'python -m paddlefleet.cudagraph doctor')."
+    ) from _err
+
+from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
 from .api import autocudagraph
 from .backends import is_capturing
@@ -16,8 +26,9 @@ from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBac
 from .options import GraphOptions
 from .step.graphed_step import autocudagraph_step
 
-# NOTE [ Grad consumers ] in hook_registry.py: hooks registered from now on are recorded.
-hook_registry.install()
+# The patches installed for the whole process (NOTE [ Paddle patches ] in core/paddle_patches.py):
+hook_registry.install()  # NOTE [ Grad consumers ] in grads/hook_registry.py: hooks registered from now on
+saved_hooks.install()  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
 
 __all__ = [
     "__version__",

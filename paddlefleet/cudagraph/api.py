@@ -1,12 +1,13 @@
 """autocudagraph(): decorate a function, a Layer method or a Layer instance."""
 
+import dataclasses
 import functools
 import weakref
 
 import paddle
 
 from .block.graphed import GraphedCallable
-from .options import GraphOptions
+from .options import GraphOptions, check_option_names
 
 __all__ = ["autocudagraph"]
 
@@ -167,6 +168,8 @@ def _wrap(target, options):
         # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
         object.__setattr__(target, "forward", wrapper)
         return target
+    if isinstance(target, type):
+        _refuse_class(target)
     if isinstance(target, (staticmethod, classmethod)):
         return _wrap_static_or_class(target, options)
     if isinstance(target, GraphedCallable) or isinstance(target, _GraphedMethod):
@@ -182,6 +185,21 @@ def _wrap(target, options):
     if _defined_in_a_class_body(target):
         return _GraphedMethod(target, options)
     return GraphedCallable(target, options)
+
+
+def _refuse_class(cls):
+    """A class is not graphed: its call makes an instance. Says what to decorate instead."""
+    name = cls.__name__
+    if issubclass(cls, paddle.nn.Layer):
+        raise TypeError(
+            f"autocudagraph: got the Layer class {name}, not an instance. Calling a class makes a new Layer, which "
+            f"no graph can replay. Graph an instance: model = autocudagraph({name}(...)), or decorate the method: "
+            "put @autocudagraph above 'def forward(self, ...)' in the class body."
+        )
+    raise TypeError(
+        f"autocudagraph: got the class {name}. Decorate a function, a method in the class body, or a "
+        "paddle.nn.Layer instance."
+    )
 
 
 def _wrap_static_or_class(target, options):
@@ -224,7 +242,7 @@ def autocudagraph(target=None, **options):
         target: the function, method or Layer; omitted when options are given.
         **options: see GraphOptions (warmup_steps, max_graphs, dispatch_key_fn, backend,
             clone_outputs, clone_param_grads, verify_replays, max_bytes, capture_hooks,
-            check_stale_outputs).
+            check_stale_outputs, max_inflight).
 
     Returns:
         The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer, or
@@ -234,9 +252,11 @@ def autocudagraph(target=None, **options):
         TypeError, ValueError: at decoration time, for a bad option.
 
     Limitations:
-        See docs/limitations.md: static shapes per key, no host syncs inside the function, one
-        forward replay per key in flight before its backward.
+        See docs/limitations.md: static shapes per key, no host syncs inside the function, at
+        most max_inflight forward replays per key in flight before their backwards
+        (docs/pipeline.md).
     """
+    check_option_names("autocudagraph", options, [f.name for f in dataclasses.fields(GraphOptions)])
     opts = GraphOptions(**options)
     if target is None:
         return lambda t: _wrap(t, opts)

@@ -1,10 +1,20 @@
 """The Paddle side of tools/bench.py: one runner per way of running the same training step.
 
 A step is forward + backward with an explicit ``dy`` on a matmul-only MLP, then parameter grads
-released with ``clear_gradient(False)`` (NOTE [ Kernel-less GPUs ] in paddlefleet/cudagraph/testing.py).
+released with ``clear_gradient(False)`` (NOTE [ Kernel-less GPUs ] in testkit/common.py).
 Runners: Paddle eager; autocudagraph with default options and with each speed option
 (SPEED_OPTIONS, feature-detected); the whole-step graph ``autocudagraph_step`` where the package
 has it; raw replay of one graph of the whole step (the floor).
+
+NOTE [ Peak memory and start-up per runner ]
+Runners of a config live side by side (they are timed interleaved), so a process-wide peak would
+mix them. Before each runner is built, unused cached device memory is released (empty_cache) and
+the reserved bytes noted; after its warmup and first check, ``peak_bytes`` is what it added to the
+reserved memory at its peak (Paddle >= 3 resets the peak counter; on 2.6 the reserved memory only
+grows between two empty_cache calls, so what is reserved afterwards is that peak). It holds the
+runner's model, grads, activations, static buffers and graph pools. ``startup_ms`` is the wall
+time of its first 3 steps (warmup, capture, first replay for a block with warmup_steps=1, synced)
+with the model's set-up; ``capture_ms`` sums the host time of its captures (``stats()["capture_ms"]``).
 
 NOTE [ Bench checks ]
 Every runner's results are compared bit for bit with an eager reference of the same step after
@@ -16,6 +26,7 @@ option this version lacks, a kernel this GPU lacks, an error) gets a null time a
 
 import gc
 import sys
+import time
 
 import numpy as np
 import paddle
@@ -108,10 +119,41 @@ class Entry:
     """A runner with its check (returns failure messages; None for an eager baseline with nothing to
     compare against), its counters and its clean-up."""
 
-    def __init__(self, runner, check, counters=None, cleanup=None):
+    def __init__(self, runner, check, counters=None, cleanup=None, capture_ms=None):
         self.runner, self.check = runner, check
         self.counters = counters or (lambda: None)
         self.cleanup = cleanup or (lambda: None)
+        self.capture_ms = capture_ms or (lambda: [])  # host ms of each key's capture
+
+
+class DeviceMemory:
+    """Reserved device bytes a runner adds at its peak (NOTE [ Peak memory and start-up per
+    runner ]); None without CUDA (a smoke run)."""
+
+    def __init__(self, cuda):
+        self.cuda, self.base = cuda, None
+
+    def start(self):
+        if not self.cuda:
+            return
+        gc.collect()
+        mod = paddle.device.cuda
+        mod.empty_cache()
+        reset = getattr(mod, "reset_max_memory_reserved", None)
+        if reset is not None:
+            reset()
+        self.base = mod.memory_reserved()
+
+    def peak(self):
+        if not self.cuda:
+            return None
+        mod = paddle.device.cuda
+        top = mod.max_memory_reserved() if hasattr(mod, "reset_max_memory_reserved") else mod.memory_reserved()
+        return int(top - self.base)
+
+
+def _key_ms(stats):
+    return list((stats.get("capture_ms") or {}).values())
 
 
 def compare(got, want, what):
@@ -167,7 +209,8 @@ def graphed_entry(s, name, options, keeps_grads=False):
             {"eager": sum(eager_calls(st) for st in stats)}
 
     return Entry(Runner(name, counting_step, s.sync, short), check, counters,
-                 lambda: [t.forward.reset() for t in targets])
+                 lambda: [t.forward.reset() for t in targets],
+                 lambda: [ms for t in targets for ms in _key_ms(t.forward.stats())])
 
 
 def capture_raw(s, body):
@@ -201,14 +244,17 @@ def raw_entry(s):
 
     for _ in range(2):
         body()
+    start = time.perf_counter()
     graph, static = capture_raw(s, body)
+    took = (time.perf_counter() - start) * 1e3
 
     def check():
         graph.replay()
         s.sync()
         return compare([t.numpy() for t in static], s.reference, "replayed y and grads")
 
-    return Entry(Runner("raw_replay", timed_call(graph.replay), s.sync, short), check, cleanup=graph.reset)
+    return Entry(Runner("raw_replay", timed_call(graph.replay), s.sync, short), check, cleanup=graph.reset,
+                 capture_ms=lambda: [took])
 
 
 class TrainStep:
@@ -241,7 +287,7 @@ def whole_step_entry(s, name, with_sgd):
     if with_sgd and s.cuda and cuda_skip_reason("all"):
         raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
     body, twin = TrainStep(s.model(), with_sgd), TrainStep(s.model(), with_sgd)
-    graphed = make(body, optimizers=body.optimizers, warmup_steps=2)
+    graphed = make(body, optimizers=body.optimizers, warmup_steps=2, backend=s.backend)
     counted, timed = [0], timed_call(graphed, s.x, s.dy)
 
     def step():
@@ -254,11 +300,15 @@ def whole_step_entry(s, name, with_sgd):
         counted[0] += 1
         got = [graphed(s.x, s.dy).numpy()] + [p.numpy() for p in body.model.parameters()]
         want = [twin(s.x, s.dy).numpy()] + [p.numpy() for p in twin.model.parameters()]
-        return compare(got, want, "returned y and parameters (grads are released inside the step)")
+        failures = compare(got, want, "returned y and parameters (grads are released inside the step)")
+        counts = stats() if stats else None
+        if counts is not None and (counts["captures"] < 1 or eager_calls(counts)):
+            failures.append(f"the step is not replaying: {graphed.explain()}")
+        return failures
 
     stats = getattr(graphed, "stats", None)
     return Entry(Runner(name, step, s.sync, short), check, (lambda: dict(stats())) if stats else None,
-                 getattr(graphed, "reset", None))
+                 getattr(graphed, "reset", None), (lambda: _key_ms(stats())) if stats else None)
 
 
 def eager_sgd_entry(s):
@@ -268,6 +318,12 @@ def eager_sgd_entry(s):
     step = timed_call(TrainStep(s.model(), with_sgd=True), s.x, s.dy)
     return Entry(Runner("paddle_eager_sgd", step, s.sync, short), check=None)
 
+
+#: Steps whose wall time is a runner's start-up (warmup, capture, first replay of a block).
+STARTUP_STEPS = 3
+RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "startup_ms", "capture_ms")
+OPTION_NAMES = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS]
+NO_OPTIONS = "options are timed on the configs of 1 and 4 blocks (each would capture every layer again)"
 
 #: Runner groups, each timed in its own child process: the whole-step graph is new, and a CUDA
 #: error that aborts its capture must not cost the config's other rows.
@@ -306,8 +362,12 @@ def _checked(entry):
         return [f"the check raised {short(err)}"]
 
 
-def _build(name, factory, warmup, out):
-    """The runner's Entry, warmed up and checked, or None with the reason in ``out``."""
+def _build(name, factory, warmup, out, memory, sync):
+    """The runner's Entry, warmed up and checked, or None with the reason in ``out``; its peak
+    memory, start-up and capture times go to ``out`` too (NOTE [ Peak memory and start-up per
+    runner ])."""
+    memory.start()
+    start = time.perf_counter()
     try:
         entry = factory()
     except Unavailable as why:
@@ -316,12 +376,20 @@ def _build(name, factory, warmup, out):
     except Exception as err:  # noqa: BLE001 - this runner's failure must not stop the others
         out["why_null"][name] = f"could not be set up: {short(err)}"
         return None
-    entry.runner.warm(warmup)
+    entry.runner.warm(STARTUP_STEPS)
+    sync()
+    out["startup_ms"][name] = (time.perf_counter() - start) * 1e3
+    entry.runner.warm(max(warmup - STARTUP_STEPS, 0))
     if entry.runner.error:
         out["why_null"][name] = f"failed in warmup: {entry.runner.error}"
         entry.cleanup()
         return None
     out["checks"][name] = _checked(entry)
+    sync()
+    out["peak_bytes"][name] = memory.peak()
+    keys = entry.capture_ms()
+    if keys:
+        out["capture_ms"][name] = {"keys": len(keys), "total_ms": sum(keys), "max_ms": max(keys)}
     return entry
 
 
@@ -329,11 +397,19 @@ def bench_config(cfg, backend, group, warmup, rounds, steps):
     """Builds, checks and times every runner of one config's ``group`` (NOTE [ Bench checks ]).
 
     Returns ``{"times": {runner: {mode: summary}}, "checks": {runner: [failures]}, "why_null":
-    {runner: reason}, "counters": {runner: {...}}}``."""
+    {runner: reason}, "counters": {runner: {...}}, "peak_bytes": {runner: bytes}, "startup_ms":
+    {runner: ms}, "capture_ms": {runner: {keys, total_ms, max_ms}}}``."""
     print(f"[paddle] {cfg.name} ({group}): {cfg.describe()}", file=sys.stderr, flush=True)
     s = Setup(cfg, backend)
-    out = {"times": {}, "checks": {}, "why_null": {}, "counters": {}}
-    built = [(name, e) for name, e in ((n, _build(n, f, max(warmup, 3), out)) for n, f in entries(s, group)) if e]
+    out = {key: {} for key in RESULT_KEYS}
+    memory = DeviceMemory(s.cuda)
+    todo = []
+    for name, factory in entries(s, group):
+        if not cfg.options and name in OPTION_NAMES:
+            out["why_null"][name] = NO_OPTIONS
+        else:
+            todo.append((name, factory))
+    built = [(name, e) for name, e in ((n, _build(n, f, max(warmup, 3), out, memory, s.sync)) for n, f in todo) if e]
     s.sync()
     run_rounds([e.runner for _, e in built], rounds, steps)
     for name, entry in built:

@@ -49,6 +49,11 @@ def build_rows(configs, paddle, torch, info, run):
             row["checks"] = {n: _check_text(f) for n, f in checks.items()}
             row["why_null"] = {n: why.get(n, "no time recorded") for n in RUNNERS if row[f"{n}_us"] is None}
             row["counters"] = got.get("counters", {})
+            # NOTE [ Peak memory and start-up per runner ] in paddle_runs.py
+            row["peak_bytes"] = {**got.get("peak_bytes", {}), **tgot.get("peak_bytes", {})}
+            row["startup_ms"] = {**got.get("startup_ms", {}), **tgot.get("startup_ms", {})}
+            row["capture_ms"] = got.get("capture_ms", {})
+            row["per_layer"] = cfg.per_layer
             row.update({k: info.get(k) for k in ("paddle", "paddle_commit", "commit", "date", "driver")})
             row.update(torch=torch.get("torch"), paddle_tf32=info.get("paddle_tf32"), **run)
             rows.append(row)
@@ -99,12 +104,65 @@ def _ratio_table(rows, mode):
     return out
 
 
+def _mib(v):
+    return "-" if v is None else f"{v / 2**20:,.1f}"
+
+
+STARTUP_COLUMNS = ["paddle_eager", "autocudagraph", "autocudagraph_step", "raw_replay", "torch_eager", "torch_graphed"]
+
+
+def _startup_table(rows):
+    """Per config: start-up (ms of the first 3 steps), capture ms and peak reserved MiB per runner."""
+    head = " | ".join(LABELS.get(n, n) for n in STARTUP_COLUMNS)
+    out = [f"| config | what | {head} |", "|---|---|" + "---|" * len(STARTUP_COLUMNS)]
+    for r in (r for r in rows if r["mode"] == MODES[0]):
+        cap = r.get("capture_ms", {})
+        out.append(f"| {r['config']} | start-up ms (3 steps) | "
+                   + " | ".join(fmt(r.get("startup_ms", {}).get(n)) for n in STARTUP_COLUMNS) + " |")
+        out.append(f"| | captures: keys, total ms | "
+                   + " | ".join(f"{cap[n]['keys']}, {fmt(cap[n]['total_ms'])}" if n in cap else "-"
+                                for n in STARTUP_COLUMNS) + " |")
+        out.append(f"| | peak reserved MiB | "
+                   + " | ".join(_mib(r.get("peak_bytes", {}).get(n)) for n in STARTUP_COLUMNS) + " |")
+    return out
+
+
+def _speed_targets(rows):
+    """The speed targets of a model graphed per layer, in blocks and as a whole step, judged per row."""
+    out = []
+    for r in rows:
+        e, a, raw, step = (r[k] for k in ("paddle_eager_us", "autocudagraph_us", "raw_replay_us", "autocudagraph_step_us"))
+        tag = f"{r['config']} {r['mode']}"
+        if None not in (e, a):
+            out.append(f"- {tag}: eager / autocudagraph = {fmt(ratio(e, a))} (>= 1: {_verdict(a <= e)}"
+                       + (f"; per layer >= 1.5: {_verdict(e / a >= 1.5)})" if r.get("per_layer") else ")"))
+        tg = r["torch_graphed_us"]
+        if r["blocks"] == 4 and None not in (a, tg):
+            out.append(f"  - 4 blocks: autocudagraph {fmt(a)} us vs torch make_graphed {fmt(tg)} us (<=: {_verdict(a <= tg)})")
+        if r["blocks"] == 1 and r["mode"] == "throughput" and None not in (a, raw):
+            limit = 1.10 if r["launch_bound"] else 1.02
+            out.append(f"  - one block / raw = {fmt(ratio(a, raw))} (<= {limit}: {_verdict(a / raw <= limit)})")
+        if None not in (step, raw):
+            limit = 1.03 if r["mode"] == "throughput" else 1.08
+            out.append(f"  - whole step / raw = {fmt(ratio(step, raw))} (<= {limit}: {_verdict(step / raw <= limit)})")
+        if r["mode"] != MODES[0]:
+            continue
+        startup = r.get("startup_ms", {}).get("autocudagraph")
+        if r.get("per_layer") and startup is not None:
+            out.append(f"  - start-up of {r['blocks']} graphed layers: {fmt(startup)} ms (< 1000: {_verdict(startup < 1000)})")
+        peak, eager_peak = r.get("peak_bytes", {}).get("autocudagraph"), r.get("peak_bytes", {}).get("paddle_eager")
+        if peak is not None and eager_peak:
+            out.append(f"  - peak reserved: autocudagraph / eager = {fmt(ratio(peak, eager_peak))} "
+                       f"(<= 1.25 where graphs share a pool: {_verdict(peak / eager_peak <= 1.25)})")
+    return out
+
+
 def _verdict(ok):
     return "-" if ok is None else ("met" if ok else "MISSED")
 
 
 def _targets(rows):
-    """Issue 10's targets, each with the numbers it was judged on."""
+    """The speed targets, each with the numbers it was judged on."""
     out = []
     base = [r for r in rows if r["blocks"] == 1]
     for r in (r for r in base if r["mode"] == "throughput"):
@@ -151,7 +209,9 @@ def markdown(rows, info, torch, run, plot_note):
         "`loss.item()` each step); median of all steps. Runners of a config alternate order and mode every",
         "round (NOTE [ Two timing modes ], tools/benchmark/timing.py). *raw replay* is `replay()` of one graph",
         "of the whole step with no input copy: the floor. *wrapper host* is the host time of the graphed",
-        "forward call. `_4blocks` configs call the same MLP as 4 graphed blocks, each its own PyLayer.",
+        "forward call. `_4blocks` configs call the same MLP as 4 graphed blocks, each its own PyLayer;",
+        "`_perlayer` configs graph each layer on its own (one graphed Layer per layer, as users graph each",
+        "decoder layer; the option runners are timed on the other configs only).",
         "Option columns are autocudagraph with that one option; *step* is the whole-step graph",
         "(`autocudagraph_step`) of forward + backward + release, *eager_sgd* / *step_sgd* the same step with",
         "an SGD update, eager and graphed; the whole-step runners are timed in a process of their own right",
@@ -167,7 +227,13 @@ def markdown(rows, info, torch, run, plot_note):
         out += [f"### {mode.capitalize()}: autocudagraph's options and the whole-step graph", ""]
         out += _time_table(rows, mode, OPTION_COLUMNS) + [""]
         out += [f"### {mode.capitalize()}: ratios", ""] + _ratio_table(rows, mode) + [""]
-    out += ["## Targets (issue 10)", ""] + _targets(rows) + ["", "## Checks and missing runners", ""]
+    out += ["## Start-up, captures and peak memory", "",
+            "Per runner: wall ms of its first 3 steps with its set-up (warmup, capture, first replay), the host ms",
+            "of its captures, and the reserved device memory it added at its peak (NOTE [ Peak memory and",
+            "start-up per runner ] in tools/benchmark/paddle_runs.py; `-` without CUDA).", ""]
+    out += _startup_table(rows) + [""]
+    out += ["## Targets of a model graphed per layer, in blocks and as a whole step", ""] + _speed_targets(rows) + [""]
+    out += ["## Targets (one block)", ""] + _targets(rows) + ["", "## Checks and missing runners", ""]
     for r in (r for r in rows if r["mode"] == MODES[0]):
         failed = {n: c for n, c in r["checks"].items() if c.startswith("FAILED")}
         passed = sorted(n for n, c in r["checks"].items() if c.startswith("bitwise"))

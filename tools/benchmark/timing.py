@@ -29,14 +29,25 @@ class Config:
     batch: int
     blocks: int = 1
     launch_bound: bool = True
+    options: bool = True  # also time autocudagraph with each speed option (SPEED_OPTIONS)
+
+    @property
+    def per_layer(self):
+        """One graphed Layer per layer, as users graph each decoder layer."""
+        return self.blocks == self.layers and self.blocks > 1
 
     def smoke(self):
         """The same shape of config, small enough for the CPU in seconds."""
-        return dataclasses.replace(self, layers=min(self.layers, 8), width=min(self.width, 32),
-                                   batch=min(self.batch, 8))
+        layers = min(self.layers, 8)
+        blocks = layers if self.per_layer else min(self.blocks, layers)
+        return dataclasses.replace(self, layers=layers, width=min(self.width, 32), batch=min(self.batch, 8),
+                                   blocks=blocks)
 
     def describe(self):
-        split = f", {self.blocks} graphed blocks of {self.layers // self.blocks}" if self.blocks > 1 else ""
+        if self.per_layer:
+            split = ", one graphed Layer per layer"
+        else:
+            split = f", {self.blocks} graphed blocks of {self.layers // self.blocks}" if self.blocks > 1 else ""
         return f"{self.layers} x {self.width}, batch {self.batch}{split}"
 
 
@@ -45,7 +56,13 @@ _BASE = [
     Config("mlp32x256_b8", 32, 256, 8),
     Config("mlp8x4096_b64", 8, 4096, 64, launch_bound=False),
 ]
-CONFIGS = _BASE + [dataclasses.replace(c, name=f"{c.name}_4blocks", blocks=4) for c in _BASE]
+#: Each decoder layer graphed on its own, the way users start: the options are timed on the
+#: other configs only (each option would capture every layer once more: minutes of a GPU run).
+PER_LAYER = [
+    Config("mlp32x1024_b32_perlayer", 32, 1024, 32, blocks=32, options=False),
+    Config("mlp24x2048_b8_perlayer", 24, 2048, 8, blocks=24, options=False),
+]
+CONFIGS = _BASE + [dataclasses.replace(c, name=f"{c.name}_4blocks", blocks=4) for c in _BASE] + PER_LAYER
 
 
 def pick_configs(names, smoke):

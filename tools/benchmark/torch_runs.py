@@ -11,6 +11,7 @@ graphed runners are recorded as unavailable with the reason.
 
 import json
 import sys
+import time
 
 from .timing import MODES, Runner, forward_timed, pick_configs, run_rounds, timed_call
 
@@ -75,8 +76,9 @@ class TorchSetup:
 
 
 def eager_pair(t):
-    params = list(t.eager.parameters())
-    return t.step_of(t.eager, params), lambda: t.same(t.snapshot(t.eager, params))
+    m = t.model()  # a model of its own, so that its peak memory counts its parameters as the others' do
+    params = list(m.parameters())
+    return t.step_of(m, params), lambda: t.same(t.snapshot(m, params))
 
 
 def graphed_pair(t):
@@ -112,34 +114,62 @@ def raw_pair(t):
     return timed_call(graph.replay), check
 
 
-def _runners(torch, cfg, dev, sync, out):
-    """(runner, check) pairs of one config; failures to set one up go to ``out['why_null']``."""
+class _Memory:
+    """Reserved device bytes a runner adds at its peak (NOTE [ Peak memory and start-up per
+    runner ] in paddle_runs.py); None without CUDA."""
+
+    def __init__(self, torch, cuda):
+        self.torch, self.cuda, self.base = torch, cuda, None
+
+    def start(self):
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.base = self.torch.cuda.memory_reserved()
+
+    def peak(self):
+        return int(self.torch.cuda.max_memory_reserved() - self.base) if self.cuda else None
+
+
+STARTUP_STEPS = 3
+
+
+def _runners(torch, cfg, dev, sync, out, warmup):
+    """(runner, check) pairs of one config, each built, warmed up and checked in turn with its
+    start-up and peak memory in ``out``; failures go to ``out['why_null']``."""
     t = TorchSetup(torch, cfg, dev, sync)
+    memory = _Memory(torch, dev.type == "cuda")
     pairs = []
     for name, make in (("torch_eager", eager_pair), ("torch_graphed", graphed_pair), ("torch_raw_replay", raw_pair)):
         if name != "torch_eager" and dev.type != "cuda":
             out["why_null"][name] = "torch has no CUDA here (smoke run): CUDA graphs need a GPU"
             continue
+        memory.start()
+        start = time.perf_counter()
         try:
             step, check = make(t)
         except Exception as err:  # noqa: BLE001 - keep the other runners
             out["why_null"][name] = f"could not be set up: {describe(err)}"
             continue
-        pairs.append((Runner(name, step, sync, describe), check))
+        run = Runner(name, step, sync, describe)
+        run.warm(STARTUP_STEPS)
+        sync()
+        out["startup_ms"][name] = (time.perf_counter() - start) * 1e3
+        run.warm(max(warmup - STARTUP_STEPS, 0))
+        if run.error:
+            out["why_null"][run.name] = f"failed in warmup: {run.error}"
+            continue
+        out["checks"][run.name] = check()
+        sync()
+        out["peak_bytes"][name] = memory.peak()
+        pairs.append((run, check))
     return pairs
 
 
 def bench_config(torch, cfg, args, dev, sync):
     print(f"[torch] {cfg.name}", file=sys.stderr, flush=True)
-    out = {"times": {}, "checks": {}, "why_null": {}}
-    pairs = []
-    for run, check in _runners(torch, cfg, dev, sync, out):
-        run.warm(args.warmup)
-        if run.error:
-            out["why_null"][run.name] = f"failed in warmup: {run.error}"
-            continue
-        out["checks"][run.name] = check()
-        pairs.append((run, check))
+    out = {"times": {}, "checks": {}, "why_null": {}, "peak_bytes": {}, "startup_ms": {}}
+    pairs = _runners(torch, cfg, dev, sync, out, args.warmup)
     sync()
     run_rounds([run for run, _ in pairs], args.rounds, args.steps)
     for run, check in pairs:

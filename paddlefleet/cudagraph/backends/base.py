@@ -28,12 +28,35 @@ def is_capturing():
     return getattr(_state, "depth", 0) > 0
 
 
+#: Context-manager factories entered around every capture and whole step: replacements of Paddle
+#: functions that decide on the host (core/cross_entropy.py registers one when the package is
+#: imported; backends/ import nothing above them, so the replacement comes to them).
+_device_decision_factories = []
+
+
+def register_device_decisions(factory):
+    """Has ``factory()`` entered around every capture and every whole step from now on."""
+    if factory not in _device_decision_factories:
+        _device_decision_factories.append(factory)
+
+
+@contextlib.contextmanager
+def _device_decisions():
+    with contextlib.ExitStack() as stack:
+        for factory in _device_decision_factories:
+            stack.enter_context(factory())
+        yield
+
+
 @contextlib.contextmanager
 def capturing(hooks=()):
-    """Marks the current thread as capturing and enters the capture hooks; undone on exit."""
+    """Marks the current thread as capturing and enters the capture hooks; undone on exit.
+    Paddle functions that decide on the host are replaced meanwhile (NOTE [ Cross entropy
+    decides on the host ] in core/cross_entropy.py)."""
     with contextlib.ExitStack() as stack:
         for factory in hooks:
             stack.enter_context(factory())
+        stack.enter_context(_device_decisions())
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             yield
@@ -49,10 +72,13 @@ def in_whole_step():
 @contextlib.contextmanager
 def whole_step():
     """Marks the current thread as running a whole training step: graphed callables it calls run
-    eagerly, since the step's own graph captures them (in every phase of the step alike)."""
+    eagerly, since the step's own graph captures them (in every phase of the step alike). Paddle
+    functions that decide on the host are replaced meanwhile, so that warmup, capture and replays
+    run the same ops (NOTE [ Cross entropy decides on the host ] in core/cross_entropy.py)."""
     _state.steps = getattr(_state, "steps", 0) + 1
     try:
-        yield
+        with _device_decisions():
+            yield
     finally:
         _state.steps -= 1
 

@@ -21,6 +21,7 @@ import contextlib
 import paddle
 
 from ..errors import CaptureError
+from ..core.paddle_patches import Patches
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_marks import is_marked_host
 from .value_shapes import check_replay_shapes, refuse_value_shapes
@@ -89,21 +90,18 @@ def _refusing(owner, name, original, host_reads):
 def refuse_host_sync(host_reads=None):
     """Makes host-synchronising calls raise CaptureError until the block exits; reads of
     host tensors (mark_host) go to ``host_reads`` when given."""
-    saved = []
+    patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
     try:
         for owner, name in _HOST_SYNC:
             if hasattr(owner, name):
                 original = getattr(owner, name)
-                saved.append((owner, name, owner.__dict__.get(name, None), original))
-                setattr(owner, name, _refusing(owner, name, original, host_reads))
+                patches.set(owner, name, _refusing(owner, name, original, host_reads))
         cuda_mod = getattr(paddle.device, "cuda", None)
         if cuda_mod is not None and hasattr(cuda_mod, "synchronize"):
-            saved.append((cuda_mod, "synchronize", cuda_mod.__dict__.get("synchronize"), cuda_mod.synchronize))
-            cuda_mod.synchronize = _refusing(paddle.device, "cuda.synchronize", None, None)
+            patches.set(cuda_mod, "synchronize", _refusing(paddle.device, "cuda.synchronize", None, None))
         yield
     finally:
-        for owner, name, own, original in reversed(saved):
-            setattr(owner, name, own if own is not None else original)
+        patches.restore()
 
 
 def _flat_tensors(result):

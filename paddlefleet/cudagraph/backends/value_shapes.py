@@ -36,6 +36,7 @@ import contextlib
 import paddle
 
 from ..errors import CaptureError, ReplayShapeError
+from ..core.paddle_patches import Patches
 
 __all__ = ["refuse_value_shapes", "check_replay_shapes", "VALUE_SHAPED_OPS"]
 
@@ -129,22 +130,18 @@ def refuse_value_shapes(is_host):
     """Makes the calls of NOTE [ Shapes from tensor values ] raise CaptureError until the block
     exits; ``is_host(t)`` tells a host tensor, whose calls are allowed."""
     ops = paddle._C_ops
-    saved = []
+    patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
     try:
         for name in VALUE_SHAPED_OPS:
             if hasattr(ops, name):
-                original = getattr(ops, name)
-                saved.append((ops, name, original))
-                setattr(ops, name, _refusing_op(name, original, is_host))
+                patches.set(ops, name, _refusing_op(name, getattr(ops, name), is_host))
         for name, make in (("__getitem__", _checking_getitem), ("__setitem__", _checking_setitem)):
             original = paddle.Tensor.__dict__.get(name)
             if original is not None:
-                saved.append((paddle.Tensor, name, original))
-                setattr(paddle.Tensor, name, make(original, is_host))
+                patches.set(paddle.Tensor, name, make(original, is_host))
         yield
     finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+        patches.restore()
 
 
 def check_replay_shapes(static, fresh):

@@ -11,7 +11,9 @@ NOTE [ One forward in flight ]
 A forward replay's saved activations live in the graphs' static buffers until its backward
 replay reads them. Each forward replay bumps ``graphs.generation`` and leaves a token that the
 PyLayer ctx keeps alive; a backward whose generation is not the latest raises
-PendingBackwardError instead of reading activations a later replay overwrote.
+PendingBackwardError instead of reading activations a later replay overwrote. A key keeps
+several forwards in flight with one BlockGraphs per forward (NOTE [ Slots ] in block/slots.py):
+a call never replays a slot whose token is still pending.
 """
 
 import weakref
@@ -75,27 +77,28 @@ class GraphedFunction(PyLayer):
                 "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
                 "it, or call the function outside the wrapper (wrapped.__wrapped__)."
             )
-        if graphs.bwd_graph is None or ctx.generation != graphs.generation:
+        backward = graphs.backward
+        if backward is None or backward.graph is None or ctx.generation != graphs.generation:
             raise PendingBackwardError(
                 f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "
                 f"#{graphs.generation} of the same graph overwrote its saved activations. Run backward "
                 "before calling the graphed function again with the same key, or wrap the extra calls "
                 "in dispatch_key_fn returning None."
             )
-        with paddle.no_grad():
-            buffers = iter(graphs.static_grad_outputs)
-            for grad, differentiable in zip(grads, graphs.out_differentiable):
-                if not differentiable:
-                    continue
-                buf = next(buffers)
-                if grad is None:
-                    buf.zero_()
-                elif grad is not buf:
-                    buf.copy_(grad, False)
-        acc = graphs.accumulators
+        # Grad mode is off here (checked above): the copies record nothing without a no_grad() block.
+        buffers = iter(backward.grad_outputs)
+        for grad, differentiable in zip(grads, graphs.out_differentiable):
+            if not differentiable:
+                continue
+            buf = next(buffers)
+            if grad is None:
+                buf.zero_()
+            elif grad is not buf:
+                buf.copy_(grad, False)
+        acc = backward.accumulators
         if acc is not None:
             acc.prepare()
-        graph, plan, adopted = graphs.backward_set()
+        graph, plan, adopted = backward.sets.next()
         plan.before_replay(adopted)
         with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
             graph.replay()
@@ -104,4 +107,4 @@ class GraphedFunction(PyLayer):
             acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
             acc.after_backward()
         grads = plan.hand_out()
-        return grads if graphs.anchor is None else grads + (None,)
+        return grads if backward.anchor is None else grads + (None,)

@@ -26,24 +26,25 @@ within one graph.
 """
 
 import contextlib
+import dataclasses
 import logging
+from typing import Any, Callable, List, Optional, Tuple
 
 import paddle
 
-from ..grads import stacks as grad_stacks
 from ..core import state
-from ..grads.accumulate import Accumulators, split_params
-from .graphs import BlockGraphs
+from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
-from ..grads.hand_out_plan import GradPlan
-from ..grads.handles import GradSwap, can_hook, merge_leaf_grads
+from ..grads.backward_body import backward_body
+from ..grads.buffer_sets import GradSets
+from ..grads.handles import can_hook
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
 from ..io.static_inputs import (StaticInputs, check_rebuild, contiguous_outputs, flatten, holds_tensor, leaf_names,
                                 strided_copy_works)
 
-__all__ = ["capture_block", "capture_second_backward"]
+__all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,41 +57,58 @@ class _GradBodyFailed(Exception):
         self.error = error
 
 
-def capture_block(fn, owner, options, backend, call, named, last_inputs, warn_once, label):
-    """Captures one key of a block and returns its BlockGraphs; raises when it cannot.
+@dataclasses.dataclass(frozen=True)
+class CaptureRequest:
+    """What the capture of one key of a block needs.
 
-    Args:
+    Attributes:
         fn, owner: the function and the Layer it is bound to (or None).
         options: GraphOptions; backend: the key's backend.
         call: the capture call; named: its ``[(argument name, value)]``.
         last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
         warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
         label: the key's readable label, for messages.
+        key: the key's entry (its slots' accumulators know each other), or None.
     """
-    for name, value in named:  # NOTE [ Containers keep their type ] in io/static_inputs.py
+
+    fn: Callable[..., Any]
+    owner: Any
+    options: Any
+    backend: Any
+    call: Any
+    named: List[Tuple[str, Any]]
+    last_inputs: Optional[list]
+    warn_once: Callable[[Any, str], None]
+    label: str
+    key: Any = None
+
+
+def capture_block(request):
+    """Captures one key of a block (a CaptureRequest) and returns its BlockGraphs; raises when it
+    cannot."""
+    for name, value in request.named:  # NOTE [ Containers keep their type ] in io/static_inputs.py
         check_rebuild(value, f"argument {name}")
-    names = leaf_names(named)
     strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
     with CAPTURE_LOCK:
         try:
-            return _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label,
-                                       grad_mode)
+            return _capture_with_retry(request, grad_mode)
         except BaseException:
             paddle.set_grad_enabled(grad_mode)  # the eager re-run computes in the call's grad mode
             raise
 
 
-def _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, warn_once, label, grad_mode):
+def _capture_with_retry(request, grad_mode):
+    fn, warn_once, label = request.fn, request.warn_once, request.label
     try:
-        return _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=True).run()
+        return _BlockCapture(request, by_grad=True).run()
     except _GradBodyFailed as failed:
         # Paddle leaves grad mode off when a saved-tensors unpack hook raised inside paddle.grad
         # (NOTE [ Saved-tensors hooks ] in core/saved_hooks.py): the retry must see the call's mode.
         paddle.set_grad_enabled(grad_mode)
         # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
         logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
-        graphs = _BlockCapture(fn, owner, options, backend, call, names, last_inputs, by_grad=False).run()
+        graphs = _BlockCapture(request, by_grad=False).run()
         warn_once(
             ("grad_fallback", label),
             f"paddle.grad could not differentiate key {label} ({type(failed.error).__name__}: {failed.error}); "
@@ -104,14 +122,15 @@ def _capture_with_retry(fn, owner, options, backend, call, names, last_inputs, w
 class _BlockCapture:
     """One attempt at capturing a key (the retry with backward() is a second attempt)."""
 
-    def __init__(self, fn, owner, options, backend, call, names, last_inputs, by_grad):
-        self.fn = fn
-        self.owner = owner
-        self.opts = options
-        self.backend = backend
-        self.call = call
-        self.names = names
-        self.last_inputs = last_inputs or ()
+    def __init__(self, request, by_grad):
+        self.fn = request.fn
+        self.owner = request.owner
+        self.opts = request.options
+        self.backend = request.backend
+        self.call = request.call
+        self.names = leaf_names(request.named)
+        self.last_inputs = request.last_inputs or ()
+        self.key = request.key
         self.by_grad = by_grad
 
     def run(self):
@@ -162,14 +181,7 @@ class _BlockCapture:
             live["spec"] = (out_spec, out_consts)
             return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
-        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
-        watch = state.SlotWatch()
-        layer_args = [c for c in call.consts if isinstance(c, paddle.nn.Layer)]
-        bound_layers = ([owner] if isinstance(owner, paddle.nn.Layer) else []) + layer_args
-        for layer in bound_layers:
-            snapshot.add(layer)
-            for _, sub in layer.named_sublayers(include_self=True):
-                watch.add(sub)
+        snapshot, watch, bound_layers = self._watch_layers()
         rng = state.rng_snapshot()
         captured = False
         try:
@@ -205,64 +217,57 @@ class _BlockCapture:
             if backend.capture_executes or not captured:
                 state.restore_rng(rng)
 
+    def _watch_layers(self):
+        """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
+        snapshotted (restored after a capture that runs the body) and their slots watched."""
+        snapshot = state.BufferSnapshot(enabled=self.backend.capture_executes)
+        watch = state.SlotWatch()
+        layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
+        bound_layers = ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
+        for layer in bound_layers:
+            snapshot.add(layer)
+            for _, sub in layer.named_sublayers(include_self=True):
+                watch.add(sub)
+        return snapshot, watch, bound_layers
+
     # ------------------------------------------------------------------ backward
     def _backward(self, graphs, live, grad_enabled):
-        needs_grad = [not b.stop_gradient for b in graphs.static_inputs.buffers]
+        buffers = graphs.static_inputs.buffers
         params = graphs.params.params
         # The tensors whose grads the backward body computes: inputs that need grad, then parameters.
-        leaves = [b for b, n in zip(graphs.static_inputs.buffers, needs_grad) if n] + params
+        leaves = [b for b in buffers if not b.stop_gradient] + params
         differentiable = grad_enabled and any(graphs.out_differentiable)
         if differentiable:
             self._refuse_unknown_leaves(graphs, live, leaves)
-        if not (differentiable and (any(needs_grad) or params)):
+        if not (differentiable and leaves):
             graphs.out_differentiable = [False] * len(graphs.static_outputs)
             return
-        with paddle.no_grad():
-            grad_outputs = []
-            for i, d in enumerate(graphs.out_differentiable):
-                if d:
-                    buf = graphs.static_outputs[i].detach().clone()
-                    buf.stop_gradient = True
-                    grad_outputs.append(buf)
-        inputs = leaves[: len(leaves) - len(params)]
-        bridged, accumulated = _split_accumulated(params, self.opts.accumulate_in_graph, self.call.tensors)
-        leaves = inputs + bridged + accumulated
-        # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: made before the capture.
-        acc = Accumulators(accumulated) if accumulated else None
-        # Where the body's split starts: the accumulated parameters, else all parameters (stacks).
-        first = len(inputs) + (len(bridged) if acc is not None else 0)
-        graphs.accumulators = acc
-        graphs.bridged = bridged
+        # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: accumulators made before the capture.
+        backward = backward_body(live, graphs.static_outputs, graphs.out_differentiable, buffers, params, self.opts,
+                                 self.by_grad, self.call.tensors, self.key)
+        acc = backward.accumulators
+        graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
         try:
-            if acc is not None and not any(needs_grad):
-                graphs.anchor = _anchor(params[0].place)
-            if acc is None:
-                grad_stacks.probe(params)
-            body = _backward_body(live, graphs.out_differentiable, grad_outputs, leaves, first, acc,
-                                  self.by_grad)
-            results = self._capture_backward(graphs, body)
+            results = self._capture_backward(graphs, backward.body)
         finally:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
-        graphs.static_grad_outputs = grad_outputs
-        recipe = _Recipe(body, self.opts.capture_hooks, len(leaves), live, needs_grad, graphs.bridged,
-                         self.opts.clone_param_grads)
-        graphs.grad_plan = recipe.plan(results)
         # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py. Not for a backward() body: it runs
         # parameter hooks, which a second capture would run once more; nor where the body accumulates.
-        if graphs.bridged and acc is None and self.opts.clone_param_grads is not True and self.by_grad:
-            graphs.recipe = recipe
+        second = backward.bridged and acc is None and self.opts.clone_param_grads is not True and self.by_grad
+        graphs.backward.sets = GradSets(graphs.backward.graph, backward.plan(results), backward if second else None)
         if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
             acc.register(graphs)
 
-    def _capture_backward(self, graphs, backward_body):
-        graphs.bwd_graph = self.backend.new_graph(graphs.pool)
+    def _capture_backward(self, graphs, body):
+        bwd = graphs.backward
+        bwd.graph = self.backend.new_graph(graphs.pool)
         # NOTE [ Recompute under CUDA graphs ] in core/state.py: only a recording capture needs it.
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         try:
             with guard:
-                results = list(graphs.bwd_graph.capture(backward_body, self.opts.capture_hooks))
+                results = list(bwd.graph.capture(body, self.opts.capture_hooks))
         except Exception as err:
             # Our own refusals (a host sync, say) would fail the same way with backward().
             if self.by_grad and not isinstance(err, CudaGraphError):
@@ -287,28 +292,11 @@ class _BlockCapture:
             )
 
 
-class _Recipe:
-    """What a backward graph is captured from, kept to capture a second one later."""
-
-    def __init__(self, body, hooks, n_leaves, live, needs_grad, bridged, policy):
-        self.body, self.hooks, self.n_leaves, self.live = body, hooks, n_leaves, live
-        self.needs_grad, self.bridged, self.policy = needs_grad, bridged, policy
-
-    def plan(self, results):
-        """The GradPlan of a backward graph's results (grads, then same-shape stacks)."""
-        static_grads = results[: self.n_leaves]
-        stacks = []
-        for idxs, stack in zip(self.live["grad_groups"], results[self.n_leaves:]):
-            for i, view in zip(idxs, grad_stacks.unstack(stack)):
-                static_grads[i] = view
-            stacks.append((stack, idxs))
-        return GradPlan(static_grads, self.needs_grad, self.bridged, self.policy, stacks)
-
-
 def capture_second_backward(graphs):
     """Captures the second backward graph of a key, outside any backward pass (NOTE [ Two grad
     buffer sets ] in grads/hand_out_plan.py). A failure only leaves the key with one set (copies instead)."""
-    recipe, graphs.recipe, graphs.second_wanted = graphs.recipe, None, False
+    sets = graphs.backward.sets
+    recipe = sets.take_recipe()
     backend = graphs.backend
     with CAPTURE_LOCK:
         # A capture that runs the body leaves no trace (a recompute inside re-runs a forward).
@@ -327,63 +315,7 @@ def capture_second_backward(graphs):
             snapshot.restore()
             if backend.capture_executes:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
-    graphs.second = (graph, recipe.plan(results))
-
-
-def _backward_body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad):
-    """The body the backward graph captures: grads of the differentiable outputs with respect to
-    ``leaves`` (NOTE [ Backward body ]), returned; with accumulators (``acc``) those of
-    ``leaves[first_param:]`` are also added into them, else the parameters' are also copied into
-    same-shape stacks (NOTE [ Grad groups ] in stacks.py)."""
-    outputs = live["outputs"]
-    diff_index = [i for i, d in enumerate(differentiable) if d]
-    # An output returned more than once (``return y, y``) is differentiated once, with the sum
-    # of its grads, as eager's engine accumulates them: paddle.grad refuses duplicates.
-    firsts = {}
-    for k, i in enumerate(diff_index):
-        firsts.setdefault(id(outputs[i]), []).append(k)
-    unique = list(firsts.values())
-
-    def backward_body():
-        current = [live["outputs"][diff_index[ks[0]]] for ks in unique]
-        seeds = []
-        for ks in unique:
-            seed = grad_outputs[ks[0]]
-            for k in ks[1:]:
-                seed = seed + grad_outputs[k]
-            seeds.append(seed)
-        swap = GradSwap(leaves)
-        with swap:
-            if by_grad:
-                raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
-            else:
-                paddle.autograd.backward(current, seeds, retain_graph=True)
-        grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
-        if acc is not None:
-            acc.add(grads[first_param:])
-            live["grad_groups"] = []
-            return list(grads)
-        if "grad_groups" not in live:
-            live["grad_groups"] = grad_stacks.plan_groups(grads, range(first_param, len(leaves)))
-        return list(grads) + grad_stacks.stack_grads(grads, live["grad_groups"])
-
-    return backward_body
-
-
-def _split_accumulated(params, accumulate_in_graph, inputs):
-    """``(bridged, accumulated)`` parameters (NOTE [ Shared parameters leave the graph ] in
-    grads/accumulate.py); ``inputs``: the call's own tensors."""
-    if not (accumulate_in_graph and params):
-        return list(params), []
-    return split_params(params, inputs)
-
-
-def _anchor(place):
-    """A one-element leaf that needs grad: it makes autograd run the bridge's backward when no
-    other input of the bridge needs grad (every parameter accumulates inside the graph)."""
-    anchor = paddle.to_tensor([0.0], place=place)
-    anchor.stop_gradient = False
-    return anchor
+    sets.add_second(graph, recipe.plan(results))
 
 
 def _refuse_objects_holding_tensors(out_consts):

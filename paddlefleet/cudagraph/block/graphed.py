@@ -2,30 +2,32 @@
 replayed through the autograd bridge. ``GraphedCallable`` is what autocudagraph() returns;
 ``BlockBody`` is what its phases run.
 
-A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call:
-``run`` (eager: fallback), ``warmup``, ``ready`` (may a warmed-up key capture now?),
-``capture``, ``blocker`` (may this call replay now?), ``replay`` and ``verified_replay``. Blocks
-use block/capture.py, block/replay.py and block/verify.py; the whole training step has a body of its own
-(step/body.py).
+A body is what the phase machine in core/lifecycle.py runs for each phase of one kind of call
+(the Body protocol in core/body.py, NOTE [ Bodies ]). Blocks use block/capture.py, block/replay.py
+and block/verify.py; the whole training step has a body of its own (step/body.py).
 """
 
 import weakref
 
 import paddle
 
-from .capture import capture_block, capture_second_backward
-from ..grads.accumulate import note_call
+from .capture import CaptureRequest, capture_block, capture_second_backward
+from ..core import state
+from ..core.body import Body, Replayed
+from ..grads.accumulate import expect_own_grads, note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
+from ..io.static_inputs import flatten
 from .replay import replay_blocker, run_graphs
 from .replay_fallback import state_restored_on_refusal
+from .slots import Slots
 from .verify import verified_run
 
 __all__ = ["BlockBody", "GraphedCallable"]
 
 
-class BlockBody:
+class BlockBody(Body):
     """Capture, replay and eager run of one wrapped function.
 
     Args:
@@ -70,37 +72,72 @@ class BlockBody:
         return self.fn(self.owner(), *args, **kwargs)
 
     def warmup(self, entry, call):
-        """A warmup call: the function itself, eagerly."""
-        return self.run(call.args, call.kwargs)
-
-    def ready(self, entry):
-        """A block captures as soon as its warmup calls are done."""
-        return True
+        """A warmup call: the function itself, eagerly; with accumulate_in_graph its parameters'
+        grads are marked the key's own (NOTE [ Shared parameters leave the graph ] in grads/accumulate.py)."""
+        result = self.run(call.args, call.kwargs)
+        if self.options.accumulate_in_graph and paddle.is_grad_enabled():
+            expect_own_grads(entry, flatten(result)[0])
+        return result
 
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
-        returns its BlockGraphs or raises."""
-        return capture_block(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                             warn_once, entry.label)
+        returns its Slots (one slot so far, NOTE [ Slots ] in block/slots.py) or raises."""
+        first = capture_block(self._request(entry, call, named, last_inputs, warn_once))
+        return Slots(first, self.options.max_inflight)
+
+    def _request(self, entry, call, named, last_inputs, warn_once):
+        return CaptureRequest(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
+                              warn_once, entry.label, entry)
+
+    def add_slot(self, entry, call, named, last_inputs, warn_once):
+        """Captures a new slot of ``entry``'s key from ``call`` (NOTE [ Slots ]); returns None, or
+        why the call runs eagerly (the capture failed, or the slot would exceed max_bytes: no
+        further slot is made for this key)."""
+        slots = entry.graphs
+        rng = state.rng_snapshot()  # a recording capture advances the generators (NOTE [ RNG across capture ])
+        try:
+            graphs = capture_block(self._request(entry, call, named, last_inputs, warn_once))
+        except Exception as err:  # contained: the key keeps its slots, calls past them run eagerly
+            slots.refuse(f"capture of a new slot failed: {type(err).__name__}: {err}")
+            warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Calls that find every slot of "
+                      "the key waiting for its backward run eagerly (results stay correct).")
+            return "capture of a new slot failed"
+        budget = self.options.max_bytes
+        need = graphs.nbytes()
+        if budget is not None and entry.nbytes() + need > budget:
+            graphs.release()
+            state.restore_rng(rng)  # the eager call that replaces the slot draws what eager would
+            slots.refuse(f"another slot needs {need} bytes, and the key's slots would exceed max_bytes={budget}")
+            warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Raise max_bytes, or lower "
+                      "max_inflight.")
+            return "a new slot would exceed max_bytes"
+        slots.add(graphs)
+        return None
 
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graphs now, else a replay.Blocked."""
-        return replay_blocker(entry.graphs, call, check_inputs=self.options.dispatch_key_fn is not None)
+        """None when ``call`` can replay ``entry``'s graphs now (and the slot it gets is current),
+        else a Blocked."""
+        slots = entry.graphs
+        if not slots.select():  # NOTE [ Slots ] in block/slots.py
+            return slots.blocked()
+        return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graphs for ``call``: ``(result, inputs copied, copies skipped)``."""
-        graphs = entry.graphs
+        """Runs the current slot of ``entry`` for ``call``."""
+        graphs = entry.graphs.current
         note_call()
-        if graphs.second_wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
+        if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
+        if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
+            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         # NOTE [ A replay that changes shape ] in block/replay_fallback.py
-        with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
-            return run_graphs(graphs, call, copy, self.name, entry.label)
+        with state_restored_on_refusal(graphs.layers, True):
+            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
 
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager
         re-run: ``(result, None)``, or ``(None, reason)`` for a mismatch (block/verify.py)."""
-        return verified_run(entry.graphs, call, run_graphs, self.run)
+        return verified_run(entry.graphs.current, call, run_graphs, self.run)
 
 
 class GraphedCallable(Lifecycle):

@@ -5,27 +5,22 @@ NOTE [ Replay preconditions ]
 A graph reads fixed addresses. Before a replay: the parameters the capture saw must still be
 the same tensors at the same addresses with the same stop_gradient, and an adopted input must
 be passed again (NOTE [ Adopted inputs ] in io/static_inputs.py) — otherwise the key is captured
-again. While the backward of the key's previous forward replay is pending, the call runs
-eagerly (NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
+again. A call gets a slot whose previous forward's backward has run (NOTE [ Slots ] in
+block/slots.py; NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
 proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
 structure are checked (InputMismatchError).
 """
-
-import collections
 
 import paddle
 
 from .bridge import GraphedFunction, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import hookable
+from ..core.body import Action, Blocked
 from ..core.location import user_call_site
 from ..io.static_inputs import unflatten
 
-__all__ = ["Blocked", "replay_blocker", "run_graphs"]
-
-#: Why a call cannot replay now: ``action`` "recapture", "recapture_once" (the key falls back when
-#: it was captured again before) or "eager", the reason, and a warning to give once (or None).
-Blocked = collections.namedtuple("Blocked", "action reason warning", defaults=(None,))
+__all__ = ["replay_blocker", "run_graphs"]
 
 
 def replay_blocker(graphs, call, check_inputs):
@@ -47,19 +42,19 @@ def replay_blocker(graphs, call, check_inputs):
         if name is not None:
             moved = f"input '{name}' is another tensor than the one the graph reads in place"
     if moved is not None:
-        return Blocked("recapture", moved)
+        return Blocked(Action.RECAPTURE, moved)
     if graphs.accumulators is not None:
         shared = graphs.accumulators.shared_now()
         if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
-            return Blocked("recapture", f"{shared}: its grad goes through autograd from now on")
+            return Blocked(Action.RECAPTURE, f"{shared}: its grad goes through autograd from now on")
         moved = graphs.accumulators.moved()
         if moved is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
-            return Blocked("recapture_once", moved, (
+            return Blocked(Action.RECAPTURE_ONCE, moved, (
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
                 "happens again, the key runs eagerly). Zero grads in place (optimizer.clear_grad()) or free them "
                 "(clear_grad(set_to_zero=False)) instead of rebinding them."))
     if graphs.backward_pending():
-        return Blocked("eager", "previous replay's backward still pending")
+        return Blocked(Action.EAGER, "previous replay's backward still pending")
     return None
 
 
@@ -69,9 +64,10 @@ def run_graphs(graphs, call, copy, name, label):
     capture call's tensors are already in the static inputs)."""
     tensors = call.tensors
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
-    if graphs.bwd_graph is not None and paddle.is_grad_enabled():
-        anchor = () if graphs.anchor is None else (graphs.anchor,)
-        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridged, *anchor)
+    backward = graphs.backward
+    if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
+        anchor = () if backward.anchor is None else (backward.anchor,)
+        outputs = GraphedFunction.apply(graphs, *tensors, *backward.bridged, *anchor)
         if isinstance(outputs, paddle.Tensor):
             outputs = [outputs]
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a

@@ -102,15 +102,16 @@ def _difference(a, b):
 def _graph_grads(graphs, grad_outputs):
     """Replays the backward graph with ``grad_outputs``; returns copies of its grads and puts
     every static grad buffer and grad-output buffer back as it was."""
-    static_grads = graphs.grad_plan.static_grads
-    acc = graphs.accumulators
+    backward = graphs.backward
+    static_grads = backward.grad_plan.static_grads
+    acc = backward.accumulators
     saved_acc = acc.snapshot() if acc is not None else None  # the replay adds into them
     with paddle.no_grad():
         saved_grads = [None if g is None else copy(g) for g in static_grads]
-        saved_outs = [copy(b) for b in graphs.static_grad_outputs]
-        for buf, g in zip(graphs.static_grad_outputs, grad_outputs):
+        saved_outs = [copy(b) for b in backward.grad_outputs]
+        for buf, g in zip(backward.grad_outputs, grad_outputs):
             buf.copy_(g, False)
-    graphs.bwd_graph.replay()
+    backward.graph.replay()
     if acc is not None:
         acc.restore(saved_acc)
     with paddle.no_grad():
@@ -118,7 +119,7 @@ def _graph_grads(graphs, grad_outputs):
         for buf, value in zip(static_grads, saved_grads):
             if buf is not None:
                 buf.copy_(value, False)
-        for buf, value in zip(graphs.static_grad_outputs, saved_outs):
+        for buf, value in zip(backward.grad_outputs, saved_outs):
             buf.copy_(value, False)
     return grads
 
@@ -190,7 +191,7 @@ def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
     graph_needs_grad = [not t.stop_gradient for t in graph_outputs]
     graph_outputs = [copy(t) for t in graph_outputs]
     diff_index = [i for i, d in enumerate(graphs.out_differentiable) if d]
-    with_grads = graphs.bwd_graph is not None and paddle.is_grad_enabled() and bool(diff_index)
+    with_grads = graphs.backward is not None and paddle.is_grad_enabled() and bool(diff_index)
     needs_grad = [not b.stop_gradient for b in graphs.static_inputs.buffers]
     grad_outputs, graph_grads = None, None
     if with_grads:

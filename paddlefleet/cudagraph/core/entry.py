@@ -13,6 +13,8 @@ import enum
 import weakref
 from typing import Any, Optional
 
+from .host_cost import HostCost, measured
+
 __all__ = ["Phase", "GraphEntry"]
 
 
@@ -30,12 +32,15 @@ class GraphEntry:
     Attributes:
         key: the dispatch key; label: a readable form of it for explain() and messages.
         backend: the backend that captures and replays this key.
-        graphs: what the capture made (BlockGraphs for blocks), None before capture and after a
-            release; it has ``release()``, ``nbytes()``, ``backward_pending()``, ``layers`` (whose
-            training flags key later calls), ``describe()`` (a line for explain()) and
-            ``grad_copies()``.
+        graphs: what the capture made, a Graphs (core/body.py: a block's Slots of BlockGraphs,
+            NOTE [ Slots ] in block/slots.py; StepGraphs for steps), None before capture and
+            after a release (which keeps what a pending backward still needs).
         last_inputs: weak references to the tensors of the latest warmup or capture call
             (NOTE [ Adopted inputs ] in io/static_inputs.py).
+        capture_ms: host milliseconds of this key's latest capture (forward and backward graphs,
+            static buffers), None before the first.
+        host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
+            that cannot pay ] in core/host_cost.py).
     """
 
     key: Any
@@ -55,6 +60,12 @@ class GraphEntry:
     input_copies_skipped: int = 0
     evictions: int = 0
     verified: int = 0
+    capture_ms: Optional[float] = None
+    host_cost: Optional[HostCost] = None
+
+    def __post_init__(self):
+        if self.host_cost is None:
+            self.host_cost = HostCost(measure=measured(self.backend))
 
     @property
     def has_graphs(self):
@@ -83,6 +94,10 @@ class GraphEntry:
         self.phase = Phase.REPLAY
         self.captures += 1
         self.verify_left = verify_replays
+
+    def slot_added(self):
+        """Another slot of this key was captured (NOTE [ Slots ] in block/slots.py)."""
+        self.captures += 1
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts)."""

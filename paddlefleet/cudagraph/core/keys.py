@@ -8,16 +8,40 @@ call computes: grad mode, AMP autocast, and the ``training`` flag of every Layer
 
 import collections
 import inspect
+from typing import Any, NamedTuple
 
 import paddle
 
 from . import state
 from ..io.host_tensors import check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
+from ..options import call_key_fn
 from ..io.static_inputs import leaf_names, tensor_meta
 from .stats import describe_call
 
-__all__ = ["KeyMaker", "BoundSignature"]
+__all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature", "rekeyed"]
+
+
+class StateKey(NamedTuple):
+    """The state part of every key: grad mode, AMP autocast state, and the ``training`` flag of
+    each Layer whose flags key the calls (KeyMaker.layers, in order)."""
+
+    grad_enabled: bool
+    amp: Any
+    training: tuple
+
+
+class Key(NamedTuple):
+    """The key of one call. ``user``: whether ``arguments`` is dispatch_key_fn's key (else the
+    argument structure with each tensor's metadata); ``state`` last, as it is read alone."""
+
+    user: bool
+    arguments: Any
+    state: StateKey
+
+    def with_layers(self, training):
+        """This key with the training flags of Layers found later appended to its state."""
+        return self._replace(state=self.state._replace(training=self.state.training + tuple(training)))
 
 
 class KeyMaker:
@@ -36,6 +60,7 @@ class KeyMaker:
         self._bound = bound
         self._signature = None
         self.layers = list(layers)
+        self.who = "autocudagraph"  # the wrapper's kind, for messages
 
     def signature(self):
         """The signature a call is made with: the function's, without the owner when bound."""
@@ -70,14 +95,10 @@ class KeyMaker:
         if host is not None:
             check_host_inputs(call.tensors, host, leaf_names(named))
         host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
-        return describe_call(named, host_tensors, key[1] if key[0] == "user" else None)
+        return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):
-        return (
-            paddle.is_grad_enabled(),
-            state.amp_state(),
-            tuple(layer.training for layer in self.layers),
-        )
+        return StateKey(paddle.is_grad_enabled(), state.amp_state(), tuple([layer.training for layer in self.layers]))
 
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
@@ -87,34 +108,26 @@ class KeyMaker:
             host = host_mask(tensors, places=places)
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
-            return (spec, metas, self.state_key())
-        user_key = self._key_fn(self.bound_arguments(args, kwargs))
+            return Key(False, (spec, metas), self.state_key())
+        user_key = call_key_fn(self.who, self._key_fn, self.bound_arguments(args, kwargs))
         if user_key is None:
             return None
         try:
             hash(user_key)
         except TypeError as err:
             raise CudaGraphError(
-                f"autocudagraph: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
+                f"{self.who}: dispatch_key_fn returned an unhashable key {user_key!r} ({err}). "
                 "Return a tuple, string or number (or None to run the call eagerly)."
             ) from None
-        return ("user", user_key, self.state_key())
+        return Key(True, user_key, self.state_key())
 
-    def track(self, layers, entries):
-        """Adds Layers found during a capture to those whose training flag keys every call, and
-        returns ``entries`` re-keyed with their current flags, so that keys made before (other
-        keys still in warmup included) keep matching."""
+    def track(self, layers):
+        """Adds Layers found during a capture to those whose training flag keys every call;
+        returns the current training flags of the added ones (the lifecycle re-keys the keys
+        made before with them: Key.with_layers)."""
         added = [l for l in layers if all(l is not t for t in self.layers)]
-        if not added:
-            return entries
         self.layers.extend(added)
-        extra = tuple(layer.training for layer in added)
-        rebuilt = collections.OrderedDict()
-        for key, entry in entries.items():
-            grad_mode, amp, flags = key[2]
-            entry.key = key[:2] + ((grad_mode, amp, flags + extra),)
-            rebuilt[entry.key] = entry
-        return rebuilt
+        return tuple(layer.training for layer in added)
 
 
 class BoundSignature:
@@ -131,3 +144,16 @@ class BoundSignature:
         except (TypeError, ValueError):
             # No signature to give (a builtin): inspect falls back to __wrapped__, which raises alike.
             raise AttributeError("__signature__") from None
+
+
+def rekeyed(entries, training):
+    """``entries`` (key -> entry, in order) with the training flags ``training`` of Layers a
+    capture found appended to every key, each entry's own key too, so that keys made before
+    (other keys still in warmup included) keep matching the calls made from now on."""
+    if not training:
+        return entries
+    out = collections.OrderedDict()
+    for key, entry in entries.items():
+        entry.key = key.with_layers(training)
+        out[entry.key] = entry
+    return out

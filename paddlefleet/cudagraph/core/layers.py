@@ -5,6 +5,8 @@ import threading
 
 import paddle
 
+from .paddle_patches import Patches
+
 __all__ = [
     "CAPTURE_LOCK",
     "LayerRecorder",
@@ -27,7 +29,7 @@ class LayerRecorder:
         self._seen = set()
         self._snapshot = snapshot
         self._watch = watch
-        self._original = None
+        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
     def __enter__(self):
         original = paddle.nn.Layer.__call__
@@ -41,12 +43,11 @@ class LayerRecorder:
                 recorder._watch.add(layer)
             return original(layer, *args, **kwargs)
 
-        self._original = original
-        paddle.nn.Layer.__call__ = recording_call
+        self._patches.set(paddle.nn.Layer, "__call__", recording_call)
         return self
 
     def __exit__(self, *exc):
-        paddle.nn.Layer.__call__ = self._original
+        self._patches.restore()
         return False
 
 

@@ -3,36 +3,49 @@
 ``__call__`` decides per call: no key -> eager; new key -> warmup, then capture; known key ->
 replay; a key that fell back -> eager. What a phase does for one kind of call is the *body*'s
 (block/graphed.py for autocudagraph blocks): this module owns only the phases, the transitions (which
-the entry makes), the fallback with its reason, and the budgets (max_graphs, max_bytes).
+the entry makes), the fallback with its reason, and the budgets (max_graphs, max_bytes: core/budgets.py).
 """
 
 import collections
 import logging
+import time
 import warnings
 
 from ..io import arguments
 from . import saved_hooks
 from ..backends import in_whole_step, is_capturing, resolve_backend
+from .body import Action
+from .budgets import budget_allows, enforce_max_bytes
 from .call import Call
-from .keys import BoundSignature, KeyMaker
+from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, describe_entries, explain
+from .stats import Counters, describe_entries, explain, summarize
 
 __all__ = ["Lifecycle"]
 
 logger = logging.getLogger(__name__)
 
+_CAPTURE_FAILED = (
+    "capture of key {label} failed: {reason}. The key runs eagerly from now on (results stay correct, without the "
+    "speed-up). Fix the cause and call .reset() to capture again, or return None from dispatch_key_fn for such calls.")
+_MISMATCH = (
+    "the graph of key {label} does not reproduce eager: {mismatch}. This key now runs eagerly. A graph repeats what "
+    "capture saw: Python branches or values read from CPU tensors or Python state, and tensors rebound between "
+    "calls, are frozen at capture. Make the function depend only on its tensor arguments and Layers, or return "
+    "None from dispatch_key_fn for such calls.")
+_IN_FLIGHT = (
+    "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
+    "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
+
 class Lifecycle:
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
-        body: what each phase runs for this kind of call (BlockBody for blocks, StepBody for
-            whole training steps): ``name``, ``options``, ``bound``, ``layers()``, ``run``,
-            ``warmup``, ``ready`` (may a warmed-up key capture now?), ``capture``, ``blocker``,
-            ``replay``, ``verified_replay``.
+        body: what each phase runs for this kind of call, a Body (core/body.py): BlockBody for
+            blocks, StepBody for whole training steps.
         fn: the wrapped function (keys read its signature).
     """
 
@@ -45,6 +58,7 @@ class Lifecycle:
         self._last_refusal = None
         self._tick = 0
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
+        self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -65,14 +79,10 @@ class Lifecycle:
 
     def stats(self):
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
-        out = self.counters.snapshot()
-        out["graphs"] = sum(1 for e in self._entries.values() if e.has_graphs)
-        out["keys"] = len(self._entries)
-        out["static_bytes"] = sum(e.nbytes() for e in self._entries.values())
-        # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
-        out["grad_copies"] = sum(e.graphs.grad_copies() for e in self._entries.values() if e.graphs is not None)
-        return out
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots``, ``slot_bytes``,
+        ``capture_ms`` (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key
+        label: bytes of its static buffers}``, keys holding graphs): stats.summarize."""
+        return summarize(self.counters, self._entries.values())
 
     def report(self):
         """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
@@ -81,14 +91,14 @@ class Lifecycle:
     def explain(self):
         """A readable report: every key's phase and counts, and a reason for every eager call
         (stats.explain shows an example)."""
-        return explain(self.__name__, self.stats(), self._entries.values(), self.counters)
+        return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters. A key whose backward
-        is still pending keeps its graphs until that backward has run (they go with it)."""
+        """Drops every graph, pool and static buffer, and zeroes the counters. A slot whose backward
+        is still pending keeps its graphs until that backward has run (they go with it: NOTE
+        [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
-            if not entry.backward_pending():
-                entry.release()
+            entry.release()
         self._entries.clear()
         self._warned.clear()
         self.counters = Counters()
@@ -117,15 +127,17 @@ class Lifecycle:
         entry.last_used = self._tick
         self._entries.move_to_end(key)
         if entry.phase is Phase.REPLAY:
+            if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+                return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
                 entry.warmed_up(call.tensors)
                 self.counters.warmup_calls += 1
-                return self._body.warmup(entry, call)
+                return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
-            if not self._budget_allows(entry):
+            if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
                 return self._eager(call, "max_graphs reached")
             return self._recapture(entry, call)
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
@@ -149,7 +161,7 @@ class Lifecycle:
         if topic in self._warned:
             return
         self._warned.add(topic)
-        warnings.warn(f"autocudagraph({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
+        warnings.warn(f"{self._body.api}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _new_entry(self, key, call):
         backend, reason = resolve_backend(self._options.backend, call.tensors)
@@ -163,7 +175,7 @@ class Lifecycle:
             self._last_refusal = refused
             return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named))
-        if not self._budget_allows(entry):
+        if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
             self._last_refusal = "max_graphs reached"
             return None
         self._entries[key] = entry
@@ -172,6 +184,7 @@ class Lifecycle:
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
+        start = time.perf_counter()
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
@@ -182,17 +195,15 @@ class Lifecycle:
                 reason += f" (at {where})"
             entry.fall_back(reason)
             logger.debug("capture of %s failed", self.__name__, exc_info=True)
-            self._warn_once(
-                ("capture", id(entry)),
-                f"capture of key {entry.label} failed: {reason.rstrip('.')}. The key runs eagerly from now on "
-                "(results stay correct, without the speed-up). Fix the cause and call .reset() to capture "
-                "again, or return None from dispatch_key_fn for such calls.",
-            )
+            message = _CAPTURE_FAILED.format(label=entry.label, reason=reason.rstrip("."))
+            self._warn_once(("capture", id(entry)), message)
             return self._eager(call, "capture failed")
         entry.captured(graphs, self._options.verify_replays)
+        entry.capture_ms = (time.perf_counter() - start) * 1e3
         self.counters.captures += 1
-        self._entries = self._keys.track(graphs.layers, self._entries)
-        if not self._enforce_max_bytes(entry):
+        # The training flags of Layers a capture found join every key (keys still in warmup too).
+        self._entries = rekeyed(self._entries, self._keys.track(graphs.layers))
+        if not enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted):
             return self._eager(call, "static buffers exceed max_bytes")
         return self._graph_call(entry, call, copy=False)
 
@@ -200,23 +211,40 @@ class Lifecycle:
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.warning is not None:
             self._warn_once(("blocked", blocked.reason), blocked.warning)
-        if blocked is not None and blocked.action == "recapture_once" and entry.recaptures:
+        if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
-        if blocked is not None and blocked.action in ("recapture", "recapture_once"):
+        if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
-            logger.info("autocudagraph(%s): re-capturing: %s", self.__name__, blocked.reason)
+            logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)
             return self._recapture(entry, call)
+        if blocked is not None and blocked.action is Action.NEW_SLOT:
+            return self._capture_slot(entry, call)
         if blocked is not None:
             if blocked.warning is None:  # a body that gives no warning of its own: a block in flight
-                self._warn_once(
-                    "inflight",
-                    "called again with the same key before the backward of the previous call ran; this call runs "
-                    "eagerly so the graph's saved activations are not overwritten. Run backward between calls, "
-                    "or give such calls their own key.",
-                )
+                self._warn_once("inflight", _IN_FLIGHT)
             return self._eager(call, blocked.reason)
         return self._graph_call(entry, call, copy=True)
+
+    def _evicted(self, victim, budget):
+        self.counters.evictions += 1
+        logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
+
+    def _capture_slot(self, entry, call):
+        """Captures a new slot of ``entry``'s key from ``call``, whose every slot waits for its
+        backward (NOTE [ Slots ] in block/slots.py), and runs it; eager when no slot is made."""
+        last_inputs = entry.last_inputs
+        entry.remember_inputs(call.tensors)
+        named = self._keys.named_arguments(call.args, call.kwargs)
+        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        if refused is not None:
+            return self._eager(call, refused)
+        entry.slot_added()
+        self.counters.captures += 1
+        self.counters.slot_captures += 1
+        # The new slot fits (add_slot checked it); other keys may be evicted for it.
+        enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted)
+        return self._graph_call(entry, call, copy=False)
 
     def _recapture(self, entry, call):
         entry.recaptures += 1
@@ -241,17 +269,14 @@ class Lifecycle:
             return result
         self.counters.verify_mismatches += 1
         entry.fall_back(mismatch)
-        self._warn_once(
-            ("verify", id(entry)),
-            f"the graph of key {entry.label} does not reproduce eager: {mismatch}. This key now runs eagerly. "
-            "A graph repeats what capture saw: Python branches or values read from CPU tensors or Python "
-            "state, and tensors rebound between calls, are frozen at capture. Make the function depend only "
-            "on its tensor arguments and Layers, or return None from dispatch_key_fn for such calls.",
-        )
+        self._warn_once(("verify", id(entry)), _MISMATCH.format(label=entry.label, mismatch=mismatch))
         return self._eager(call, "verification found a mismatch")
 
     def _run_graphs(self, entry, call, copy):
-        result, copied, skipped = self._body.replay(entry, call, copy)
+        result, copied, skipped, then = self._body.replay(entry, call, copy)
+        if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
+            entry.fall_back(then.reason)
+            self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")
         if copy:
             entry.replays += 1
             self.counters.replays += 1
@@ -260,45 +285,3 @@ class Lifecycle:
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
-
-    # ------------------------------------------------------------------ budgets
-    def _budget_allows(self, entry):
-        live = sum(1 for e in self._entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY))
-        if live < self._options.max_graphs:
-            return True
-        self._warn_once(
-            "max_graphs",
-            f"max_graphs={self._options.max_graphs} keys are already warming up or holding graphs; further "
-            "keys run eagerly (correct, without the speed-up). Raise max_graphs, or return fewer distinct "
-            "keys from dispatch_key_fn (e.g. pad shapes to a few sizes).",
-        )
-        return False
-
-    def _enforce_max_bytes(self, entry):
-        """Evicts least recently used keys until the static buffers fit max_bytes; returns False
-        (and moves ``entry`` to eager) when ``entry`` alone does not fit."""
-        budget = self._options.max_bytes
-        if budget is None:
-            return True
-        own = entry.nbytes()
-        if own > budget:
-            reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
-            entry.fall_back(reason)
-            self._warn_once(
-                ("max_bytes", id(entry)),
-                f"key {entry.label} runs eagerly: {reason}. Raise max_bytes, or split the function so each "
-                "graph holds less.",
-            )
-            return False
-        holders = [e for e in self._entries.values() if e.has_graphs]
-        total = sum(e.nbytes() for e in holders)
-        for victim in sorted(holders, key=lambda e: e.last_used):
-            if total <= budget:
-                break
-            if victim is entry or victim.backward_pending():
-                continue
-            total -= victim.nbytes()
-            victim.evict()
-            self.counters.evictions += 1
-            logger.info("autocudagraph(%s): evicted key %s to stay within max_bytes=%s", self.__name__, victim.label, budget)
-        return True

@@ -14,7 +14,7 @@ A graphed call made under such hooks cannot be right:
    warmup) the inner unpack raises, and Paddle then leaves grad mode off (measured on 2.6.2 and
    3.3.1: ``paddle.is_grad_enabled()`` is False after an unpack hook raised inside
    ``paddle.grad``), so the ``backward()`` retry captured a forward without grads: outputs that
-   need no grad, the input's grad None and parameter grads 0/None from then on (issue 14).
+   need no grad, the input's grad None and parameter grads 0/None from then on.
 2. A replay saves no tensor through autograd, and a call that runs eagerly saves several: a replay
    in recompute's forward and an eager call in its re-run (or the reverse) would hand the backward
    tensors saved for other ops.
@@ -24,14 +24,16 @@ reason in ``explain()``), in the forward and in recompute's re-run alike, which 
 
 Paddle keeps one pair of hooks per process and has no getter (``core.eager`` offers only
 ``register_saved_tensors_hooks`` and ``reset_saved_tensors_hooks``; ``saved_tensors_hooks`` calls
-the first on enter and the second on exit, also when nested). This module wraps those two functions
-when it is imported and mirrors that state. Hooks registered before ``paddlefleet.cudagraph`` was
+the first on enter and the second on exit, also when nested). ``install()`` wraps those two functions
+when the package is imported and mirrors that state. Hooks registered before ``paddlefleet.cudagraph`` was
 imported are not seen.
 """
 
 import threading
 
 from paddle.base import core
+
+from .paddle_patches import install_for_process
 
 __all__ = ["active", "REASON", "warning"]
 
@@ -69,7 +71,7 @@ def _wrap(name, registered):
 
     tracked._paddlefleet_saved_hooks = True
     tracked.__wrapped__ = original
-    setattr(core.eager, name, tracked)
+    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
 
 def install():
@@ -80,6 +82,3 @@ def install():
             return
         _wrap("register_saved_tensors_hooks", True)
         _wrap("reset_saved_tensors_hooks", False)
-
-
-install()

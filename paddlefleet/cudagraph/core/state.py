@@ -8,14 +8,19 @@ import contextlib
 
 import paddle
 
+from .paddle_patches import Patches
+
 __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
            "RngRewindGuard", "RecordingRngGuard", "generator_state_indices"]
+
+
+_dygraph_tracer = paddle.base.framework._dygraph_tracer  # read on every call's key: looked up once
 
 
 def amp_state():
     """The autocast state that changes what a call computes: ``(level, dtype)``, or None when
     Paddle exposes no tracer state. On a CPU build auto_cast is a no-op and this stays O0."""
-    tracer = paddle.base.framework._dygraph_tracer()
+    tracer = _dygraph_tracer()
     if tracer is None:
         return None
     # Raw (hashable) values: str() of the level enum costs ~15 us per call.
@@ -168,7 +173,7 @@ class RngRewindGuard:
     def __init__(self):
         self.rewound = False
         self.random_after_rewind = None
-        self._saved = []
+        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
     def __enter__(self):
         guard = self
@@ -181,8 +186,7 @@ class RngRewindGuard:
                 guard.rewound = True
                 return original(*args, **kwargs)
 
-            self._saved.append((owner, name, original))
-            setattr(owner, name, rewinding)
+            self._patches.set(owner, name, rewinding)
 
         def flag_random(name):
             original = getattr(paddle._C_ops, name)
@@ -192,8 +196,7 @@ class RngRewindGuard:
                     guard.random_after_rewind = name
                 return original(*args, **kwargs)
 
-            self._saved.append((paddle._C_ops, name, original))
-            setattr(paddle._C_ops, name, drawing)
+            self._patches.set(paddle._C_ops, name, drawing)
 
         try:
             for name in ("set_rng_state", "set_cuda_rng_state"):
@@ -210,9 +213,7 @@ class RngRewindGuard:
         return self
 
     def _restore(self):
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved = []
+        self._patches.restore()
 
     def __exit__(self, exc_type, exc, tb):
         self._restore()
@@ -284,7 +285,7 @@ class RecordingRngGuard:
         self.state_indices = generator_state_indices() if state_indices is None else state_indices
         self.problem = None
         self._start = None
-        self._saved = []
+        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
     def __enter__(self):
         if not self.enabled:
@@ -311,13 +312,10 @@ class RecordingRngGuard:
                     guard.problem = (name, "foreign state")
             return original(*args, **kwargs)
 
-        self._saved.append((name, original))
-        setattr(paddle._C_ops, name, drawing)
+        self._patches.set(paddle._C_ops, name, drawing)
 
     def _restore(self):
-        for name, original in reversed(self._saved):
-            setattr(paddle._C_ops, name, original)
-        self._saved = []
+        self._patches.restore()
 
     def __exit__(self, exc_type, exc, tb):
         self._restore()

@@ -18,7 +18,9 @@ import warnings
 
 import paddle
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain"]
+from .location import user_stacklevel
+
+__all__ = ["Counters", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -31,6 +33,7 @@ _FIELDS = (
     "input_copies_skipped",
     "verified_replays",
     "verify_mismatches",
+    "slot_captures",
 )
 
 
@@ -44,7 +47,7 @@ def _renamed(name):
             f"autocudagraph: the counter '{name}' is now called '{new}' (it counts every eager call, not "
             f"only keys that fell back); '{name}' will be removed in the next release.",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the caller's line (also through contextlib for expect())
         )
     return new
 
@@ -79,6 +82,7 @@ class Counters:
     input_copies_skipped: int = 0
     verified_replays: int = 0
     verify_mismatches: int = 0
+    slot_captures: int = 0
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):
@@ -143,8 +147,32 @@ def describe_call(named_arguments, host_tensors=(), user_key=None):
     return "(" + ", ".join(parts) + ")"
 
 
+def summarize(counters, entries):
+    """A wrapper's stats(): its counters plus ``graphs`` (keys holding graphs now), ``keys``,
+    ``static_bytes`` and ``grad_copies`` (by the keys holding graphs now)."""
+    entries = list(entries)
+    out = counters.snapshot()
+    out["graphs"] = sum(1 for e in entries if e.has_graphs)
+    out["keys"] = len(entries)
+    out["static_bytes"] = sum(e.nbytes() for e in entries)
+    # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
+    out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
+    out["capture_ms"] = {e.label: e.capture_ms for e in entries if e.capture_ms is not None}
+    out["key_bytes"] = {e.label: e.nbytes() for e in entries if e.has_graphs}
+    out.update(slot_stats(entries))
+    return out
+
+
+def slot_stats(entries):
+    """``{"slots": slots held by all keys, "slot_bytes": {key label: [static bytes per slot]}}``
+    (NOTE [ Slots ] in block/slots.py: forwards of one key in flight, each in its own static buffers)."""
+    held = {e.label or repr(e.key): e.graphs.slot_bytes() for e in entries
+            if e.graphs is not None and hasattr(e.graphs, "slot_bytes")}
+    return {"slots": sum(len(b) for b in held.values()), "slot_bytes": held}
+
+
 def describe_entries(entries):
-    """One dict per key: phase, counts, fallback reason, bytes held, input copies."""
+    """One dict per key: phase, counts, fallback reason, bytes held, input copies, capture time."""
     rows = []
     for entry in entries:
         rows.append(
@@ -162,28 +190,31 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
+                "capture_ms": entry.capture_ms,
+                "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
+                "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
             }
         )
     return rows
 
 
-def explain(name, stats, entries, counters):
+def explain(name, stats, entries, counters, api="autocudagraph"):
     """A readable report of one wrapper: every key's phase and counts, and a reason for every
-    eager call.
+    eager call; ``api``: the public name of the wrapper (the body's, core/body.py).
 
     Example::
 
         autocudagraph(block): 2 key(s), 1 holding graphs, 4096 static bytes
           key (x: float32[8, 16], w: float32[16, 16] grad): replay on simulate; 1 warmup, 1 capture(s), 5 replays; ...
           key (x: float32[4, 16], ...): fallback on simulate; ...; fell back: CaptureError: ... (at model.py:12 in block)
-          eager calls: 3
-            2 x warmup (before the capture of their key)
+          warmup calls: 2 (eager, before the capture of their key)
+          eager calls: 1
             1 x capture failed
     """
     entries = list(entries)
     lines = [
-        f"autocudagraph({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
+        f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
         f"{stats['static_bytes']} static bytes"
     ]
     backends = {e.backend.describe() for e in entries if e.backend is not None}
@@ -196,6 +227,13 @@ def explain(name, stats, entries, counters):
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        if row["slot_bytes"]:
+            sizes = sorted(set(row["slot_bytes"]))
+            line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
+        if row["capture_ms"] is not None:
+            line += f"; captured in {row['capture_ms']:.1f} ms"
+        if row["host_cost"]:
+            line += f"; {row['host_cost']}"
         if row["grads"]:
             line += f"; {row['grads']}"
         if row["evictions"]:
@@ -205,11 +243,11 @@ def explain(name, stats, entries, counters):
         if row["fallback_reason"]:
             line += f"; fell back: {row['fallback_reason']}"
         lines.append(line)
-    reasons = collections.Counter(counters.eager_reasons)
+    # The same counts as stats(): warmup calls apart from eager_calls (the calls run eagerly for a reason).
     if counters.warmup_calls:
-        reasons["warmup (before the capture of their key)"] = counters.warmup_calls
-    if reasons:
-        lines.append(f"  eager calls: {sum(reasons.values())}")
-        for reason, count in reasons.most_common():
+        lines.append(f"  warmup calls: {counters.warmup_calls} (eager, before the capture of their key)")
+    if counters.eager_calls:
+        lines.append(f"  eager calls: {counters.eager_calls}")
+        for reason, count in collections.Counter(counters.eager_reasons).most_common():
             lines.append(f"    {count} x {reason}")
     return "\n".join(lines)

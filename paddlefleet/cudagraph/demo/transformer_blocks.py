@@ -1,6 +1,6 @@
 """Example models and training loops, shared by the demo and the tests.
 
-The transformer check (issue 3, item 10): a pre-LayerNorm transformer block (self-attention,
+The transformer check: a pre-LayerNorm transformer block (self-attention,
 MLP, LayerNorm, dropout in both sub-blocks, the MLP under Fleet's ``recompute``) trained with
 AdamW and gradient accumulation, once eagerly and once with the whole block graphed. Both runs
 start from the same parameters, data and seed, so every loss and every final parameter must be

@@ -1,4 +1,4 @@
-"""The whole-step transformer check (issue 11, item 6), shared by the tests, the demo and the
+"""The whole-step transformer check, shared by the tests, the demo and the
 GPU tools: a pre-LN transformer block (attention, MLP, LayerNorm, dropout) trained with AdamW,
 global-norm clipping, a warmup + cosine learning rate, gradient accumulation over micro-batch
 phases and a GraphGradScaler, once eagerly and once through autocudagraph_step. Both runs start

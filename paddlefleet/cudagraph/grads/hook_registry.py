@@ -27,6 +27,8 @@ import weakref
 
 import paddle
 
+from ..core.paddle_patches import install_for_process
+
 __all__ = ["install", "may_keep", "generation", "describe"]
 
 #: Hooks that read their grad (or free it) and keep nothing: ``(module, qualname)``.
@@ -99,8 +101,8 @@ def install():
 
     _register_grad_hook.__doc__ = getattr(register, "__doc__", None)
     _remove_grad_hook.__doc__ = getattr(remove, "__doc__", None)
-    paddle.Tensor._register_grad_hook = _register_grad_hook
-    paddle.Tensor._remove_grad_hook = _remove_grad_hook
+    install_for_process(paddle.Tensor, "_register_grad_hook", _register_grad_hook)  # NOTE [ Paddle patches ]
+    install_for_process(paddle.Tensor, "_remove_grad_hook", _remove_grad_hook)
     for obj in gc.get_objects():
         if isinstance(obj, paddle.nn.Layer):
             for p in obj.parameters(include_sublayers=False):

@@ -212,6 +212,8 @@ def holds_tensor(value, depth=2):
 
 def unflatten(spec, tensors, consts):
     """Inverse of flatten()."""
+    if spec is _TENSOR:  # a bare tensor, the result of most blocks: no iterators to make
+        return tensors[0]
     return _unflatten(spec, iter(tensors), iter(consts))
 
 

@@ -29,6 +29,8 @@ from typing import Any, List, Optional
 import paddle
 
 from ..core import state
+from ..core.body import Action, Blocked, Body, Graphs, Replayed
+from ..core.paddle_patches import Patches
 from ..backends import whole_step
 from ..backends.simulated import refuse_host_sync
 from ..errors import CaptureError
@@ -37,18 +39,18 @@ from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
-from .optimizer_state import (LRFeed, check_supported, inner_optimizer, move_beta_pows_to_device, optimizer_params,
-                          suppress_lr_fill)
-from ..block.replay import Blocked
+from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
+                              optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..io.static_inputs import (StaticInputs, contiguous_outputs, flatten, holds_tensor, leaf_names, nbytes,
                                 strided_copy_works, unflatten)
+from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, Rollback, describe_changes, fingerprint
 
 __all__ = ["StepBody", "StepGraphs"]
 
 
 @dataclasses.dataclass(eq=False)
-class StepGraphs:
+class StepGraphs(Graphs):
     """What one capture of a step made.
 
     Attributes:
@@ -76,14 +78,10 @@ class StepGraphs:
     bindings: dict = dataclasses.field(default_factory=dict)
     trace: Any = None
     pending: Any = None
+    stepped: frozenset = frozenset()  # ids of the optimizers the step updates (their rates are fed)
     moved_beta_pows: int = 0
+    returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
-
-    def backward_pending(self):
-        return False  # a step runs its own backward
-
-    def grad_copies(self):
-        return 0
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -107,6 +105,8 @@ class _Warm:
     trace: Any = None
     bindings: dict = dataclasses.field(default_factory=dict)
     changes: str = ""
+    consts: Any = None  # the Python values of its result
+    stepped: frozenset = frozenset()  # ids of the optimizers it updated
 
 
 def _hand_out(outputs):
@@ -119,41 +119,38 @@ def _hand_out(outputs):
 @contextlib.contextmanager
 def _refuse_paddle_scaler():
     """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
-    saved = []
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
-    for cls in classes:
-        for name in ("step", "minimize", "update"):
-            original = cls.__dict__.get(name)
-            if original is None:
-                continue
-
-            def refusing(self, *args, __original=original, __name=name, **kwargs):
-                if getattr(self, "_enable", False):
-                    raise CaptureError(
-                        f"autocudagraph: paddle.amp.GradScaler.{__name}() was called during capture. It reads "
-                        "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
-                        "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
-                        "on the device) in a graphed step."
-                    )
-                return __original(self, *args, **kwargs)
-
-            saved.append((cls, name, original))
-            setattr(cls, name, refusing)
-    try:
+    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        for cls in classes:
+            for name in ("step", "minimize", "update"):
+                original = cls.__dict__.get(name)
+                if original is not None:
+                    patches.set(cls, name, _refusing_scaler(name, original))
         yield
-    finally:
-        for cls, name, original in reversed(saved):
-            setattr(cls, name, original)
 
 
-class StepBody:
+def _refusing_scaler(name, original):
+    def refusing(self, *args, **kwargs):
+        if getattr(self, "_enable", False):
+            raise CaptureError(
+                f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture. It reads "
+                "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
+                "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
+                "on the device) in a graphed step."
+            )
+        return original(self, *args, **kwargs)
+
+    return refusing
+
+
+class StepBody(Body):
     """Warmup, capture, replay and eager run of one training-step function.
 
     Args:
         fn: the step function; options: StepOptions.
     """
 
-    bound = False
+    api = "autocudagraph_step"
 
     def __init__(self, fn, options):
         self.fn = fn
@@ -164,21 +161,37 @@ class StepBody:
         self._feeds = [LRFeed(opt) for opt in self.optimizers]
         self._bindings = BindingWatch(fn)
         self._warm = weakref.WeakKeyDictionary()
+        self._unlisted = {}  # NOTE [ Optimizers outside optimizers= ]: id -> optimizer seen at warmup
+        self._stepped_schedulers = []  # NOTE [ A scheduler stepped inside the step ]
         self._scoped = False  # once a key warms up, eager calls run in the step scope too
         self._between = []  # NOTE [ Grad slots across steps ]: grads after the last call
-        self._warn_once = None
-
-    def layers(self):
-        return []
 
     # ------------------------------------------------------------------ scope
-    def _feed(self):
+    def _feed(self, only):
+        """Writes the rates of the optimizers whose ids are in ``only`` (NOTE [ Feed only what the
+        step updates ] in step/optimizer_state.py)."""
         for feed in self._feeds:
-            feed.feed()
+            if id(feed.opt) in only:
+                feed.feed()
+
+    def _lazy_feed(self, stepped=None):
+        """``on_fill(opt)`` for an eager run: writes the rate prepared now where Paddle's fill
+        would be, and adds the optimizer's id to ``stepped``."""
+        pending = {id(feed.opt): (feed, feed.prepare()) for feed in self._feeds}
+
+        def on_fill(opt):
+            if stepped is not None:
+                stepped.add(id(opt))
+            feed, value = pending.pop(id(opt), (None, None))
+            if value is not None:
+                feed.commit(value)
+
+        return on_fill
 
     @contextlib.contextmanager
-    def _scope(self):
-        with self.slots.scope() as record, suppress_lr_fill(self.optimizers), whole_step():
+    def _scope(self, on_fill=None):
+        """The step scope; ``on_fill(opt)`` is called where Paddle would fill a learning rate."""
+        with self.slots.scope() as record, suppress_lr_fill(self.optimizers, on_fill), whole_step():
             yield record
 
     def _after_host_run(self, record):
@@ -194,8 +207,7 @@ class StepBody:
         """The step, eagerly (fallback and keys without graphs)."""
         if not self._scoped:
             return self.fn(*args, **kwargs)
-        self._feed()
-        with self._scope() as record:
+        with self._scope(self._lazy_feed()) as record:
             out = self.fn(*args, **kwargs)
         self._after_host_run(record)
         return out
@@ -203,22 +215,35 @@ class StepBody:
     def warmup(self, entry, call):
         """An eager step that also records its ops and whether it created state."""
         self._scoped = True
-        self._feed()
         warm = self._warm.setdefault(entry, _Warm())
         warm.bindings = self._bindings.snapshot()
         watch = LayerWatch()
         before = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
+        schedulers = SchedulerWatch(self.optimizers)
         # The recorder and the trace patch process-wide entry points: one at a time (CAPTURE_LOCK).
-        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope() as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace:
+        stepped = set()
+
+        def on_step(opt):
+            if not any(o is opt for o in self.optimizers):
+                self._unlisted.setdefault(id(opt), opt)
+
+        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
+                on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
+        warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)
         after = fingerprint(self.optimizers, with_grads=self.slots.mode != CLOSED)
         warm.trace = trace
+        self._stepped_schedulers = schedulers.stepped() or self._stepped_schedulers
+        warm.consts = flatten(out)[1]
         warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
         return out
+
+    def unlisted_error(self, unlisted):
+        """The CaptureError for optimizers stepped by the step but missing from optimizers=."""
+        return CaptureError(unlisted_message(unlisted, self.optimizers, self._bindings.snapshot()))
 
     def ready(self, entry):
         """May ``entry`` capture now? Not while its warmup steps still create state (up to
@@ -232,16 +257,15 @@ class StepBody:
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its StepGraphs or raises."""
-        self._warn_once = warn_once
         warm = self._warm.get(entry)
         if warm is None or warm.trace is None:
             raise CaptureError(
-                "autocudagraph: this key has no warmup step to compare the capture with (it is captured again "
+                "autocudagraph_step: this key has no warmup step to compare the capture with (it is captured again "
                 "after a reset). Call reset() on the step to warm it up again."
             )
         if warm.changes:
             raise CaptureError(
-                f"autocudagraph: every warmup step of this key created or replaced state: {warm.changes}. A graph "
+                f"autocudagraph_step: every warmup step of this key created or replaced state: {warm.changes}. A graph "
                 "keeps reading the tensors that exist at capture, so the step would silently train stale ones. "
                 "Create parameters and optimizer state before training (or in the first step only), and update "
                 "tensors in place (paddle.assign(new, output=t)) instead of rebinding them."
@@ -249,6 +273,10 @@ class StepBody:
         changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
         if changed is not None:
             raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+        if self._unlisted:
+            raise self.unlisted_error(list(self._unlisted.values()))
+        if self._stepped_schedulers:
+            raise CaptureError(SchedulerWatch.message(self._stepped_schedulers))
         for opt in self.optimizers:
             check_supported(opt)
         strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
@@ -257,30 +285,30 @@ class StepBody:
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graph now, else a replay.Blocked."""
+        """None when ``call`` can replay ``entry``'s graph now, else a Blocked."""
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
         if graphs.grad_mode != self.slots.mode:
-            return Blocked("recapture", "the step started leaving grads between calls (gradient accumulation)")
+            return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
         changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
         if changed is not None:
             reason = _binding_message(changed, "the capture and this call")
-            return Blocked("eager", f"binding '{changed[0]}' changed since capture", reason)
+            return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
         for p, ptr in graphs.params:
             if p.data_ptr() != ptr:
-                return Blocked("recapture", f"parameter {p.name} was replaced or moved")
+                return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
         if graphs.grad_mode == CLOSED:
             for p, ptr in self._between:
                 if grad_ptr(p) != ptr:
-                    return Blocked("eager", "grads changed between calls", (
+                    return Blocked(Action.EAGER, "grads changed between calls", (
                         f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
                         "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
                         "backward and clear_grad inside the step function."))
         else:
             for p, ptr in graphs.watched:
                 if grad_ptr(p) != ptr:
-                    return Blocked("recapture_once", f"the grad storage of {p.name} was released or replaced", (
+                    return Blocked(Action.RECAPTURE_ONCE, f"the grad storage of {p.name} was released or replaced", (
                         f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
                         "False) or a backward outside the step), so the graph's grad buffers no longer are the "
                         "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
@@ -288,13 +316,14 @@ class StepBody:
         return None
 
     def replay(self, entry, call, copy):
-        """Runs ``entry``'s graph for ``call``: ``(result, inputs copied, copies skipped)``."""
+        """Runs ``entry``'s graph for ``call``."""
         graphs = entry.graphs
         if graphs.pending is not None:  # NOTE [ The capture call of a step ]
             result, graphs.pending = graphs.pending, None
             self._remember_between()
-            return result, 0, 0
-        self._feed()
+            return Replayed(result)
+        self._feed(graphs.stepped)
+        consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
             graphs.graph.replay()
@@ -302,37 +331,62 @@ class StepBody:
             with CAPTURE_LOCK:
                 graphs.graph.replay()
         outputs = _hand_out(graphs.static_outputs)
-        result = unflatten(graphs.out_spec, outputs, graphs.out_consts)
+        result = unflatten(graphs.out_spec, outputs, consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
+        then = None
         if graphs.trace is not None and replayed is not graphs.trace:
-            self._check_simulated_replay(entry, graphs.trace, replayed)
-        return result, copied, skipped
+            then = _simulated_replay_check(graphs, replayed)
+        return Replayed(result, copied, skipped, then)
 
-    def _check_simulated_replay(self, entry, captured, replayed):
-        diff = describe_trace_difference(captured, replayed, "capture", "replay")
-        if diff is None:
-            return
-        reason = f"a replay read other host values than the capture: {diff}"
-        entry.fall_back(reason)
-        if self._warn_once is not None:
-            self._warn_once(("replay-host", id(entry)), (
-                f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
-                "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
-                "values that change as tensors (or as arguments: they become part of the key)."))
 
-    def verified_replay(self, entry, call, run_graphs):
-        raise NotImplementedError("autocudagraph_step does not support verify_replays")
+def _simulated_replay_check(graphs, replayed):
+    """None when a simulated replay read the host values its capture read (and returned the Python
+    values it kept), else a Blocked that moves the key to eager (this call's result, from a re-run
+    of the step, is still eager's)."""
+    diff = describe_trace_difference(graphs.trace, replayed, "capture", "replay")
+    if diff is None:
+        diff = graphs.returned.differs(graphs.live["spec"][1])
+    if diff is None:
+        return None
+    reason = f"a replay read other host values than the capture: {diff}"
+    return Blocked(Action.FALL_BACK, reason, (
+        f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
+        "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
+        "values that change as tensors (or as arguments: they become part of the key)."))
 
 
 def _binding_message(changed, between):
     name, old, new = changed
     return (
-        f"autocudagraph: the step function reads '{name}', which was rebound between {between} "
+        f"autocudagraph_step: the step function reads '{name}', which was rebound between {between} "
         f"({short_repr(old)} -> {short_repr(new)}). A graph replays what the capture saw, so the new value would "
         "be ignored. Pass it as an argument (a Python value becomes part of the key; a tensor is copied in), or "
         "keep it in a tensor updated in place."
     )
+
+
+def _unlisted_optimizers(body):
+    """``[(name, optimizer)]`` the step function reads (its globals and closure) that optimizers=
+    lacks: their learning rate (and Adam's beta powers) reach the step as host values that change
+    every step, which is what a changing op argument at an optimizer op usually is."""
+    listed = {id(inner_optimizer(opt)) for opt in body.optimizers}
+    found = {}
+    for name, value in body._bindings.snapshot().items():
+        inner = inner_optimizer(value)
+        if inner is not None and id(inner) not in listed:
+            found.setdefault(id(inner), (name, inner))
+    return list(found.values())
+
+
+def _unlisted_optimizers_hint(body):
+    """A sentence naming the optimizers of _unlisted_optimizers, or ""."""
+    missing = _unlisted_optimizers(body)
+    if not missing:
+        return ""
+    return (f" The step uses {', '.join(f'{n} ({type(o).__name__})' for n, o in missing)}, which optimizers= does "
+            "not list: autocudagraph_step feeds the learning rate of the listed optimizers only. Pass every "
+            f"optimizer the step steps: add {', '.join(n for n, _ in missing)} to optimizers=[...].")
 
 
 class _StepCapture:
@@ -345,13 +399,17 @@ class _StepCapture:
         self.names = names
         self.warm = warm
         self.on_gpu = backend.name == "cuda"
+        self.schedulers = SchedulerWatch(body.optimizers)  # their state before the capture
 
     def run(self):
         body, backend = self.body, self.backend
         graphs = StepGraphs(backend=backend, pool=backend.new_pool(), grad_mode=body.slots.mode)
         place = _device_place(body.optimizers) if self.on_gpu else None
         graphs.moved_beta_pows = sum(move_beta_pows_to_device(o, place, self.on_gpu) for o in body.optimizers)
-        rollback = Rollback(body.optimizers, live_scalers()) if backend.capture_executes else None
+        # Unlisted optimizers the step steps are rolled back too: the capture is refused (their
+        # learning rate changes), and the eager call that replaces it must not update twice.
+        rolled_back = list(body.optimizers) + [opt for _, opt in _unlisted_optimizers(body)]
+        rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
@@ -360,8 +418,11 @@ class _StepCapture:
         except BaseException:
             if rollback is not None:
                 rollback.restore()
+                for feed in body._feeds:  # the rollback put the previous step's rate back
+                    feed.forget()
             else:
                 state.restore_rng(rng)
+                self.schedulers.restore()
                 for scaler, stage in stages:
                     scaler.set_python_state(stage)
             graphs.release()
@@ -374,9 +435,13 @@ class _StepCapture:
         static = StaticInputs(call.tensors, self.names, host=host)
         args, kwargs = call.rebuild(static.buffers)
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
+        stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
+
+        def filled(opt):
+            stepped.add(id(opt))
 
         def step_body():
-            with body._scope() as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
+            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
@@ -386,16 +451,26 @@ class _StepCapture:
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         refuse = refuse_host_sync() if on_gpu else contextlib.nullcontext()
-        body._feed()
+        body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
-        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler():
+
+        def on_step(opt):
+            if not any(o is opt for o in body.optimizers):
+                raise body.unlisted_error([opt])
+
+        writes = rollback.writes if rollback is not None else contextlib.nullcontext()
+        with LayerRecorder(watch, NO_WATCH), guard, refuse, _refuse_paddle_scaler(), watch_steps(
+                on_step), tag_learning_rates(), writes:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
         graphs.static_outputs = list(outputs)
-        graphs.out_spec, graphs.out_consts = live["spec"]
+        graphs.stepped = self.warm.stepped
+        graphs.out_spec = live["spec"][0]
+        graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
+        graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
         graphs.trace = live["trace"] if self.backend.capture_executes else None
         graphs.bindings = body._bindings.snapshot()
@@ -407,39 +482,51 @@ class _StepCapture:
 
     def _check(self, live, before, watch, graphs):
         body = self.body
+        stepped = self.schedulers.stepped()
+        if stepped:
+            raise CaptureError(SchedulerWatch.message(stepped))
+        new = [k for k, opt in enumerate(body.optimizers) if id(opt) in live["stepped"] - self.warm.stepped]
+        if new:  # its rate was not fed before the capture
+            raise CaptureError(
+                f"autocudagraph_step: the capture step updates optimizers[{new[0]}] "
+                f"({type(body.optimizers[new[0]]).__name__}), which the last warmup step of this key did not. A key "
+                "must update the same optimizers on every call; give other phases their own key (e.g. a Python bool "
+                "argument)."
+            )
         trace = live["trace"]
         host = trace.host_inputs()
         if host:
             i, op, line = host[0]
             raise CaptureError(
-                f"autocudagraph: op #{i} {op}{f' at {line}' if line else ''} reads a host (CPU) tensor inside the "
+                f"autocudagraph_step: op #{i} {op}{f' at {line}' if line else ''} reads a host (CPU) tensor inside the "
                 "step. A graph reads host memory once, at capture. Keep the step's tensors on the device."
             )
         after = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
         if changes:
             raise CaptureError(
-                f"autocudagraph: the capture step created or replaced state: {changes}. A graph keeps using the "
+                f"autocudagraph_step: the capture step created or replaced state: {changes}. A graph keeps using the "
                 "tensors that existed at capture, so later steps would silently train stale ones. Create "
                 "parameters and optimizer state before training, and update tensors in place."
             )
         diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
         if diff is not None:
             raise CaptureError(
-                f"autocudagraph: the step reads a host value that changes between steps: {diff}. A graph replays "
+                f"autocudagraph_step: the step reads a host value that changes between steps: {diff}. A graph replays "
                 "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
                 "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
+                + _unlisted_optimizers_hint(body)
             )
         if live["record"].leaves_grads and graphs.grad_mode == CLOSED:
             raise CaptureError(
-                "autocudagraph: the capture step left grads for the next call, but its warmup steps cleared them. "
+                "autocudagraph_step: the capture step left grads for the next call, but its warmup steps cleared them. "
                 "A step must clear grads on every call or on none of a key's calls; give accumulation phases "
                 "their own key (e.g. a Python bool argument)."
             )
         for value in live["spec"][1]:
             if holds_tensor(value):
                 raise CaptureError(
-                    f"autocudagraph: the step returns a {type(value).__name__} object holding tensors; it would be "
+                    f"autocudagraph_step: the step returns a {type(value).__name__} object holding tensors; it would be "
                     "returned as captured, with frozen values. Return tensors in a tuple, list or dict."
                 )
 

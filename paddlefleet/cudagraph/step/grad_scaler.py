@@ -25,6 +25,13 @@ GraphGradScaler has the same API and the same arithmetic, with no host read:
   ``found_inf`` is set - ``paddle.where`` with a 0-d condition, bit-exact both ways. The copies
   are taken after the optimizer created its state and before its first update op. This costs a
   copy and a select of the optimizer state per step: the price of no host sync;
+
+  NOTE [ Parameter groups and the overflow undo ]
+  With parameter groups (``parameters=[{"params": decay}, {"params": no_decay, "weight_decay":
+  0.0}]``) ``step()`` runs one optimization pass per group, and each pass creates its group's
+  state (moments, beta powers, master weights) right before that group's update ops. So the
+  copies are taken before *every* update op, of each state tensor not copied yet: a tensor is
+  always copied before the first op that can write it, whichever group it belongs to;
 * ``update``: the good/bad counters are int32 device tensors and the scale is updated in place
   with Paddle's rule (on ``decr_every_n_nan_or_inf`` overflows in a row: ``scale * decr_ratio``;
   on ``incr_every_n_steps`` good steps in a row: ``scale * incr_ratio``), the same multiplication
@@ -138,24 +145,27 @@ class GraphGradScaler:
         return None
 
     def _step_or_undo(self, optimizer):
-        saved = []
+        saved = {}
         inner = inner_optimizer(optimizer) or optimizer  # Fleet's wrappers step the optimizer inside
         original = inner._append_optimize_op
 
-        def first_update(block, param_and_grad):
-            if not saved:  # after the optimizer created its state, before it writes any
-                with paddle.no_grad():
-                    saved.extend((t, t.clone()) for _, t in state_tensors(inner) if t._is_initialized())
+        def before_update(block, param_and_grad):
+            # NOTE [ Parameter groups and the overflow undo ]: each group creates its state just
+            # before its own updates, so what is new since the last update op is saved now.
+            with paddle.no_grad():
+                for _, t in state_tensors(inner):
+                    if id(t) not in saved and t._is_initialized():
+                        saved[id(t)] = (t, t.clone())
             return original(block, param_and_grad)
 
-        inner._append_optimize_op = first_update
+        inner._append_optimize_op = before_update
         try:
             optimizer.step()
         finally:
             del inner._append_optimize_op
         skip = self._found_inf.reshape([])
         with paddle.no_grad():
-            for t, before in saved:
+            for t, before in saved.values():
                 t.copy_(paddle.where(skip, before, t), False)
 
     def update(self):

@@ -37,6 +37,7 @@ import contextlib
 import paddle
 
 from ..backends.base import is_capturing
+from ..core.paddle_patches import patched
 from ..errors import CaptureError
 from .optimizer_state import optimizer_params
 
@@ -120,15 +121,10 @@ class GradSlots:
                     grad.zero_()
             return None
 
-        paddle.Tensor.backward = backward
-        paddle.autograd.backward = backward_fn
-        paddle.Tensor.clear_gradient = clear
-        try:
+        # NOTE [ Paddle patches ] in core/paddle_patches.py
+        with patched((paddle.Tensor, "backward", backward), (paddle.autograd, "backward", backward_fn),
+                     (paddle.Tensor, "clear_gradient", clear)):
             yield record
-        finally:
-            paddle.Tensor.clear_gradient = clear_gradient
-            paddle.autograd.backward = autograd_backward
-            paddle.Tensor.backward = tensor_backward
 
     def observe(self, record):
         """After a host-executing call: switches to persistent mode when it left grads holding

@@ -4,13 +4,13 @@ scaling, data-parallel all-reduce - in one graph, on the same phase machine as b
 """
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Tuple
 
 import paddle
 
 from ..core.lifecycle import Lifecycle
 from .optimizer_state import inner_optimizer
-from ..options import BACKEND_NAMES
+from ..options import OptionsCore, check_option_names
 from .body import StepBody
 
 __all__ = ["autocudagraph_step", "StepOptions", "GraphedStep"]
@@ -21,8 +21,10 @@ def _fail(kind, message):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """Options of one autocudagraph_step wrapper, validated when it is made.
+class StepOptions(OptionsCore):
+    """Options of one autocudagraph_step wrapper, validated when it is made: OptionsCore's
+    (warmup_steps, max_graphs, backend, dispatch_key_fn, capture_hooks) and ``optimizers``. A
+    step has no verify_replays (it cannot be re-run to verify it) nor max_bytes.
 
     Attributes:
         optimizers: the optimizers the step function steps (their learning rates are fed and
@@ -30,42 +32,19 @@ class StepOptions:
             ``[]`` for a step without a Paddle optimizer.
         warmup_steps: eager steps per key before the capture (at least 1: the first step
             creates the optimizer state, and the capture is compared with a warmup step).
-        max_graphs: keys (batch shapes, phases) that may warm up or hold graphs at once.
-        backend: "cuda", "simulate", "eager" or None (cuda for GPU tensors of a CUDA build,
-            else eager); PADDLEFLEET_CUDAGRAPH_BACKEND overrides it.
-        dispatch_key_fn: ``fn(bound_arguments) -> hashable | None`` replacing the default key.
-        capture_hooks: context-manager factories entered around every capture.
     """
 
-    optimizers: Tuple[Any, ...] = ()
     warmup_steps: int = 2
-    max_graphs: int = 8
-    backend: Optional[str] = None
-    dispatch_key_fn: Optional[Callable[[Any], Any]] = None
-    capture_hooks: Tuple[Callable[[], Any], ...] = ()
-    # Read by the phase machine; fixed for steps (a step cannot be re-run to verify it).
-    verify_replays: int = dataclasses.field(default=0, init=False)
-    max_bytes: Optional[int] = dataclasses.field(default=None, init=False)
+    optimizers: Tuple[Any, ...] = ()
+
+    API = "autocudagraph_step"
+    MIN_WARMUP = 1
+    WARMUP_HINT = ("The first step creates the optimizer state and the capture is compared with a warmup step; "
+                   "warmup_steps=2 is a good default.")
 
     def __post_init__(self):
         self._check_optimizers()
-        for name, minimum, hint in (("warmup_steps", 1, "The first step creates the optimizer state and the capture "
-                                     "is compared with a warmup step; warmup_steps=2 is a good default."),
-                                    ("max_graphs", 0, "Pass how many keys may hold graphs, e.g. max_graphs=8.")):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                _fail(TypeError, f"{name} must be an int, got {value!r} ({type(value).__name__}). {hint}")
-            if value < minimum:
-                _fail(ValueError, f"{name} must be >= {minimum}, got {value}. {hint}")
-        if self.backend is not None and self.backend not in BACKEND_NAMES:
-            _fail(ValueError, f"backend must be one of {BACKEND_NAMES} or None, got {self.backend!r}. "
-                              "Use backend=None to graph on a GPU and run eagerly elsewhere.")
-        if self.dispatch_key_fn is not None and not callable(self.dispatch_key_fn):
-            _fail(TypeError, f"dispatch_key_fn must be callable or None, got {self.dispatch_key_fn!r}.")
-        hooks = () if self.capture_hooks is None else self.capture_hooks
-        if callable(hooks) or not isinstance(hooks, Sequence) or not all(callable(h) for h in hooks):
-            _fail(TypeError, f"capture_hooks must be a list of context-manager factories, got {hooks!r}.")
-        object.__setattr__(self, "capture_hooks", tuple(hooks))
+        super().__post_init__()
 
     def _check_optimizers(self):
         opts = self.optimizers
@@ -97,14 +76,9 @@ class GraphedStep(Lifecycle):
             _fail(TypeError, f"{getattr(fn, '__name__', fn)} is already graphed. Apply autocudagraph_step once.")
         super().__init__(StepBody(fn, options), fn)
 
-    def explain(self):
-        """As for blocks (stats.explain), naming the wrapper autocudagraph_step."""
-        text = super().explain()
-        return "autocudagraph_step" + text[len("autocudagraph"):]
-
 
 def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, max_graphs=8, backend=None,
-                       dispatch_key_fn=None, capture_hooks=()):
+                       dispatch_key_fn=None, capture_hooks=(), **unknown):
     """Captures a whole training step into one graph per key and replays it.
 
     ``train_step_fn(*batch)`` runs forward, loss, ``backward()``, optional clipping,
@@ -135,6 +109,8 @@ def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, m
         See docs/train_step.md: what the step function may and may not do (host values, grads
         cleared inside the step, paddle.amp.GradScaler replaced by GraphGradScaler).
     """
+    check_option_names("autocudagraph_step", unknown,
+                       [f.name for f in dataclasses.fields(StepOptions) if f.init])
     options = StepOptions(optimizers=optimizers, warmup_steps=warmup_steps, max_graphs=max_graphs,
                           backend=backend, dispatch_key_fn=dispatch_key_fn, capture_hooks=capture_hooks)
     if train_step_fn is None:

@@ -37,6 +37,7 @@ import paddle
 
 from ..backends.host_marks import is_marked_host
 from ..core.location import _is_library
+from ..core.paddle_patches import Patches
 
 __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
@@ -121,7 +122,7 @@ class OpTrace:
         self.host_ops = []
         self._on_gpu = on_gpu
         self._where = where
-        self._saved = []
+        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
         self._depth = 0
 
     def _wrap(self, label, original):
@@ -156,15 +157,12 @@ class OpTrace:
                     if original is None:
                         original = getattr(module, name)
                     # Read now, not cached: another patch in force (RngRewindGuard) stays in force.
-                    self._saved.append((module, name, original))
-                    setattr(module, name, self._wrap(f"{prefix}.{name}", original))
+                    self._patches.set(module, name, self._wrap(f"{prefix}.{name}", original))
             for name in _TENSOR_OPERATORS:
                 original = paddle.Tensor.__dict__.get(name)
                 if original is not None and type(original).__name__ in _NATIVE:
-                    self._saved.append((paddle.Tensor, name, original))
-                    setattr(paddle.Tensor, name, self._wrap(f"Tensor.{name}", original))
-            self._saved.append((paddle, "to_tensor", paddle.to_tensor))
-            paddle.to_tensor = self._wrap("paddle.to_tensor", paddle.to_tensor)
+                    self._patches.set(paddle.Tensor, name, self._wrap(f"Tensor.{name}", original))
+            self._patches.set(paddle, "to_tensor", self._wrap("paddle.to_tensor", paddle.to_tensor))
         except BaseException:
             self._restore()
             raise
@@ -174,9 +172,7 @@ class OpTrace:
         return self
 
     def _restore(self):
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved = []
+        self._patches.restore()
 
     def __exit__(self, *exc):
         self._restore()

@@ -22,11 +22,14 @@ read, a refusal above), ``Rollback`` puts back the values of that state and the 
 eager call that replaces it does not apply the step twice.
 """
 
+import copy
+
 import paddle
 
 from ..core import state
 from .grad_slots import grad_ptr
 from .optimizer_state import optimizer_params, state_tensors
+from .reachable import InPlaceWrites, reachable
 
 __all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "LayerWatch", "Rollback"]
 
@@ -118,38 +121,58 @@ NO_WATCH = _Nothing()
 
 
 class Rollback:
-    """Values of a step's state taken before a simulated capture, put back by ``restore()``:
-    optimizer state and grads, learning-rate tensors, Layer buffers (``buffers``), the state of
-    graph-safe loss scalers, and every RNG state."""
+    """Values of a step's state taken before a simulated capture, put back by ``restore()``
+    (NOTE [ What a failed simulated capture may have written ] in step/reachable.py): every
+    tensor reachable from ``roots`` (the step function), the optimizers and the graph-safe loss
+    scalers, the grads of the parameters among them and learning-rate schedulers; every tensor an
+    in-place op is handed during the capture (``writes``, entered around it); Layer buffers
+    (``buffers``: those of the Layers the capture calls); the scalers' Python state and every
+    RNG state."""
 
-    def __init__(self, optimizers, scalers=()):
+    def __init__(self, optimizers, scalers=(), roots=()):
         self.buffers = state.BufferSnapshot(enabled=True)
+        self.writes = InPlaceWrites()  # entered around the capture
         self._rng = state.rng_snapshot()
-        self._tensors = []
-        self._grads = []
+        found = reachable([*roots, *optimizers, *scalers])
+        tensors, params = dict(found.tensors), dict(found.params)
+        for opt in optimizers:
+            lr = opt._global_learning_rate()
+            for t in [t for _, t in state_tensors(opt)] + ([lr] if lr is not None else []):
+                tensors[id(t)] = t
+            params.update((id(p), p) for p in optimizer_params(opt))
+            if isinstance(opt._learning_rate, paddle.optimizer.lr.LRScheduler):
+                found.schedulers[id(opt._learning_rate)] = opt._learning_rate
+        for scaler in scalers:
+            tensors.update((id(t), t) for t in scaler.state_tensors())
         with paddle.no_grad():
-            for opt in optimizers:
-                tensors = [t for _, t in state_tensors(opt)]
-                lr = opt._global_learning_rate()
-                tensors += [lr] if lr is not None else []
-                self._tensors += [(t, t.clone()) for t in tensors if t._is_initialized()]
-                for p in optimizer_params(opt):
-                    g = p.grad
-                    self._grads.append((p, None if g is None or not g._is_initialized() else g.clone()))
-            for scaler in scalers:
-                self._tensors += [(t, t.clone()) for t in scaler.state_tensors()]
+            self._tensors = [(t, t.clone()) for t in tensors.values() if t._is_initialized()]
+            self._grads = [(p, _grad_copy(p)) for p in params.values()]
+        self._schedulers = [(s, copy.deepcopy(s.state_dict())) for s in found.schedulers.values()]
         self._scaler_states = [(s, s.python_state()) for s in scalers]
 
     def restore(self):
+        self.writes.restore()  # first: a copy it took may follow a write it did not see
         with paddle.no_grad():
             for t, saved in self._tensors:
-                t.copy_(saved, False)
+                if t._is_initialized():
+                    t.copy_(saved, False)
             for p, saved in self._grads:
+                g = p.grad
                 if saved is None:
-                    p.clear_gradient(False)
-                elif p.grad is not None and p.grad._is_initialized():
-                    p.grad.copy_(saved, False)
+                    if g is not None:
+                        p.clear_gradient(False)
+                elif g is not None and g._is_initialized():
+                    g.copy_(saved, False)
+                else:  # released by the capture step (clear_grad(set_to_zero=False))
+                    p.grad = saved
+        for sched, saved in self._schedulers:
+            sched.set_state_dict(copy.deepcopy(saved))
         for scaler, py_state in self._scaler_states:
             scaler.set_python_state(py_state)
         self.buffers.restore()
         state.restore_rng(self._rng)
+
+
+def _grad_copy(p):
+    g = p.grad
+    return None if g is None or not g._is_initialized() else g.clone()

@@ -1,0 +1,126 @@
+"""Slots: several forwards of one key in flight, each in its own static buffers and graphs.
+
+NOTE [ Slots ]
+A forward replay leaves its saved activations in the static buffers of its graphs until its
+backward replay reads them (NOTE [ One forward in flight ] in block/bridge.py). Pipeline
+parallel runs the forwards of several micro-batches through a layer before their backwards
+(GPipe, 1F1B, interleaved), so one set of graphs would serve one micro-batch in N. A key
+therefore holds up to ``max_inflight`` *slots*: each slot is one BlockGraphs (its own static
+buffers, pool, forward and backward graphs, grad plan), captured from a call of that key.
+
+* A call takes the first slot whose backward is not pending. When every slot has a pending
+  backward, a new slot is captured from this call (no warmup: the key is warm), until the key
+  holds ``max_inflight`` slots; past that the call runs eagerly with the reason.
+* Each backward replays the graphs of its own forward: the bridge's PyLayer context holds the
+  slot it replayed, so backwards match their forwards in whatever order autograd runs them.
+* Everything per capture is per slot: grad plans and their second buffer sets (NOTE [ Two grad
+  buffer sets ] in grads/hand_out_plan.py), stale-output tracking, the RNG handling of NOTE
+  [ RNG across capture ] in block/capture.py (a slot's capture consumes random numbers as the
+  eager call it replaces, and each later replay draws as eager does at that point of the
+  schedule, whichever slot serves it). With accumulate_in_graph every slot adds into the same
+  accumulators (``p.main_grad`` / ``p.grad``).
+* Releasing the key (reset, re-capture, eviction, fallback) frees the slots whose backward is
+  not pending; a pending slot stays alive with its autograd graph, so that backward still
+  replays what its forward saved, and goes with it.
+
+The Slots object stands where the entry keeps a key's graphs: it answers the entry's questions
+(nbytes, backward_pending, release, describe, grad_copies) for all slots together, and reads as
+the slot serving the latest call for anything else (``entry.graphs.static_inputs``).
+"""
+
+from ..core.body import Action, Blocked
+
+__all__ = ["Slots"]
+
+
+class Slots:
+    """The slots of one key.
+
+    Args:
+        first: the BlockGraphs of the key's first capture.
+        cap: the most slots this key may hold (``max_inflight``).
+    """
+
+    def __init__(self, first, cap):
+        self.all = [first]
+        self.current = first
+        self.cap = cap
+        self.refused = None  # why no further slot is made (a failed slot capture, max_bytes)
+
+    def __getattr__(self, name):
+        # Only for names Slots does not define: the slot serving the latest call answers.
+        current = self.__dict__.get("current")
+        if current is None:
+            raise AttributeError(name)
+        return getattr(current, name)
+
+    # ------------------------------------------------------------------ which slot a call gets
+    def select(self):
+        """Makes the first slot without a pending backward current; False when there is none."""
+        for graphs in self.all:
+            if not graphs.backward_pending():
+                self.current = graphs
+                return True
+        return False
+
+    def blocked(self):
+        """Why a call finds no free slot: a new slot to capture, or eager past the cap."""
+        cap = self.cap
+        if self.refused is not None:
+            return Blocked(Action.EAGER, f"every slot has a pending backward and no further slot is made: {self.refused}")
+        if len(self.all) < cap:
+            return Blocked(Action.NEW_SLOT, f"every slot has a pending backward ({len(self.all)} of max_inflight={cap})")
+        return Blocked(Action.EAGER, f"all {cap} slots have a pending backward (max_inflight={cap})",
+                       f"called again with the same key before the backward of the previous call ran, and all {cap} "
+                       f"slot(s) of the key wait for their backward (max_inflight={cap}); this call runs eagerly so "
+                       "that no saved activations are overwritten. Raise max_inflight to the number of forwards your "
+                       "schedule has in flight (pipeline micro-batches), or run backward between calls.")
+
+    def add(self, graphs):
+        """A new slot, current from now on."""
+        self.all.append(graphs)
+        self.current = graphs
+
+    def refuse(self, reason):
+        """No further slot: calls that find every slot pending run eagerly with ``reason``."""
+        self.refused = reason
+
+    # ------------------------------------------------------------------ what the entry asks
+    @property
+    def layers(self):
+        return self.current.layers
+
+    def slot_bytes(self):
+        """Bytes of static buffers per slot (pool internals, e.g. saved activations, not included)."""
+        return [graphs.nbytes() for graphs in self.all]
+
+    def nbytes(self):
+        return sum(self.slot_bytes())
+
+    def backward_pending(self):
+        return any(graphs.backward_pending() for graphs in self.all)
+
+    def grad_copies(self):
+        return sum(graphs.grad_copies() for graphs in self.all)
+
+    def plans(self):
+        return [plan for graphs in self.all for plan in graphs.plans()]
+
+    def describe(self):
+        text = self.current.describe()
+        first = self.all[0].backward
+        if len(self.all) > 1 and first is not None and first.grad_plan is not None and first.accumulators is None:
+            copies = sum(p.copies for p in self.plans())
+            rescues = sum(p.rescues for p in self.plans())
+            text = (f"grads handed out with clone_param_grads={first.grad_plan.policy!r}: {copies} copied, "
+                    f"{rescues} moved out of adopted buffers, {len(self.plans())} buffer set(s) in "
+                    f"{len(self.all)} slots")
+        return text
+
+    def release(self):
+        """Frees every slot whose backward is not pending (NOTE [ Slots ])."""
+        for graphs in self.all:
+            if not graphs.backward_pending():
+                graphs.release()
+        self.all = []
+        self.current = None

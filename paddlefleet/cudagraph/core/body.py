@@ -1,0 +1,125 @@
+"""The body contract: what the phase machine (core/lifecycle.py) asks of one kind of call.
+
+NOTE [ Bodies ]
+The lifecycle owns the phases, their transitions and every warning; what a phase *does* is a
+body's. Two bodies exist: BlockBody (block/graphed.py: a function or Layer method whose forward
+and backward are graphed through the autograd bridge) and StepBody (step/body.py: a whole
+training step in one graph). A capture returns the body's *graphs* record (BlockGraphs,
+StepGraphs), which the key's entry holds until it is released. Before a replay the body says
+whether the call may replay (``blocker``: None, or a Blocked with an Action); a replay may ask
+the lifecycle to move the key to eager afterwards (``Replayed.then``). A body never moves an
+entry nor warns itself: the lifecycle does both. The protocols below are the whole contract; the
+members with a body are defaults a body may leave out.
+"""
+
+import enum
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple
+
+__all__ = ["Action", "Blocked", "Replayed", "Body", "Graphs"]
+
+
+class Action(enum.Enum):
+    """What the lifecycle does with a call that may not replay its key's graphs now."""
+
+    RECAPTURE = "recapture"  # capture the key again (no warmup), then replay
+    RECAPTURE_ONCE = "recapture_once"  # as RECAPTURE, but a key captured again before falls back
+    EAGER = "eager"  # this call runs eagerly; the key keeps its graphs
+    FALL_BACK = "fall_back"  # the key runs eagerly from the next call on (Replayed.then)
+    NEW_SLOT = "new_slot"  # capture another slot of the key for this call (NOTE [ Slots ] in block/slots.py)
+
+
+class Blocked(NamedTuple):
+    """Why a call cannot replay now: the Action, the reason (explain() and fallback reasons) and a
+    warning to give once, or None."""
+
+    action: Action
+    reason: str
+    warning: Optional[str] = None
+
+
+class Replayed(NamedTuple):
+    """What a replay gives the lifecycle: the call's result, the input copies made and skipped,
+    and ``then``: a Blocked(Action.FALL_BACK, ...) when the key must run eagerly from the next
+    call on (the result is still this call's), else None."""
+
+    result: Any
+    copied: int = 0
+    skipped: int = 0
+    then: Optional[Blocked] = None
+
+
+class Graphs(Protocol):
+    """What one capture of a key made; held by the key's GraphEntry (core/entry.py)."""
+
+    layers: List[Any]  # Layers whose training flags key later calls (core/keys.py)
+
+    def release(self) -> None:
+        """Frees the graphs and drops every static buffer."""
+
+    def nbytes(self) -> int:
+        """Bytes held by the static buffers (pool internals not included)."""
+
+    def describe(self) -> str:
+        """A line for explain() about this key, or ""."""
+
+    def backward_pending(self) -> bool:
+        """True while a forward replay waits for its backward (its graphs must stay); a body
+        that runs its own backward never waits."""
+        return False
+
+    def grad_copies(self) -> int:
+        """Device copies of parameter grads made so far (stats()['grad_copies'])."""
+        return 0
+
+
+class Body(Protocol):
+    """What each phase runs for one kind of call.
+
+    Attributes:
+        name: the wrapped function's name; options: its options.
+        api: the public name the wrapper is made with, which explain() shows.
+        bound: whether the function is called with an owner that is not an argument.
+    """
+
+    name: str
+    options: Any
+    api: str = "autocudagraph"
+    bound: bool = False
+
+    def layers(self) -> List[Any]:
+        """Layers whose training flag keys every call from the start."""
+        return []
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """The call, eagerly (fallback and calls without a key)."""
+
+    def warmup(self, entry, call) -> Any:
+        """One eager warmup call of ``entry``'s key."""
+        return self.run(call.args, call.kwargs)
+
+    def ready(self, entry) -> bool:
+        """May ``entry``, whose warmup calls are done, capture now?"""
+        return True
+
+    def capture(self, entry, call, named: List[Tuple[str, Any]], last_inputs,
+                warn_once: Callable[[Any, str], None]) -> Graphs:
+        """Captures ``entry``'s key from ``call``; returns its Graphs or raises (the lifecycle
+        moves the key to eager with the error as reason)."""
+
+    def blocker(self, entry, call) -> Optional[Blocked]:
+        """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
+
+    def replay(self, entry, call, copy: bool) -> Replayed:
+        """Runs ``entry``'s graphs for ``call`` (``copy``: copy its tensors into the static
+        inputs first; False for the capture call, whose tensors are there already)."""
+
+    def add_slot(self, entry, call, named: List[Tuple[str, Any]], last_inputs,
+                 warn_once: Callable[[Any, str], None]) -> Optional[str]:
+        """Captures another slot of ``entry``'s key from ``call`` (a blocker asked for
+        Action.NEW_SLOT); None, or why this call runs eagerly instead."""
+        raise NotImplementedError(f"{self.api} has no slots")
+
+    def verified_replay(self, entry, call, run_graphs: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+        """``run_graphs()`` checked against an eager re-run: ``(result, None)`` or ``(None,
+        mismatch)``. Only called with options.verify_replays > 0."""
+        raise NotImplementedError(f"{self.api} does not verify replays")

@@ -1,0 +1,82 @@
+"""``python -m paddlefleet.cudagraph doctor`` on this machine (a CPU): it says so, names the
+backend autocudagraph picks and why, and never crashes."""
+
+import io
+import os
+import subprocess
+import sys
+import unittest
+from unittest import mock
+
+import paddle
+
+from paddlefleet.cudagraph import doctor
+from paddlefleet.cudagraph.backends import ENV_BACKEND
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(env=None):
+    out = io.StringIO()
+    with mock.patch.dict(os.environ, env or {}, clear=False):
+        if env is None:
+            os.environ.pop(ENV_BACKEND, None)
+        rc = doctor.run_doctor(out=out)
+    return rc, out.getvalue()
+
+
+@unittest.skipIf(paddle.is_compiled_with_cuda(), "checks the CPU report; a CUDA build reports its GPU instead")
+class TestDoctorOnCPU(unittest.TestCase):
+    def test_reports_version_build_and_the_eager_choice(self):
+        rc, text = run()
+        self.assertEqual(rc, 0, text)
+        self.assertIn(f"paddle: {paddle.__version__}", text)
+        self.assertIn("build: CPU build (no CUDA)", text)
+        self.assertIn("this is a CPU build of Paddle", text)
+        self.assertIn("Install on a GPU", text)
+        self.assertIn("backend: eager for CPU tensors", text)
+        self.assertIn("unless you pass backend='simulate'", text)
+        self.assertIn("verdict: nothing wrong found", text)
+
+    def test_names_the_environment_override(self):
+        rc, text = run({ENV_BACKEND: "simulate"})
+        self.assertEqual(rc, 0, text)
+        self.assertIn(f"backend: simulate for CPU tensors ({ENV_BACKEND}=simulate overrides every wrapper)", text)
+
+    def test_a_bad_override_is_a_failed_check_not_a_crash(self):
+        rc, text = run({ENV_BACKEND: "bogus"})
+        self.assertEqual(rc, 1, text)
+        self.assertIn("backend: FAIL CudaGraphError", text)
+        self.assertIn("'bogus' is not a backend", text)
+
+    def test_a_check_that_raises_is_reported(self):
+        with mock.patch.object(doctor, "pool_sharing_supported", side_effect=RuntimeError("boom")):
+            rc, text = run()
+        self.assertIn("pool sharing: RuntimeError: boom", text)
+        self.assertIn("verdict:", text)
+
+    def test_module_command(self):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop(ENV_BACKEND, None)
+        proc = subprocess.run([sys.executable, "-m", "paddlefleet.cudagraph", "doctor"], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=ROOT)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn("build: CPU build (no CUDA)", proc.stdout)
+
+
+class TestDoctorWithKernelsThatFail(unittest.TestCase):
+    def test_a_gpu_whose_kernels_fail_is_a_failed_check_with_the_install_hint(self):
+        with mock.patch.object(doctor, "_build", return_value=(True, "CUDA build (CUDA 12.0, cuDNN 8.9)")), \
+                mock.patch.object(doctor, "_gpu", return_value=(1, "NVIDIA H100, compute capability 9.0 (sm_90)")), \
+                mock.patch.object(doctor, "_kernels_run", side_effect=OSError("(External) CUDA error(209), no "
+                                                                              "kernel image is available")), \
+                mock.patch.object(doctor, "cuda_available", return_value=True), \
+                mock.patch.object(doctor, "_backend_choice", return_value="cuda for GPU tensors"):
+            rc, text = run()
+        self.assertEqual(rc, 1, text)
+        self.assertIn("Paddle kernels: FAIL do NOT run on this GPU: OSError: (External) CUDA error(209)", text)
+        self.assertIn("Hopper (sm_90) and newer need a Paddle 3.x GPU build", text)
+
+
+if __name__ == "__main__":
+    unittest.main()

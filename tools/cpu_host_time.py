@@ -1,0 +1,121 @@
+"""CPU host time of a model graphed layer by layer and of a whole-step graph, without a GPU.
+
+    OMP_NUM_THREADS=1 python tools/cpu_host_time.py [--layers 32 --width 32 --batch 4]
+
+NOTE [ Stand-in graph ]
+To time only the host work of a graphed call on a machine without a GPU, the simulated backend is
+changed in this process only: its capture records like a CUDA capture (``capture_executes=False``:
+the capture call replays, RNG is guarded as on a GPU) and its replay does nothing (the static
+buffers keep what the capture wrote). What is left per call is the wrapper's work and Paddle's:
+key, checks, copies, the autograd bridge. Times are CPU time of the calling thread
+(``time.thread_time``), so that other processes on a shared machine do not count; they are CPU
+host times, not GPU timings (a GPU host adds the launch cost of each device copy and of the replay).
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import paddle  # noqa: E402
+
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
+from paddlefleet.cudagraph.backends import simulated  # noqa: E402
+from testkit.common import MatMLP, build, host_tensor, normal  # noqa: E402
+
+clock = time.thread_time
+
+
+class _StandInGraph(simulated._SimulatedGraph):
+    def replay(self):  # NOTE [ Stand-in graph ]
+        pass
+
+
+def stand_in():
+    simulated.SimulatedBackend.new_graph = lambda self, pool: _StandInGraph()
+    simulated.SimulatedBackend.capture_executes = False
+
+
+def cpu_us(fn):
+    start = clock()
+    fn()
+    return (clock() - start) * 1e6
+
+
+def per_layer_step(args, x, dy, graph):
+    layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), 0)
+    if graph:
+        for layer in layers:
+            autocudagraph(layer, backend="simulate")
+    params = layers.parameters()
+
+    def step():
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.backward(dy)
+        for p in params:
+            p.clear_gradient(False)
+
+    return step, layers
+
+
+def whole_step(args, x, dy):
+    model = build(lambda: MatMLP([args.width] * (args.layers + 1)), 0)
+    params = model.parameters()
+
+    def train(x, dy):
+        y = model(x)
+        y.backward(dy)
+        for p in params:
+            p.clear_gradient(False)
+        return y
+
+    graphed = autocudagraph_step(train, optimizers=[], warmup_steps=2, backend="simulate")
+    for _ in range(4):  # 2 warmup steps, capture, first replay
+        graphed(x, dy)
+    return lambda: graphed(x, dy)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    paddle.set_device("cpu")
+    stand_in()
+    draw = normal(0)
+    x, dy = host_tensor(draw(args.batch, args.width)), host_tensor(draw(args.batch, args.width))
+    graphed, layers = per_layer_step(args, x, dy, graph=True)
+    startup = sum(cpu_us(graphed) for _ in range(3)) / 1e3
+    eager, _ = per_layer_step(args, x, dy, graph=False)
+    g, e = [], []
+    for _ in range(args.steps):  # interleaved
+        g.append(cpu_us(graphed))
+        e.append(cpu_us(eager))
+    g, e = statistics.median(g), statistics.median(e)
+    collect = cpu_us(gc.collect) / 1e3
+    step = whole_step(args, x, dy)
+    w = statistics.median(cpu_us(step) for _ in range(5 * args.steps))
+    n = args.layers
+    print(f"CPU host time (thread CPU time, stand-in graph; not a GPU timing), {n} layers x {args.width}, batch {args.batch}")
+    print(f"- per-layer step, {n} graphed layers: {g:.0f} us ({g / n:.1f} us per layer call, forward + backward); "
+          f"eager {e:.0f} us ({e / n:.1f} us per layer)")
+    print(f"- start-up of {n} graphed layers (first 3 steps): {startup:.0f} ms; one gc.collect() in this process: "
+          f"{collect:.0f} ms")
+    print(f"- whole-step graph (autocudagraph_step), one call: {w:.1f} us")
+    key_line = next(line for line in layers[0].forward.explain().splitlines() if line.strip().startswith("key "))
+    print(f"- explain() of the first layer: {key_line.strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
