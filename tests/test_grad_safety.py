@@ -249,6 +249,17 @@ class TiedBefore(TiedHead):
         return self.block(h)
 
 
+class OneBlockTwice(paddle.nn.Layer):
+    """One graphed block called twice in one forward (one key): both calls feed one backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block(x) * 1.5 + self.block(x * 0.5)
+
+
 def _accumulating_trainee(factory, micro, set_to_zero):
     def build():
         paddle.seed(13)
@@ -328,6 +339,18 @@ class AccumulateInGraphSafetyTest(BackendCase):
         expected = (2, 1, 0) if factory is TiedHead else (1, 0, 0)
         self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), expected,
                          graphed[0].forward.explain())
+        self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
+
+    @parameterized.expand([("slots", 4), ("one_in_flight", 1)])
+    def test_one_block_called_twice_in_one_pass_sums_as_eager(self, _, max_inflight):
+        """Two forwards of one key in flight (two slots, or the second call eager) count as sharing."""
+        graphed = []
+        graph = self._graph(graphed, lambda m: [m.block], warmup_steps=1, max_inflight=max_inflight)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the past-max_inflight warning
+            differential_run(_accumulating_trainee(OneBlockTwice, 2, True), _micro_batches(4, 2), graph)
+        stats = graphed[0].forward.stats()
+        self.assertEqual(stats["recaptures"], 1, graphed[0].forward.explain())
         self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
 
 

@@ -68,7 +68,6 @@ class CaptureRequest:
         last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
         warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
         label: the key's readable label, for messages.
-        key: the key's entry (its slots' accumulators know each other), or None.
     """
 
     fn: Callable[..., Any]
@@ -80,7 +79,6 @@ class CaptureRequest:
     last_inputs: Optional[list]
     warn_once: Callable[[Any, str], None]
     label: str
-    key: Any = None
 
 
 def capture_block(request):
@@ -130,7 +128,6 @@ class _BlockCapture:
         self.call = request.call
         self.names = leaf_names(request.named)
         self.last_inputs = request.last_inputs or ()
-        self.key = request.key
         self.by_grad = by_grad
 
     def run(self):
@@ -244,7 +241,7 @@ class _BlockCapture:
             return
         # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: accumulators made before the capture.
         backward = backward_body(live, graphs.static_outputs, graphs.out_differentiable, buffers, params, self.opts,
-                                 self.by_grad, self.call.tensors, self.key)
+                                 self.by_grad, self.call.tensors)
         acc = backward.accumulators
         graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None

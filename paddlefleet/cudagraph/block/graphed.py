@@ -14,11 +14,10 @@ import paddle
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body, Replayed
-from ..grads.accumulate import expect_own_grads, note_call
+from ..grads.accumulate import note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
-from ..io.static_inputs import flatten
 from .replay import replay_blocker, run_graphs
 from .replay_fallback import state_restored_on_refusal
 from .slots import Slots
@@ -71,14 +70,6 @@ class BlockBody(Body):
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
 
-    def warmup(self, entry, call):
-        """A warmup call: the function itself, eagerly; with accumulate_in_graph its parameters'
-        grads are marked the key's own (NOTE [ Shared parameters leave the graph ] in grads/accumulate.py)."""
-        result = self.run(call.args, call.kwargs)
-        if self.options.accumulate_in_graph and paddle.is_grad_enabled():
-            expect_own_grads(entry, flatten(result)[0])
-        return result
-
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);
         returns its Slots (one slot so far, NOTE [ Slots ] in block/slots.py) or raises."""
@@ -87,7 +78,7 @@ class BlockBody(Body):
 
     def _request(self, entry, call, named, last_inputs, warn_once):
         return CaptureRequest(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                              warn_once, entry.label, entry)
+                              warn_once, entry.label)
 
     def add_slot(self, entry, call, named, last_inputs, warn_once):
         """Captures a new slot of ``entry``'s key from ``call`` (NOTE [ Slots ]); returns None, or

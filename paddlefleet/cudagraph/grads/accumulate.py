@@ -48,14 +48,8 @@ one at once), and (2) at a backward: a hook on each accumulated parameter fires 
 hands it a grad in the same backward pass (the key is captured again at its next call): while the
 graph's backward is pending, or after it with no graphed call in between (grads from a later pass,
 such as another key's eager warmup, are not sharing). Keys of one block that never share a
-backward pass (one key per sequence length, say) keep accumulating in their graphs. The slots of
-one key (NOTE [ Slots ] in block/slots.py) are not sharing either: pipeline parallel keeps several
-micro-batches in flight, and each one's backward is a pass of its own, where eager adds in the
-same order as the graphs. (One key called twice in one forward with both calls in one backward
-pass, which its slots cannot tell from a pipeline, adds the two grads one after the other.) The
-slots of a key add into one accumulator, and the grads of the key's own warmup calls, whose
-backwards a pipeline runs while slots are in flight, are not sharing (expect_own_grads()).
-In the backward pass where the sharing is first seen, the graph still adds into the accumulator, and the two grads are summed
+backward pass (one key per sequence length, say) keep accumulating in their graphs. In the backward pass where the
+sharing is first seen, the graph still adds into the accumulator, and the two grads are summed
 first as eager does: an eager grad that comes while the graph's backward is pending is kept by
 the hook (autograd gets zeros instead), and the graph's backward puts back the accumulator's value
 from before its replay plus the sum; a grad that another graph hands to autograd after this
@@ -77,7 +71,7 @@ from ..core.layers import accumulation_nodes
 from ..errors import CaptureError, CudaGraphError
 from .handles import alias, copy
 
-__all__ = ["Accumulators", "expect_own_grads", "is_shared", "note_call", "own_backward", "split_params"]
+__all__ = ["Accumulators", "is_shared", "note_call", "own_backward", "split_params"]
 
 
 def _neg_zeros(p, dtype):
@@ -120,45 +114,29 @@ def _mark_shared(p):
     _SHARED[key] = weakref.ref(p, lambda _, key=key: _SHARED.pop(key, None))
 
 
-def _other_owners(acc, p, key=None):
-    """The other live Accumulators that add ``p``'s grad in their graph, those of other keys than
-    ``key`` (acc's: the slots of one key are not sharing, NOTE [ Shared parameters leave the graph ])."""
-    key = acc.key() if acc is not None else key
+def _other_owners(acc, p):
+    """The other live Accumulators that add ``p``'s grad in their graph."""
     found = []
     for ref in _OWNERS.get(id(p), ()):
         other = ref()
-        if other is None or other is acc or (key is not None and other.key() is key):
-            continue
-        if any(q is p for q in other.params):
+        if other is not None and other is not acc and any(q is p for q in other.params):
             found.append(other)
     return found
 
 
-def _slot_accumulator(p, key):
-    """The accumulator of ``p`` that another slot of ``key`` adds into (whatever ``p``'s grad is
-    now: a freed one is put back, an eager call's assigned one taken over by prepare()), or None."""
-    for ref in _OWNERS.get(id(p), ()) if key is not None else ():
-        other = ref()
-        if other is not None and other.key() is key:
-            for q, t in zip(other.params, other.tensors):
-                if q is p and t is not None:
-                    return alias(t)
-    return None
-
-
-def split_params(params, inputs=(), key=None):
+def split_params(params, inputs=()):
     """``(bridged, accumulated)``: the shared parameters, which go through the bridge, and the
     others, whose grads the graph accumulates. A parameter that a graph whose backward is pending
     accumulates becomes shared here, and that graph is captured again at its next call; so does one
     the call's ``inputs`` were computed from (an eager use before the graph in the same pass: NOTE
-    [ Shared parameters leave the graph ]); ``key``: the key captured (its other slots do not count)."""
+    [ Shared parameters leave the graph ])."""
     upstream = accumulation_nodes([t for t in inputs if not t.stop_gradient])
     for p in params:
         node = getattr(p, "grad_fn", None)
         if node is not None and node.node_ptr() in upstream:
             _mark_shared(p)
     for p in params:
-        for other in _other_owners(None, p, key):
+        for other in _other_owners(None, p):
             if other.in_flight():
                 _mark_shared(p)
                 other.expect_from_autograd(p)
@@ -188,30 +166,6 @@ def note_call():
     _CALLS[0] += 1
 
 
-def expect_own_grads(key, outputs):
-    """An eager call of ``key`` (a warmup) with grad: once its backward reaches the first
-    differentiable of ``outputs``, the grads that the parameters accumulated by ``key``'s graphs
-    get next are that call's own, not a sharing (pipeline parallel keeps the key's graphs in
-    flight meanwhile: NOTE [ Shared parameters leave the graph ])."""
-    out = next((o for o in outputs if isinstance(o, paddle.Tensor) and not o.stop_gradient), None)
-    if out is None:
-        return
-    ref = weakref.ref(key)
-
-    def hook(grad):
-        owner = ref()
-        seen = set()
-        for refs in list(_OWNERS.values()) if owner is not None else ():
-            for acc in (r() for r in refs):
-                if acc is not None and id(acc) not in seen and acc.key() is owner:
-                    seen.add(id(acc))
-                    for i in acc._in_use():
-                        acc.own[i] = acc.own.get(i, 0) + 1
-        return None
-
-    out.register_hook(hook)
-
-
 def _eager_use_hook(acc, p, i):
     """A gradient hook for ``p`` (index ``i`` in acc): autograd runs it only for grads from outside
     acc's graph (or from an inner backward of the graph's own body, see own_backward()). The grad is
@@ -228,10 +182,6 @@ def _eager_use_hook(acc, p, i):
             return None
         in_flight = acc.in_flight()
         if _QUIET[0] or not (in_flight or acc.backward_calls == _CALLS[0]):
-            return None
-        if acc.own.get(i):  # from an eager call of the same key (expect_own_grads)
-            acc.own[i] -= 1
-            acc.eager_seen = True  # it may have assigned a grad where there was none: prepare() takes it over
             return None
         _mark_shared(p)
         acc.eager_seen = True
@@ -252,14 +202,13 @@ class Accumulators:
 
     Args:
         params: the trainable parameters of the call whose grads the graph accumulates.
-        key: the key (its entry) captured; its slots share its parameters without sharing a pass.
 
     Attributes:
         tensors: per parameter, the tensor the graph adds into (it owns the storage).
         shared_seen: why a parameter turned out shared (the key must be captured again), or None.
     """
 
-    def __init__(self, params, key=None):
+    def __init__(self, params):
         wrapper = _data_parallel_of(params)
         if wrapper is not None:
             raise CaptureError(
@@ -269,24 +218,20 @@ class Accumulators:
                 "all-reduce main_grad in the optimizer (Fleet's hybrid-parallel optimizer does)."
             )
         self.params = list(params)
-        self._key = weakref.ref(key) if key is not None else None
         self.main = [hasattr(p, "main_grad") for p in self.params]
         self.tensors = []
         for p, main in zip(self.params, self.main):
-            current = p.main_grad if main else p.grad
-            held = _slot_accumulator(p, key)  # the key's slots add into one accumulator (NOTE [ Slots ])
-            if held is not None:
-                self.tensors.append(held)
-            elif current is not None and current._is_initialized():
-                self.tensors.append(alias(current))
+            if main:
+                current = p.main_grad
+                live = current is not None and current._is_initialized()
+                self.tensors.append(alias(current) if live else _neg_zeros(p, paddle.float32))
             else:
-                self.tensors.append(_neg_zeros(p, paddle.float32 if main else p.dtype))
+                self.tensors.append(alias(p.grad) if _live(p) else _neg_zeros(p, p.dtype))
         self._ptrs = [t.data_ptr() for t in self.tensors]
         self.used = None  # per parameter: whether the graph differentiates it (set by add())
         self._used_idx = []
         self.shared_seen = None
         self.eager_seen = False
-        self.own = {}  # per parameter: grads still to come from eager calls of the key
         self._hooks = []
         self._graphs = None  # weakref to the BlockGraphs whose backward adds into these
         self._overlaps = []  # in-use parameters that other live Accumulators add into too
@@ -306,10 +251,6 @@ class Accumulators:
             for acc, g in zip(self.tensors, grads):
                 if g is not None:
                     acc.add_(g)
-
-    def key(self):
-        """The key (its entry) whose graph adds into these, or None."""
-        return self._key() if self._key is not None else None
 
     def count(self):
         """How many parameters the graph accumulates."""

@@ -34,15 +34,14 @@ class BackwardBody:
         return GradPlan(static_grads, self.needs_grad, self.bridged, self.policy, stacks)
 
 
-def backward_body(live, static_outputs, out_differentiable, input_buffers, params, options, by_grad, call_tensors=(),
-                  key=None):
+def backward_body(live, static_outputs, out_differentiable, input_buffers, params, options, by_grad, call_tensors=()):
     """The BackwardBody of a captured forward: grads of its differentiable outputs (``live``
     holds them) with respect to the ``input_buffers`` that need grad and the ``params``; with
     ``options.accumulate_in_graph`` added into new Accumulators (NOTE [ Accumulation inside the
     graph ] in grads/accumulate.py), except for shared parameters, which like all parameters
     without it are handed through the bridge (NOTE [ Shared parameters leave the graph ] there;
-    ``call_tensors``: the call's own tensors; ``key``: the key's entry). ``by_grad``: differentiate
-    with paddle.grad (else paddle.autograd.backward)."""
+    ``call_tensors``: the call's own tensors). ``by_grad``: differentiate with paddle.grad (else
+    paddle.autograd.backward)."""
     needs_grad = [not b.stop_gradient for b in input_buffers]
     inputs = [b for b, n in zip(input_buffers, needs_grad) if n]
     with paddle.no_grad():
@@ -52,13 +51,13 @@ def backward_body(live, static_outputs, out_differentiable, input_buffers, param
                 buf = out.detach().clone()
                 buf.stop_gradient = True
                 grad_outputs.append(buf)
-    bridged, accumulated = split_params(params, call_tensors, key) if options.accumulate_in_graph and params else (
+    bridged, accumulated = split_params(params, call_tensors) if options.accumulate_in_graph and params else (
         list(params), [])
     leaves = inputs + bridged + accumulated
     anchor = _anchor(params[0].place) if accumulated and not any(needs_grad) else None
     if not accumulated:
         grad_stacks.probe(params)
-    acc = Accumulators(accumulated, key) if accumulated else None  # last: a failure before it leaves nothing to undo
+    acc = Accumulators(accumulated) if accumulated else None  # last: a failure before it leaves nothing to undo
     # Where the body's split starts: the accumulated parameters, else all parameters (stacks).
     first = len(inputs) + (len(bridged) if acc is not None else 0)
     body = _body(live, out_differentiable, grad_outputs, leaves, first, acc, by_grad)
