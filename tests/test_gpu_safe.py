@@ -440,6 +440,64 @@ class PipelineCases(TwinCase):
             self.assertEqual(stats["slot_captures"], 3)
 
 
-for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases):
+
+class _Tied(paddle.nn.Layer):
+    """A graphed block whose weight is used again, eagerly, by the head; ``spare`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = MatMLP([16, 16])
+        self.spare = self.create_parameter([16, 16], dtype="float32")
+
+    def forward(self, x):
+        h = self.block(x)
+        return paddle.matmul(h, self.block.layers[0].w, transpose_y=True)
+
+
+class GradSafetyCases(TwinCase):
+    """Grads of the fast paths (tests/test_grad_safety.py). They accumulate grads: Paddle's add kernel."""
+
+    def _steps(self, g, e, micro, seed):
+        draw = normal(seed)
+        for k in range(3):
+            for m in range(micro):
+                xn, dyn = draw(8, 16), draw(8, 16)
+                for model in (g, e):
+                    model(self.tensor(xn)).backward(self.tensor(dyn))
+                self.assertBitwise(grads_of(g), grads_of(e), f"step {k} micro-batch {m} grads")
+            release_grads(g, e)
+
+    def test_accumulate_in_graph_tied_weight_and_unused_parameter(self):
+        """accumulate_in_graph=True: a weight also used eagerly after the block goes through autograd
+        (eager's sum order), an unused parameter keeps grad None, freed grads are put back."""
+        self.require_all_kernels("accumulating parameter grads needs Paddle's add kernel")
+        g, e = self.twins(_Tied, 30)
+        self.graphed(g.block, warmup_steps=2, accumulate_in_graph=True)
+        self._steps(g, e, micro=2, seed=31)
+        self.assertIsNone(g.spare.grad)
+        self.assertCounters(g.block.forward, captures=2, recaptures=1, eager=0)
+
+    def test_held_grad_handle_tracks_p_grad(self):
+        """clone_param_grads="auto": ``h = p.grad`` after micro-batch 1 is still p.grad after 2 and 3."""
+        self.require_all_kernels("accumulating parameter grads needs Paddle's add kernel")
+        g, e = self.twins(lambda: MatMLP([16, 16, 16]), 32)
+        self.graphed(g, warmup_steps=0)
+        draw = normal(33)
+        for k in range(2):
+            held = None
+            for m in range(3):
+                xn, dyn = draw(8, 16), draw(8, 16)
+                for model in (g, e):
+                    model(self.tensor(xn)).backward(self.tensor(dyn))
+                if m == 0:
+                    held = [[p.grad for p in model.parameters()] for model in (g, e)]
+            for model, handles in zip((g, e), held):
+                for p, h in zip(model.parameters(), handles):
+                    self.assertEqual(h.data_ptr(), p.grad.data_ptr(), f"step {k}: the handle left p.grad")
+            self.assertBitwise([h.numpy() for h in held[0]], [h.numpy() for h in held[1]], f"step {k} handles")
+            release_grads(g, e)
+
+
+for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases):
     globals().update(backend_variants(_base))
-del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, _base, _option
+del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases, _base, _option

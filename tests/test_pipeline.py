@@ -167,15 +167,21 @@ class PipelineSchedulesTest(unittest.TestCase):
             differential_run(builder(schedule, n_chunks), batches(), graph, after_step=after_step)
         return per_step
 
-    def assert_replays_once_warm(self, per_step, slots):
-        """The last step: every call of every chunk replays; ``slots``: slots per chunk."""
+    def assert_replays_once_warm(self, per_step, slots, accumulate=False):
+        """The last step: every call of every chunk replays; ``slots``: slots per chunk. With
+        ``accumulate`` (accumulate_in_graph) a key may be captured again once: forwards of one key
+        in flight together count as sharing its parameters (NOTE [ Shared parameters leave the
+        graph ] in grads/accumulate.py), whose grads then go through autograd."""
         last, before = per_step[-1], per_step[-2]
         for k, (a, b) in enumerate(zip(last, before)):
             self.assertEqual(a["replays"] - b["replays"], MICRO, (k, a))
             self.assertEqual(a["eager_calls"], 0, (k, a["eager_reasons"]))
             self.assertEqual(a["captures"] - b["captures"], 0, k)
             self.assertEqual(a["slots"], slots[k], (k, a["slot_bytes"]))
-            self.assertEqual(a["slot_captures"], slots[k] - 1, k)
+            if accumulate:
+                self.assertLessEqual(a["recaptures"], 1, k)
+            else:
+                self.assertEqual(a["slot_captures"], slots[k] - 1, k)
 
     def test_gpipe(self):
         self.assert_replays_once_warm(self.run_case("gpipe"), [MICRO] * STAGES)
@@ -191,13 +197,14 @@ class PipelineSchedulesTest(unittest.TestCase):
                 last = per_step[-1]
                 self.assertEqual(len(last), 2 * STAGES)
                 # In this order model chunk k has at most 2 * STAGES - k forwards in flight.
-                self.assert_replays_once_warm(per_step, [4, 3, 2, 1])
+                self.assert_replays_once_warm(per_step, [4, 3, 2, 1], "accumulate_in_graph" in options)
 
     def test_gpipe_every_grad_policy(self):
         for options in ({"clone_param_grads": True}, {"clone_param_grads": False}, {"clone_param_grads": "auto"},
                         {"accumulate_in_graph": True}):
             with self.subTest(**options):
-                self.assert_replays_once_warm(self.run_case("gpipe", **options), [MICRO] * STAGES)
+                self.assert_replays_once_warm(self.run_case("gpipe", **options), [MICRO] * STAGES,
+                                              "accumulate_in_graph" in options)
 
     def test_gpipe_static_outputs_and_verified_replays(self):
         for options in ({"clone_outputs": False, "check_stale_outputs": True}, {"verify_replays": 6}):
@@ -211,7 +218,8 @@ class PipelineSchedulesTest(unittest.TestCase):
     def test_1f1b_without_grad_copies(self):
         for options in ({"clone_param_grads": False}, {"accumulate_in_graph": True}):
             with self.subTest(**options):
-                self.assert_replays_once_warm(self.run_case("1f1b", **options), [STAGES, 1])
+                self.assert_replays_once_warm(self.run_case("1f1b", **options), [STAGES, 1],
+                                              "accumulate_in_graph" in options)
 
     def test_past_max_inflight_runs_eagerly_with_the_reason(self):
         per_step = self.run_case("gpipe", max_inflight=2)

@@ -22,6 +22,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ..errors import CudaGraphError, PendingBackwardError
+from ..grads.accumulate import own_backward
 from ..grads.handles import alias, copy
 
 __all__ = ["GraphedFunction", "hand_out_outputs"]
@@ -96,12 +97,14 @@ class GraphedFunction(PyLayer):
                 buf.copy_(grad, False)
         acc = backward.accumulators
         if acc is not None:
-            acc.check_before_backward()
+            acc.prepare()
         graph, plan, adopted = backward.sets.next()
         plan.before_replay(adopted)
-        graph.replay()
+        with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+            graph.replay()
         ctx.token.done = True
         if acc is not None:
+            acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
             acc.after_backward()
         grads = plan.hand_out()
         return grads if backward.anchor is None else grads + (None,)

@@ -42,7 +42,8 @@ from ..grads.handles import can_hook
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
-from ..io.static_inputs import StaticInputs, check_rebuild, flatten, holds_tensor, leaf_names
+from ..io.static_inputs import (StaticInputs, check_rebuild, contiguous_outputs, flatten, holds_tensor, leaf_names,
+                                strided_copy_works)
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -86,6 +87,7 @@ def capture_block(request):
     cannot."""
     for name, value in request.named:  # NOTE [ Containers keep their type ] in io/static_inputs.py
         check_rebuild(value, f"argument {name}")
+    strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
     with CAPTURE_LOCK:
         try:
@@ -175,7 +177,7 @@ class _BlockCapture:
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
-            return out_tensors
+            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         snapshot, watch, bound_layers = self._watch_layers()
         rng = state.rng_snapshot()
@@ -193,7 +195,7 @@ class _BlockCapture:
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
-            graphs.out_differentiable = [not o.stop_gradient for o in outputs]
+            graphs.out_differentiable = [not o.stop_gradient for o in live["outputs"]]
             out_host = host_mask(outputs, on_gpu=backend.name == "cuda") if outputs else None
             graphs.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
             if opts.check_stale_outputs and not opts.clone_outputs:
@@ -234,13 +236,13 @@ class _BlockCapture:
         leaves = [b for b in buffers if not b.stop_gradient] + params
         differentiable = grad_enabled and any(graphs.out_differentiable)
         if differentiable:
-            self._refuse_unknown_leaves(graphs, leaves)
+            self._refuse_unknown_leaves(graphs, live, leaves)
         if not (differentiable and leaves):
             graphs.out_differentiable = [False] * len(graphs.static_outputs)
             return
         # NOTE [ Accumulation inside the graph ] in grads/accumulate.py: accumulators made before the capture.
         backward = backward_body(live, graphs.static_outputs, graphs.out_differentiable, buffers, params, self.opts,
-                                 self.by_grad)
+                                 self.by_grad, self.call.tensors)
         acc = backward.accumulators
         graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
@@ -250,9 +252,11 @@ class _BlockCapture:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
         # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py. Not for a backward() body: it runs
-        # parameter hooks, which a second capture would run once more.
-        second = backward.bridged and self.opts.clone_param_grads is not True and self.by_grad
+        # parameter hooks, which a second capture would run once more; nor where the body accumulates.
+        second = backward.bridged and acc is None and self.opts.clone_param_grads is not True and self.by_grad
         graphs.backward.sets = GradSets(graphs.backward.graph, backward.plan(results), backward if second else None)
+        if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
+            acc.register(graphs)
 
     def _capture_backward(self, graphs, body):
         bwd = graphs.backward
@@ -271,10 +275,10 @@ class _BlockCapture:
             guard.check()
         return results
 
-    def _refuse_unknown_leaves(self, graphs, leaves):
+    def _refuse_unknown_leaves(self, graphs, live, leaves):
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
         it: neither call arguments nor parameters of the Layers the call uses."""
-        outputs = [o for o, d in zip(graphs.static_outputs, graphs.out_differentiable) if d]
+        outputs = [o for o, d in zip(live["outputs"], graphs.out_differentiable) if d]
         known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:

@@ -14,6 +14,7 @@ import paddle
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body, Replayed
+from ..grads.accumulate import note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -64,6 +65,7 @@ class BlockBody(Body):
 
     def run(self, args, kwargs):
         """The function itself, eagerly."""
+        note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
         if self._owner_ref is None:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)
@@ -114,6 +116,7 @@ class BlockBody(Body):
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call``."""
         graphs = entry.graphs.current
+        note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
         if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore

@@ -20,8 +20,8 @@ class BackwardGraphs:
 
     Attributes:
         grad_outputs: where the backward replay reads the outputs' grads (static buffers).
-        bridged: the parameters handed through the bridge (all trainable ones, or none with
-            accumulate_in_graph); accumulators: Accumulators of the others, or None.
+        bridged: the parameters handed through the bridge (all trainable ones, or with
+            accumulate_in_graph the shared ones); accumulators: Accumulators of the others, or None.
         anchor: a leaf that needs grad, passed to the bridge when nothing else it takes does
             (so that autograd still runs its backward, which accumulates in the graph).
         graph: the first backward graph; sets: its GradSets (grads/buffer_sets.py: the grad
@@ -49,6 +49,8 @@ class BackwardGraphs:
         return sum(nbytes(t) for group in (self.grad_outputs, grads) for t in group if t is not None)
 
     def release(self):
+        if self.accumulators is not None:
+            self.accumulators.release()
         if self.sets is not None:
             self.sets.release()
         if self.graph is not None:
@@ -108,12 +110,22 @@ class BlockGraphs(Graphs):
         token = self.inflight() if self.inflight is not None else None
         return token is not None and not token.done
 
+    def leaf_params(self):
+        """The parameters in the order the backward graph returns their grads: the bridged ones,
+        then the accumulated ones (all of them without a backward)."""
+        if self.backward is None:
+            return list(self.params.params)
+        acc = self.backward.accumulators
+        return list(self.backward.bridged) + (list(acc.params) if acc is not None else [])
+
     def describe(self):
         """What explain() says about this key's grads, or "" (no backward)."""
         if self.backward is None or self.backward.graph is None:
             return ""
         if self.accumulators is not None:
-            return f"grads of {len(self.accumulators.params)} parameter(s) accumulated in the graph"
+            bridged = self.backward.bridged
+            bridged = f", {len(bridged)} shared one(s) handed out" if bridged else ""
+            return f"grads of {self.accumulators.count()} parameter(s) accumulated in the graph{bridged}"
         plans = self.plans()
         copies = sum(p.copies for p in plans)
         rescues = sum(p.rescues for p in plans)

@@ -44,12 +44,15 @@ def replay_blocker(graphs, call, check_inputs):
     if moved is not None:
         return Blocked(Action.RECAPTURE, moved)
     if graphs.accumulators is not None:
+        shared = graphs.accumulators.shared_now()
+        if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+            return Blocked(Action.RECAPTURE, f"{shared}: its grad goes through autograd from now on")
         moved = graphs.accumulators.moved()
         if moved is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
             return Blocked(Action.RECAPTURE_ONCE, moved, (
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
-                "happens again, the key runs eagerly). Zero accumulators in place instead: optimizer.clear_grad() "
-                "with set_to_zero=True, main_grad.zero_()."))
+                "happens again, the key runs eagerly). Zero grads in place (optimizer.clear_grad()) or free them "
+                "(clear_grad(set_to_zero=False)) instead of rebinding them."))
     if graphs.backward_pending():
         return Blocked(Action.EAGER, "previous replay's backward still pending")
     return None

@@ -17,8 +17,9 @@ buffers, pool, forward and backward graphs, grad plan), captured from a call of 
   buffer sets ] in grads/hand_out_plan.py), stale-output tracking, the RNG handling of NOTE
   [ RNG across capture ] in block/capture.py (a slot's capture consumes random numbers as the
   eager call it replaces, and each later replay draws as eager does at that point of the
-  schedule, whichever slot serves it). With accumulate_in_graph every slot adds into the same
-  accumulators (``p.main_grad`` / ``p.grad``).
+  schedule, whichever slot serves it). With accumulate_in_graph, slots in flight together count
+  as sharing the key's parameters (NOTE [ Shared parameters leave the graph ] in
+  grads/accumulate.py): the key is captured again once, those grads going through autograd.
 * Releasing the key (reset, re-capture, eviction, fallback) frees the slots whose backward is
   not pending; a pending slot stays alive with its autograd graph, so that backward still
   replays what its forward saved, and goes with it.

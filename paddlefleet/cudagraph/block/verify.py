@@ -31,6 +31,7 @@ import numpy as np
 import paddle
 
 from ..core import state
+from ..grads.accumulate import own_backward
 from ..grads.handles import GradSwap, copy, merge_leaf_grads
 from ..io.static_inputs import flatten
 
@@ -135,7 +136,7 @@ def _eager_grads(outputs, leaves, grad_outputs):
 def _grad_names(graphs, needs_grad):
     names = [f"grad of input '{n}'" for n, need in zip(graphs.static_inputs.names, needs_grad) if need]
     homes = graphs.params.names()
-    for p in graphs.params.params:
+    for p in graphs.leaf_params():
         names.append(f"grad of parameter {homes.get(id(p), repr(p.name))}")
     return names
 
@@ -169,7 +170,8 @@ def verified_run(graphs, call, run_graphs, run_eager):
     buffers_before = _save(buffers)
     result = run_graphs()
     try:
-        mismatch = _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
+        with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+            mismatch = _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
     except Exception as err:  # the eager re-run or the check itself failed: trust neither
         mismatch = (("the eager re-run", f"raised {type(err).__name__}: {err}"), None)
     if mismatch is None:
@@ -218,7 +220,7 @@ def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
             return (f"output {i}", f"it requires grad in {side}"), None
     pairs = [(f"output {i}", g, e.detach()) for i, (g, e) in enumerate(zip(graph_outputs, eager_outputs))]
     if with_grads:
-        leaves = [c for c, need in zip(clones, needs_grad) if need] + list(graphs.params.params)
+        leaves = [c for c, need in zip(clones, needs_grad) if need] + graphs.leaf_params()
         diff_outputs = [eager_outputs[i] for i in diff_index]
         if any(o.stop_gradient for o in diff_outputs):
             return ("an output", "it requires grad in the graph but not in eager"), None

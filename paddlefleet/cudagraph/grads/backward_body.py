@@ -5,7 +5,7 @@ second backward graph later (NOTE [ Two grad buffer sets ] in grads/hand_out_pla
 import paddle
 
 from . import stacks as grad_stacks
-from .accumulate import Accumulators
+from .accumulate import Accumulators, split_params
 from .hand_out_plan import GradPlan
 from .handles import GradSwap, merge_leaf_grads
 
@@ -34,14 +34,16 @@ class BackwardBody:
         return GradPlan(static_grads, self.needs_grad, self.bridged, self.policy, stacks)
 
 
-def backward_body(live, static_outputs, out_differentiable, input_buffers, params, options, by_grad):
+def backward_body(live, static_outputs, out_differentiable, input_buffers, params, options, by_grad, call_tensors=()):
     """The BackwardBody of a captured forward: grads of its differentiable outputs (``live``
     holds them) with respect to the ``input_buffers`` that need grad and the ``params``; with
     ``options.accumulate_in_graph`` added into new Accumulators (NOTE [ Accumulation inside the
-    graph ] in grads/accumulate.py), else handed through the bridge. ``by_grad``: differentiate
-    with paddle.grad (else paddle.autograd.backward)."""
+    graph ] in grads/accumulate.py), except for shared parameters, which like all parameters
+    without it are handed through the bridge (NOTE [ Shared parameters leave the graph ] there;
+    ``call_tensors``: the call's own tensors). ``by_grad``: differentiate with paddle.grad (else
+    paddle.autograd.backward)."""
     needs_grad = [not b.stop_gradient for b in input_buffers]
-    leaves = [b for b, n in zip(input_buffers, needs_grad) if n] + params
+    inputs = [b for b, n in zip(input_buffers, needs_grad) if n]
     with paddle.no_grad():
         grad_outputs = []
         for out, differentiable in zip(static_outputs, out_differentiable):
@@ -49,21 +51,25 @@ def backward_body(live, static_outputs, out_differentiable, input_buffers, param
                 buf = out.detach().clone()
                 buf.stop_gradient = True
                 grad_outputs.append(buf)
-    accumulate = bool(options.accumulate_in_graph and params)
-    anchor = _anchor(params[0].place) if accumulate and not any(needs_grad) else None
-    if not accumulate:
+    bridged, accumulated = split_params(params, call_tensors) if options.accumulate_in_graph and params else (
+        list(params), [])
+    leaves = inputs + bridged + accumulated
+    anchor = _anchor(params[0].place) if accumulated and not any(needs_grad) else None
+    if not accumulated:
         grad_stacks.probe(params)
-    acc = Accumulators(params) if accumulate else None  # last: a failure before it leaves nothing to undo
-    body = _body(live, out_differentiable, grad_outputs, leaves, len(leaves) - len(params), acc, by_grad)
+    acc = Accumulators(accumulated) if accumulated else None  # last: a failure before it leaves nothing to undo
+    # Where the body's split starts: the accumulated parameters, else all parameters (stacks).
+    first = len(inputs) + (len(bridged) if acc is not None else 0)
+    body = _body(live, out_differentiable, grad_outputs, leaves, first, acc, by_grad)
     return BackwardBody(body, grad_outputs, options.capture_hooks, len(leaves), live, needs_grad,
-                        [] if acc is not None else params, options.clone_param_grads, acc, anchor)
+                        bridged, options.clone_param_grads, acc, anchor)
 
 
 def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad):
     """The body the backward graph captures: grads of the differentiable outputs with respect to
-    ``leaves`` (NOTE [ Backward body ] in block/capture.py), then either added into the
-    accumulators (``acc``) or also copied into same-shape stacks (NOTE [ Grad groups ] in
-    grads/stacks.py)."""
+    ``leaves`` (NOTE [ Backward body ] in block/capture.py), returned; with accumulators (``acc``)
+    those of ``leaves[first_param:]`` are also added into them, else the parameters' are also
+    copied into same-shape stacks (NOTE [ Grad groups ] in grads/stacks.py)."""
     outputs = live["outputs"]
     diff_index = [i for i, d in enumerate(differentiable) if d]
     # An output returned more than once (``return y, y``) is differentiated once, with the sum

@@ -115,14 +115,30 @@ class GradSwap:
         return False
 
 
-def rescue_grad(t, buffer):
-    """If ``t.grad`` shares ``buffer``'s storage, gives t a private copy of it (same values).
+# ``src._share_buffer_to(dst)`` points dst's tensor at src's storage in place: every handle of
+# dst (``g = p.grad`` held by the user, an optimizer, a hook) follows, as it follows eager's
+# in-place accumulation (NOTE [ Moving an adopted grad ]).
+_SHARE_BUFFER = hasattr(paddle.Tensor, "_share_buffer_to")
 
-    Paddle without ``grad_`` cannot re-point a grad slot; there clone_param_grads=False is
-    only as safe as its documentation says.
+
+def rescue_grad(t, buffer):
+    """If ``t.grad`` shares ``buffer``'s storage, moves it to a private copy (same values).
+
+    NOTE [ Moving an adopted grad ]
+    In eager, ``g = p.grad`` is the same tensor as ``p.grad`` for as long as accumulation adds in
+    place: later micro-batches show in ``g``. So an adopted grad is not replaced by a copy
+    (``t.grad_ = copy``: ``g`` would keep pointing at the static buffer, which the next replay
+    overwrites) but moved: the gradient tensor itself is pointed at the copy's storage, which
+    every handle to it sees. Paddle without ``_share_buffer_to`` re-points the grad slot
+    instead, and without ``grad_`` cannot do either; there clone_param_grads=False is only as safe
+    as its documentation says.
     """
     g = t.grad
-    if _REBIND_GRAD and g is not None and g.data_ptr() == buffer.data_ptr():
+    if g is None or g.data_ptr() != buffer.data_ptr():
+        return
+    if _SHARE_BUFFER:
+        copy(g)._share_buffer_to(g)
+    elif _REBIND_GRAD:
         t.grad_ = copy(g)
 
 

@@ -34,6 +34,8 @@ __all__ = ["install", "may_keep", "generation", "describe"]
 #: Hooks that read their grad (or free it) and keep nothing: ``(module, qualname)``.
 _KEEP_NOTHING = {
     ("paddle.distributed.fleet.utils.mix_precision_utils", "MixPrecisionLayer._update_main_grad_hook.<locals>.param_hook"),
+    # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py: notes that a grad arrived.
+    ("paddlefleet.cudagraph.grads.accumulate", "_eager_use_hook.<locals>.hook"),
 }
 
 # id(tensor) -> (weakref to the tensor, {hook_id: may_keep})

@@ -15,6 +15,18 @@ and see its in-place updates. A graph never copies another tensor into an adopte
 would overwrite the caller's tensor): when a call passes a different tensor there, the key is
 captured again with an ordinary static buffer for that argument. Host (CPU) inputs are keyed by
 value (NOTE [ Host tensors ] in io/host_tensors.py) and never copied.
+
+NOTE [ Strided static outputs ]
+A function may return a view of another output or of an input (``h, h[:, :3]``, ``h.t()``,
+``x[1:]``). Such an output is a non-contiguous static buffer, and a simulated replay copies the
+fresh result into it with ``Tensor.copy_``. Paddle 2.6 copies into a non-contiguous destination as
+if it were contiguous (measured on 2.6.2: ``h[:, :3].copy_(v)`` fills the first six elements of
+``h``), which writes wrong values into the view and corrupts the tensor it views. Where a probe
+finds that (feature detection, once), the static output of a non-contiguous result is a
+contiguous copy of it made by the captured forward (``contiguous_outputs``), outside autograd:
+the backward still differentiates the function's own results, so the grads flow, and are summed,
+exactly as in eager (a differentiable clone would add a node and change the order in which
+autograd sums the grads of the tensor viewed).
 """
 
 import dataclasses
@@ -24,7 +36,8 @@ import paddle
 
 from ..errors import CaptureError, InputMismatchError
 
-__all__ = ["MAX_HOST_KEY_ELEMENTS", "flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs", "tensor_meta", "numel", "nbytes"]
+__all__ = ["MAX_HOST_KEY_ELEMENTS", "flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs",
+           "tensor_meta", "numel", "nbytes", "contiguous_outputs", "strided_copy_works"]
 
 _TENSOR = "T"
 _CONST = "C"
@@ -392,6 +405,45 @@ def numel(t):
 def nbytes(t):
     """Bytes of a tensor's elements."""
     return numel(t) * t.element_size()
+
+
+_STRIDED_COPY = []  # [bool] once probed: copy_ honours a non-contiguous destination's strides
+
+
+def strided_copy_works():
+    """Whether ``Tensor.copy_`` writes a non-contiguous destination through its strides (probed
+    once on the host, before any capture: a probe inside one would be a host read; NOTE [ Strided
+    static outputs ])."""
+    if not _STRIDED_COPY:
+        cpu = paddle.CPUPlace()
+        with paddle.no_grad():
+            base = paddle.to_tensor(np.zeros([2, 2], dtype="float32"), place=cpu)
+            view = base[:, :1]
+            if view.is_contiguous():  # no strided views on this Paddle: nothing to get wrong
+                _STRIDED_COPY.append(True)
+            else:
+                view.copy_(paddle.to_tensor(np.ones([2, 1], dtype="float32"), place=cpu), False)
+                _STRIDED_COPY.append(base.numpy().tolist() == [[1.0, 0.0], [1.0, 0.0]])
+    return _STRIDED_COPY[0]
+
+
+def contiguous_outputs(tensors):
+    """``tensors`` with each non-contiguous one replaced by a contiguous copy outside autograd (one per distinct
+    tensor, so an output returned twice stays one tensor) where ``copy_`` cannot write a strided
+    static output (NOTE [ Strided static outputs ]); else ``tensors`` unchanged. strided_copy_works()
+    must have run (before the capture)."""
+    if _STRIDED_COPY[0] or all(t.is_contiguous() for t in tensors):
+        return tensors
+    clones = {}
+    out = []
+    for t in tensors:
+        if not t.is_contiguous():
+            if id(t) not in clones:
+                with paddle.no_grad():
+                    clones[id(t)] = t.clone()
+            t = clones[id(t)]
+        out.append(t)
+    return out
 
 
 def _alloc(t):

@@ -40,7 +40,8 @@ from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
                               optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
-from ..io.static_inputs import StaticInputs, flatten, holds_tensor, leaf_names, nbytes, unflatten
+from ..io.static_inputs import (StaticInputs, contiguous_outputs, flatten, holds_tensor, leaf_names, nbytes,
+                                strided_copy_works, unflatten)
 from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import (EXTRA_WARMUPS, NO_WATCH, GradValues, LayerWatch, Rollback, describe_changes, fingerprint,
                        step_params)
@@ -278,6 +279,7 @@ class StepBody(Body):
             raise CaptureError(SchedulerWatch.message(self._stepped_schedulers))
         for opt in self.optimizers:
             check_supported(opt)
+        strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
         with CAPTURE_LOCK:
             return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
 
@@ -447,7 +449,7 @@ class _StepCapture:
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
             live.update(trace=trace, record=record, spec=(spec, consts))
-            return tensors
+            return contiguous_outputs(tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)

@@ -24,7 +24,8 @@ accumulated grads, and a graph captured with "assign" would overwrite them when 
 middle of an accumulation. So once a step function is seen to leave grads holding values,
 the wrapper switches to "persistent" mode for good: inside every call of it (warmup, capture,
 replay, eager) a ``clear_gradient``/``clear_grad`` zero-fills the grad in place and leaves the
-flag alone, so grad storage is allocated once and every later backward adds into it. Keys
+flag alone (a freeing one frees: NOTE [ Freed grads under persistent slots ]), so grad storage is
+allocated once and every later backward adds into it. Keys
 captured in closed mode are captured again. The one numeric difference to Paddle's eager
 steps: the first backward after a clear computes ``0 + g`` instead of taking ``g``, so a grad
 element that is exactly -0.0 in eager is +0.0 here (parameters and optimizer state are
@@ -35,13 +36,29 @@ import contextlib
 
 import paddle
 
+from ..backends.base import is_capturing
 from ..core.paddle_patches import patched
+from ..errors import CaptureError
 from .optimizer_state import optimizer_params
 
 __all__ = ["GradSlots", "CLOSED", "PERSISTENT", "representative_grads", "grad_ptr"]
 
 CLOSED = "closed"
 PERSISTENT = "persistent"
+
+# NOTE [ Freed grads under persistent slots ]
+# ``clear_grad(set_to_zero=False)`` frees a grad: eager's optimizer then skips that parameter until
+# a backward gives it a grad again (a head unused in the next window keeps its weights, moments and
+# beta powers). A zero-filled grad would be updated (AdamW decays it). So in persistent mode a
+# freeing clear frees, as in eager, in every call that runs on the host; a capture that frees grads
+# is refused (a graph would need new grad storage in every window), and the key runs eagerly.
+FREED_UNDER_PERSISTENT = (
+    "autocudagraph_step: the step frees grads with clear_grad(set_to_zero=False) while grads are kept between "
+    "calls (gradient accumulation): a freed grad needs new storage in every window, which a graph cannot "
+    "give, and a zero-filled one would be updated by the optimizer where eager skips it. This key runs "
+    "eagerly. Use clear_grad() (set_to_zero=True) to graph it; parameters without a grad in a window are then "
+    "updated with a zero grad, as eager does after clear_grad()."
+)
 
 
 class _CallRecord:
@@ -94,6 +111,10 @@ class GradSlots:
             record.clear()
             if not persistent:
                 return clear_gradient(self_, set_to_zero)
+            if not set_to_zero:  # NOTE [ Freed grads under persistent slots ]
+                if is_capturing():
+                    raise CaptureError(FREED_UNDER_PERSISTENT)
+                return clear_gradient(self_, False)
             grad = self_.grad
             if grad is not None:
                 with paddle.no_grad():
