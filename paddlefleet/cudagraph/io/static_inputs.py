@@ -37,7 +37,7 @@ import paddle
 from ..errors import CaptureError, InputMismatchError
 
 __all__ = ["MAX_HOST_KEY_ELEMENTS", "flatten", "unflatten", "check_rebuild", "holds_tensor", "leaf_names", "StaticInputs",
-           "tensor_meta", "numel", "nbytes", "contiguous_outputs", "strided_copy_works"]
+           "tensor_meta", "numel", "nbytes", "contiguous_outputs", "strided_copy_works", "const_names"]
 
 _TENSOR = "T"
 _CONST = "C"
@@ -246,21 +246,33 @@ def _child_name(prefix, cls, names, i):
     return f"{prefix}.{names[i]}"
 
 
-def _names(spec, prefix, out):
+def _names(spec, prefix, out, consts=False):
     if spec is _TENSOR:
-        out.append(prefix)
+        if not consts:
+            out.append(prefix)
         return
     tag = spec[0]
-    if tag is tuple or tag is list:
+    if tag == _CONST:
+        if consts:
+            out.append(prefix)
+    elif tag is tuple or tag is list:
         for i, s in enumerate(spec[1]):
-            _names(s, f"{prefix}[{i}]", out)
+            _names(s, f"{prefix}[{i}]", out, consts)
     elif tag is dict:
         for k, s in zip(spec[1], spec[2]):
-            _names(s, f"{prefix}[{k!r}]", out)
+            _names(s, f"{prefix}[{k!r}]", out, consts)
     elif tag == _NODE:
         _, cls, names, children = spec
         for i, s in enumerate(children):
-            _names(s, _child_name(prefix, cls, names, i), out)
+            _names(s, _child_name(prefix, cls, names, i), out, consts)
+
+
+def const_names(spec, prefix):
+    """Where the non-tensor leaves of a flattened nest are, as ``prefix[0]``, ``prefix['k']``,
+    ``prefix.field``: in the order flatten() lists them."""
+    out = []
+    _names(spec, prefix, out, consts=True)
+    return out
 
 
 def leaf_names(named_arguments):

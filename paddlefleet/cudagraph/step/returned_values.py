@@ -25,7 +25,7 @@ import paddle
 
 from ..core.paddle_patches import Patches
 from ..errors import CaptureError
-from ..io.static_inputs import _CONST, _NODE, _TENSOR, flatten
+from ..io.static_inputs import const_names, flatten
 
 __all__ = ["tag_learning_rates", "ReturnedValues"]
 
@@ -64,26 +64,6 @@ class tag_learning_rates:
         return False
 
 
-def _const_names(spec, prefix, out):
-    if spec is _TENSOR:
-        return
-    tag = spec[0]
-    if tag == _CONST:
-        out.append(prefix)
-    elif tag is tuple or tag is list:
-        for i, s in enumerate(spec[1]):
-            _const_names(s, f"{prefix}[{i}]", out)
-    elif tag is dict:
-        for k, s in zip(spec[1], spec[2]):
-            _const_names(s, f"{prefix}[{k!r}]", out)
-    elif tag == _NODE:
-        _, cls, names, children = spec
-        for i, s in enumerate(children):
-            name = f"{prefix}[{i}]" if names is None else (
-                f"{prefix}[{names[i]!r}]" if issubclass(cls, dict) else f"{prefix}.{names[i]}")
-            _const_names(s, name, out)
-
-
 class ReturnedValues:
     """The Python values of a captured step's result (NOTE [ Python values in a step's result ]).
 
@@ -96,8 +76,7 @@ class ReturnedValues:
     """
 
     def __init__(self, spec, consts, warm_consts, call):
-        names = []
-        _const_names(spec, "output", names)
+        names = const_names(spec, "output")
         arguments = {id(v) for v in flatten((call.args, call.kwargs))[1]}
         same_shape = warm_consts is not None and len(warm_consts) == len(consts)
         self.recompute = []  # [(index, optimizer)]
