@@ -62,7 +62,7 @@ def numpy_random_after_paddle_kills_the_process():
         return None
     return (f"this Paddle ({paddle.__version__}) kills a process that imports numpy.random after paddle "
             f"(exit {probe.returncode}) with numpy {np.__version__}: it does not support numpy 2; install "
-            "numpy<2 next to it (docs/compat.md)")
+            "numpy<2 next to it (docs/guides/compat.md)")
 
 
 def storageless_numpy_is_empty():

@@ -7,7 +7,7 @@ Where it can, the backend-parameterised tests run their cuda variants, and tests
 simulated backend only (multi-process CPU jobs, CPU-specific behaviour) are skipped with the reason.
 
 ``--results-jsonl PATH`` appends one JSON line per test (start, then result, with what it compared
-and pinned): tools/gpu_check.py builds docs/gpu_check.md from it, and knows which test was running
+and pinned): tools/gpu_check.py builds docs/reports/gpu_check.md from it, and knows which test was running
 if the process dies.
 """
 

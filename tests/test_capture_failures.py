@@ -165,7 +165,7 @@ class FailureCase(MatmulOnlyCase):
 class BlockFailures(FailureCase):
     """A graphed function ``inject(x @ w)``: every call and every grad equals eager's."""
 
-    not_here = {"changing_host_value": "a block bakes Python values in at capture (docs/limitations.md); "
+    not_here = {"changing_host_value": "a block bakes Python values in at capture (docs/guides/limitations.md); "
                                        "verify_replays checks them"}
 
     def check(self, name):
@@ -249,7 +249,7 @@ class StepFailures(FailureCase):
     """A whole training step (a MatMLP, an explicit dy, a matmul-made SGD update) with ``inject``
     after the forward: every output and all model state (testkit.differential) equals eager's."""
 
-    not_here = {"random_kernel": "a whole step keeps random kernels (docs/train_step.md); blocks refuse them on cuda",
+    not_here = {"random_kernel": "a whole step keeps random kernels (docs/guides/train_step.md); blocks refuse them on cuda",
                 "closure_leaf_needing_grad": "a whole step runs its own backward: any leaf gets its grad as in eager"}
 
     #: Cases refused only once the step has run (the capture's trace is compared at its end): their

@@ -168,7 +168,7 @@ class TestCaptureHooks(BackendCase):
 
     def test_without_hook_the_hook_driven_branch_stays_eager_in_the_graph(self):
         # The negative control: a custom all-reduce nobody told about the capture records its
-        # eager path into the graph (FastDeploy's warmup-before-capture bug, docs/distributed.md).
+        # eager path into the graph (FastDeploy's warmup-before-capture bug, docs/guides/distributed.md).
         ar = FakeCustomAllReduce("hook")
         ref_ar = FakeCustomAllReduce("hook")
         g = self.graphed(parallel_block, warmup_steps=1)

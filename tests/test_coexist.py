@@ -160,7 +160,7 @@ class StandInPaddleFleetTest(unittest.TestCase):
     def test_a_paddlefleet_cudagraph_of_paddles_own_is_never_shadowed(self):
         # Paddle's PaddleFleet may ship a paddlefleet.cudagraph module of its own (recent sources do):
         # the finder answers only after Python's finders found nothing, so Paddle's module stays
-        # Paddle's (documented in docs/recipes.md).
+        # Paddle's (documented in docs/guides/recipes.md).
         theirs = _stand_in(os.path.join(self.tmp, "theirs"), own_cudagraph=True)
         out = _child("theirs_last", theirs, extra_path=[self.site], cwd=self.tmp)
         self.assertTrue(out["is_paddles"])

@@ -1,4 +1,4 @@
-"""One test per surprising behaviour in docs/limitations.md, named after it: each shows what the
+"""One test per surprising behaviour in docs/guides/limitations.md, named after it: each shows what the
 doc promises (and fails when the behaviour changes, so the doc gets updated with it).
 """
 
@@ -711,7 +711,7 @@ class PaddleCrashTest(unittest.TestCase):
         self.assertIn("first backward ok", run.stdout)
         if "second backward ok" in run.stdout:  # behaviour, not version strings, decides
             self.skipTest(f"Paddle {paddle.__version__} survives a second backward through a PyLayer: "
-                          "docs/limitations.md describes 2.6.2 and 3.3.1, where it crashes")
+                          "docs/guides/limitations.md describes 2.6.2 and 3.3.1, where it crashes")
         self.assertNotEqual(run.returncode, 0)
 
 
@@ -719,20 +719,20 @@ class DocTest(unittest.TestCase):
     def test_every_footgun_in_the_doc_has_its_test_and_every_test_its_entry(self):
         import re
 
-        with open(os.path.join(ROOT, "docs", "limitations.md")) as fh:
+        with open(os.path.join(ROOT, "docs", "guides", "limitations.md")) as fh:
             doc = fh.read()
         named = set(re.findall(r"Test: `(?:\w+\.)?(test_\w+)`", doc))
         classes = [c for name, c in globals().items() if name.startswith("FootgunTest_")] + [
             PaddleCrashTest, RecordingCaptureTest, SimulatedReplayTest]
         tests = {n for cls in classes for n in dir(cls) if n.startswith("test_")}
         self.assertEqual(named - tests, set(), "entries whose test is missing")
-        self.assertEqual(tests - named, set(), "tests without an entry in docs/limitations.md")
+        self.assertEqual(tests - named, set(), "tests without an entry in docs/guides/limitations.md")
 
     def test_every_test_named_in_compat_md_exists(self):
         import importlib
         import re
 
-        with open(os.path.join(ROOT, "docs", "compat.md")) as fh:
+        with open(os.path.join(ROOT, "docs", "guides", "compat.md")) as fh:
             doc = fh.read()
         named = set(re.findall(r"tests/(\w+)\.py::(\w+)::(test_\w+)", doc))
         self.assertGreater(len(named), 20)
@@ -741,4 +741,4 @@ class DocTest(unittest.TestCase):
             owner = getattr(importlib.import_module(f"tests.{module}"), cls, None)
             if owner is None or not hasattr(owner, test):
                 missing.append(f"tests/{module}.py::{cls}::{test}")
-        self.assertEqual(missing, [], "docs/compat.md names tests that do not exist")
+        self.assertEqual(missing, [], "docs/guides/compat.md names tests that do not exist")

@@ -2,7 +2,7 @@
 
 Every class here derives from MatmulOnlyCase: conftest marks its tests ``gpu_safe``; CI runs them
 on the simulated backend, and ``tools/gpu_check.py`` runs them on the cuda backend of a real GPU
-and writes docs/gpu_check.md. Each case keeps NOTE [ Kernel-less GPUs ]
+and writes docs/reports/gpu_check.md. Each case keeps NOTE [ Kernel-less GPUs ]
 (paddlefleet/cudagraph/testing.py): matmul chains, numpy-made parameters, explicit loss grads,
 grads released with ``clear_gradient(False)``. A case that needs more (accumulation adds) says so
 and is skipped, with that reason, on a GPU whose Paddle lacks the kernel. This module does not use

@@ -5,7 +5,7 @@ Each test trains (or runs) a graphed model and the same eager model from the sam
 and compares losses, outputs, every parameter, BatchNorm statistics and main_grad bit for bit;
 counters pin that the graphs were captured and replayed. Models are tiny so the file runs in CI
 time. PaddleFormers is optional (``pip install -r requirements-real-models.txt``): without it those
-tests skip, and docs/recipes.md records their last run.
+tests skip, and docs/guides/recipes.md records their last run.
 """
 
 import os
@@ -47,7 +47,7 @@ def paddleformers_skip_reason():
         from paddleformers.transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
     except Exception as err:  # not installed, or it does not import with this Paddle
         return (f"PaddleFormers does not import here ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
-                "install requirements-real-models.txt (docs/recipes.md records the last run)")
+                "install requirements-real-models.txt (docs/guides/recipes.md records the last run)")
     return None
 
 
@@ -260,7 +260,7 @@ def train_vision(model, images, labels, seed=3, eval_images=()):
 def image_batches(n, seed=0, size=32, batch=4):
     # Batch 4, not 2: two identical eager trainings of mobilenet_v2 with batch 2 at 32x32 already
     # differ from their second step on, in one process, on Paddle 2.6.2 and 3.3.1 (CPU);
-    # docs/recipes.md has the measurement.
+    # docs/guides/recipes.md has the measurement.
     rs = np.random.RandomState(seed)
     xs = [paddle.to_tensor(rs.randn(batch, 3, size, size).astype("float32")) for _ in range(n)]
     ys = [paddle.to_tensor(rs.randint(0, 10, (batch, 1)), dtype="int64") for _ in range(n)]

@@ -27,7 +27,7 @@ from testkit.harness import BackendCase, backend_classes, parameterized_class
 from .test_distributed import TwoRankJob
 
 STEP_WORKER = pathlib.Path(__file__).resolve().parent / "dist_scripts" / "step_worker.py"
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "train_step.md"
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "train_step.md"
 
 
 def _data(n, shape=(4, 8), seed=5):

@@ -2,7 +2,7 @@
 
 On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
-    python tools/bench.py                  # docs/benchmarks.json, docs/benchmarks.md, docs/benchmarks.png
+    python tools/bench.py                  # docs/reports/benchmarks.json, docs/reports/benchmarks.md, docs/reports/benchmarks.png
     python tools/bench.py --quick          # a few steps, to see that everything runs
 
 CPU smoke test of the whole script (simulated backend, tiny models, torch on the CPU if importable;
@@ -184,7 +184,7 @@ def main():
     start = time.perf_counter()
     smoke = args.backend != "cuda"
     configs = pick_configs(args.configs, smoke)
-    out_dir = args.out_dir or (os.path.join(REPO, "docs") if not smoke else tempfile.mkdtemp(prefix="bench_smoke_"))
+    out_dir = args.out_dir or (os.path.join(REPO, "docs", "reports") if not smoke else tempfile.mkdtemp(prefix="bench_smoke_"))
     if smoke:
         try:
             check_smoke_path(os.path.join(out_dir, "benchmarks.md"), TOOL)
@@ -222,7 +222,7 @@ def pipeline_main(args):
     paddle.set_device("gpu" if cuda else "cpu")
     width, layers, batch = (512, 8, 16) if cuda else (32, 4, 8)
     result = bench_pipeline(args.backend, width, layers, batch, args.warmup, args.rounds, args.steps)
-    out_dir = args.out_dir or (os.path.join(REPO, "docs") if cuda else tempfile.mkdtemp(prefix="bench_smoke_"))
+    out_dir = args.out_dir or (os.path.join(REPO, "docs", "reports") if cuda else tempfile.mkdtemp(prefix="bench_smoke_"))
     with open(os.path.join(out_dir, "benchmarks_pipeline.json"), "w") as fh:
         json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
     for name, times in result["times"].items():

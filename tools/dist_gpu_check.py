@@ -2,7 +2,7 @@
 
 On a host with two GPUs and a GPU build of Paddle (README.md, "Install on a GPU")::
 
-    python tools/dist_gpu_check.py --out docs/dist_gpu_check.md
+    python tools/dist_gpu_check.py --out docs/reports/dist_gpu_check.md
 
 launches every case as its own two-rank job (``python -m paddle.distributed.launch --gpus
 0,1``, so a rank that aborts cannot take the other cases with it), reads the ``RESULT`` lines

@@ -2,7 +2,7 @@
 
 On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
-    python tools/gpu_check.py --out docs/gpu_check.md
+    python tools/gpu_check.py --out docs/reports/gpu_check.md
 
 CPU smoke test of the same script (the same cases on the simulated backend)::
 

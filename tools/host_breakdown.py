@@ -2,7 +2,7 @@
 
 On a GPU host with a GPU build of Paddle (README.md, "Install on a GPU")::
 
-    python tools/host_breakdown.py --out docs/host_breakdown.md
+    python tools/host_breakdown.py --out docs/reports/host_breakdown.md
 
 CPU smoke test (simulated backend, small model, the report only under the temp dir)::
 

@@ -1,4 +1,4 @@
-"""Speed of the docs/recipes.md recipes on a GPU: eager vs graphed training steps, same results.
+"""Speed of the docs/guides/recipes.md recipes on a GPU: eager vs graphed training steps, same results.
 
 Run on a GPU machine from the repository root (PaddleFormers optional):
 

@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
+import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/guides/compat.md)
 import paddle  # noqa: E402
 
 from testkit.step_gpu import refused_capture_check, whole_step_check  # noqa: E402

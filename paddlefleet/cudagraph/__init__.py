@@ -3,7 +3,7 @@
 
 ``paddlefleet`` itself is a namespace package (no ``paddlefleet/__init__.py``): this project only
 adds ``paddlefleet.cudagraph`` to it, so Paddle's own PaddleFleet (a regular ``paddlefleet``
-package) is not shadowed and PaddleFormers' probe for it stays False (docs/recipes.md).
+package) is not shadowed and PaddleFormers' probe for it stays False (docs/guides/recipes.md).
 """
 
 __version__ = "0.1.0"

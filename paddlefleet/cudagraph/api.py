@@ -146,7 +146,7 @@ def _distributed_wrapper_name(layer):
 def _wrap(target, options):
     wrapper_name = _distributed_wrapper_name(target) if isinstance(target, paddle.nn.Layer) else None
     if wrapper_name is not None:
-        # See docs/distributed.md: the wrapper's forward is host code around the model.
+        # See docs/guides/distributed.md: the wrapper's forward is host code around the model.
         raise TypeError(
             f"autocudagraph: got the distributed wrapper {wrapper_name}. Its forward arms the gradient "
             "reducer on the host after the model runs, which a graph replay would skip, so grads would "
@@ -252,9 +252,9 @@ def autocudagraph(target=None, **options):
         TypeError, ValueError: at decoration time, for a bad option.
 
     Limitations:
-        See docs/limitations.md: static shapes per key, no host syncs inside the function, at
+        See docs/guides/limitations.md: static shapes per key, no host syncs inside the function, at
         most max_inflight forward replays per key in flight before their backwards
-        (docs/pipeline.md).
+        (docs/guides/pipeline.md).
     """
     check_option_names("autocudagraph", options, [f.name for f in dataclasses.fields(GraphOptions)])
     opts = GraphOptions(**options)

@@ -323,7 +323,7 @@ def case_all_reduce_no_grad_in_place():
 # ---------------------------------------------------------------- tensor parallel
 class RowParallel(paddle.nn.Layer):
     """A row-parallel linear made of a PyLayer all-reduce: Paddle's RowParallelLinear does
-    not run on the CPU (gloo refuses its all_reduce; see docs/distributed.md)."""
+    not run on the CPU (gloo refuses its all_reduce; see docs/guides/distributed.md)."""
 
     def __init__(self, in_features, out_features, group):
         super().__init__()
@@ -434,7 +434,7 @@ def fleet_unusable():
         fleet.DistributedStrategy().hybrid_configs  # noqa: B018 - the read is the probe
     except AttributeError as err:
         return (f"Fleet cannot read its DistributedStrategy on this Paddle with this protobuf ({err}); "
-                "Paddle 2.6 needs protobuf<7 (docs/compat.md)")
+                "Paddle 2.6 needs protobuf<7 (docs/guides/compat.md)")
     return None
 
 
@@ -447,7 +447,7 @@ def main():
             "dp_degree": 2,
             "mp_degree": 1,
             "pp_degree": 1,
-            # The only tensor-parallel configuration that runs on the CPU (docs/distributed.md).
+            # The only tensor-parallel configuration that runs on the CPU (docs/guides/distributed.md).
             "mp_configs": {"mp_async_allreduce": True, "mp_skip_c_identity": True},
         }
         fleet.init(is_collective=True, strategy=strategy)

@@ -13,7 +13,7 @@ import hashlib
 import os
 import sys
 
-import numpy.random  # noqa: F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/compat.md)
+import numpy.random  # noqa: F401  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise, docs/guides/compat.md)
 import numpy as np
 import paddle
 import paddle.distributed as dist

@@ -1,4 +1,4 @@
-"""docs/benchmarks.json (one row per config and timing mode), docs/benchmarks.md and the plot."""
+"""docs/reports/benchmarks.json (one row per config and timing mode), docs/reports/benchmarks.md and the plot."""
 
 import json
 import os

@@ -7,7 +7,7 @@ The argument is pp_degree (>= 3: Fleet asserts ``num_stages > 2`` for virtual st
 stage, 2 * pp_degree micro-batches. Each rank prints ``MODEL``, ``SAME_LOSS ... SAME_PARAMS ...`` and one
 ``BLOCK`` line per graphed block. Measured on Paddle 3.3.1 (CPU build): the *eager* run already times
 out in gloo's p2p (3 ranks: ``isend`` in ``send_forward_recv_forward``; 4 ranks: ``send_meta`` /
-``recv_meta``), so Fleet's interleaved schedule cannot be checked on CPU ranks (docs/pipeline.md).
+``recv_meta``), so Fleet's interleaved schedule cannot be checked on CPU ranks (docs/guides/pipeline.md).
 A one-off probe kept as the record of that measurement; exit code 0 when the ranks finished.
 """
 

@@ -17,7 +17,7 @@ once, in the caller's backward, when the bridge hands the grads to autograd. Wha
 backward (reentrant recompute) accumulated into ``.grad`` is collected by the GradSwap and added
 to what paddle.grad returned. The simulated backend re-runs the same body on replay. Where
 paddle.grad refuses the graph (some PyLayers), the key is captured again with
-``paddle.autograd.backward``, and parameter hooks then also run at capture (docs/limitations.md).
+``paddle.autograd.backward``, and parameter hooks then also run at capture (docs/guides/limitations.md).
 
 NOTE [ Policies fixed at capture ]
 clone_outputs and clone_param_grads are read from the options once, at capture, into the

@@ -31,7 +31,7 @@ the mean is taken here, with eager's kernels on eager's inputs:
   would be +0.0 from ``where``, and ``x + 0.0`` is not ``x`` for ``x = -0.0``: a hook on each
   branch turns it into -0.0, and ``x + (-0.0) == x`` for every ``x``, so the loss' input gets
   eager's grad bit for bit. (A PyLayer would say this more directly, but a second backward
-  through a PyLayer crashes Paddle: docs/compat.md.)
+  through a PyLayer crashes Paddle: docs/guides/compat.md.)
 
 The replacement applies only where that reasoning holds: dynamic mode, ``reduction="mean"``,
 integer labels (no ``soft_label``, no ``label_smoothing``), no AMP, and for a weight: the last

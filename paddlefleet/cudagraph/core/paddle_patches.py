@@ -10,7 +10,7 @@ reverse order (deleting again what the owner only inherited), so nested patches 
 attribute unwind in order and an exception never leaves one installed. Two patches are
 installed for the whole process, once, when the package is imported (``install_for_process``;
 paddlefleet/cudagraph/__init__.py calls both install functions). The list, with where each
-lives, is in docs/architecture.md ("Paddle patches"); this module imports nothing from the
+lives, is in docs/design/architecture.md ("Paddle patches"); this module imports nothing from the
 package, so every layer (backends included) may use it.
 """
 

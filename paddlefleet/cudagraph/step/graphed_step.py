@@ -1,6 +1,6 @@
 """autocudagraph_step(): the whole training step - forward, backward, clipping, optimizer, loss
 scaling, data-parallel all-reduce - in one graph, on the same phase machine as block graphs
-(core/lifecycle.py) with a body of its own (step/body.py). docs/train_step.md says when to use it.
+(core/lifecycle.py) with a body of its own (step/body.py). docs/guides/train_step.md says when to use it.
 """
 
 import dataclasses
@@ -106,7 +106,7 @@ def autocudagraph_step(train_step_fn=None, *, optimizers=None, warmup_steps=2, m
         TypeError, ValueError: for a bad option, when the wrapper is made.
 
     Limitations:
-        See docs/train_step.md: what the step function may and may not do (host values, grads
+        See docs/guides/train_step.md: what the step function may and may not do (host values, grads
         cleared inside the step, paddle.amp.GradScaler replaced by GraphGradScaler).
     """
     check_option_names("autocudagraph_step", unknown,
