@@ -70,7 +70,7 @@ setup(
     packages=find_namespace_packages(include=["paddlefleet.cudagraph", "paddlefleet.cudagraph.*"]),
     py_modules=["_paddlefleet_cudagraph_finder"],
     cmdclass={"build_py": BuildPyWithPth},
-    # The README's requirement. The sources parse as Python 3.10 (tests/test_packaging.py checks it);
+    # The README's requirement. The sources parse as Python 3.10 (tests/integration/test_packaging.py checks it);
     # the suite runs on 3.11.
     python_requires=">=3.10",
     # paddlepaddle or paddlepaddle-gpu: the user's choice, so neither is forced here.
@@ -78,7 +78,7 @@ setup(
     extras_require={
         "test": ["paddlepaddle>=2.6", "pytest", "parameterized"],
         "bench": ["matplotlib"],  # tools/bench.py's plot; the bench runs without it and says so
-        # tests/test_real_models.py's LLaMA tests. PaddleFormers' full dependency set is large:
+        # tests/integration/test_real_models.py's LLaMA tests. PaddleFormers' full dependency set is large:
         # requirements-real-models.txt lists what importing its LLaMA needs (install with --no-deps).
         "real-models": ["paddleformers==1.2.0"],
     },

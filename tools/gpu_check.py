@@ -8,8 +8,8 @@ CPU smoke test of the same script (the same cases on the simulated backend)::
 
     python tools/gpu_check.py --backend simulate --out /tmp/gpu_check.md
 
-It runs the suite's cases marked ``gpu_safe`` (tests/test_gpu_safe.py: matmul-only, every result
-bitwise against eager, phases pinned with the wrapper's counters; tests/test_capture_failures.py: every
+It runs the suite's cases marked ``gpu_safe`` (tests/integration/test_gpu_safe.py: matmul-only, every result
+bitwise against eager, phases pinned with the wrapper's counters; tests/block/test_capture_failures.py: every
 reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
 exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
 process that must exit 0) with
@@ -40,8 +40,8 @@ from testkit.cli import require_gpu  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
-CASES = ["tests/test_gpu_safe.py", "tests/test_per_layer_speed.py",
-         "tests/test_capture_failures.py"]  # modules holding the gpu_safe cases
+CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
+         "tests/block/test_capture_failures.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

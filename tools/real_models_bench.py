@@ -24,7 +24,7 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
-from tests.test_real_models import (  # noqa: E402
+from tests.integration.test_real_models import (  # noqa: E402
     graph_all,
     paddleformers_skip_reason,
     stages,

@@ -14,7 +14,7 @@ whole-step graph is printed (throughput mode: N steps, then one sync)::
 The rest of a training step - AdamW, clipping, the learning-rate feed, GraphGradScaler, dropout -
 needs Paddle's elementwise, fill and random kernels: on a GPU whose Paddle has them, run the
 suite on the real backend (``PADDLEFLEET_CUDAGRAPH_BACKEND=cuda python -m pytest
-tests/test_train_step.py``), whose cuda variants run the transformer check there.
+tests/step/test_train_step.py``), whose cuda variants run the transformer check there.
 
 A third case, ``refused_capture``, refuses the capture after the step ran (a host value changes at
 the capture call) in a step that also keeps an EMA outside any optimizer: every step must still be

@@ -1,4 +1,4 @@
-"""One rank of the two-process Fleet checks that tests/test_distributed.py launches.
+"""One rank of the two-process Fleet checks that tests/integration/test_distributed.py launches.
 
 Launched by ``python -m paddle.distributed.launch --nproc_per_node 2`` (gloo on the CPU).
 Every case trains the same model twice in this process - eagerly, then with blocks graphed by

@@ -1,5 +1,5 @@
 """What both two-rank workers (fleet_worker.py, step_worker.py) share: running their cases and
-reporting one ``RESULT {json}`` line per case, which tests/test_distributed.TwoRankJob reads.
+reporting one ``RESULT {json}`` line per case, which tests/integration/test_distributed.TwoRankJob reads.
 
 A case returns its detail (compared across ranks by the test), or raises (reported with the
 traceback; the next case still runs). A case that cannot run on this Paddle is reported skipped

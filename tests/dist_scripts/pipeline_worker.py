@@ -1,4 +1,4 @@
-"""One rank of the two-process Fleet pipeline-parallel checks that tests/test_pipeline.py launches.
+"""One rank of the two-process Fleet pipeline-parallel checks that tests/block/test_pipeline.py launches.
 
 Launched by ``python -m paddle.distributed.launch --nproc_per_node 2`` (gloo on the CPU), with
 Fleet's hybrid configuration pp_degree=2. Every case builds the same PipelineLayer twice in this
@@ -20,7 +20,7 @@ Two things stand between Fleet's PipelineParallel and a CPU build of Paddle (3.3
 Fleet's interleaved schedule (PipelineParallelWithInterleave, ``num_virtual_pipeline_stages=2``)
 asserts ``num_stages > 2`` ("virtual pipeline must run under pp degree > 2", Paddle 2.6.2 and
 3.3.1), and on three or four gloo ranks its eager run times out in p2p
-(tools/probes/interleaved_pipeline_probe.py): two ranks run 1F1B only; tests/test_pipeline.py runs
+(tools/probes/interleaved_pipeline_probe.py): two ranks run 1F1B only; tests/block/test_pipeline.py runs
 the interleaved order in one process.
 """
 

@@ -1,4 +1,4 @@
-"""One rank of the two-process whole-step checks that tests/test_train_step.py launches.
+"""One rank of the two-process whole-step checks that tests/step/test_train_step.py launches.
 
 Launched by ``python -m paddle.distributed.launch --nproc_per_node 2`` (gloo on the CPU). Each
 case trains the same model twice in this process - an eager step function, then the same step

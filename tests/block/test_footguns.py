@@ -27,10 +27,10 @@ from testkit.harness import (
     storageless_numpy_is_empty,
     twin_layers,
 )
-from .test_patterns import hierarchy
+from tests.core.test_patterns import hierarchy
 
 THIS_FILE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE)))
 
 
 def data(*shape, seed=0, grad=False):
@@ -734,11 +734,11 @@ class DocTest(unittest.TestCase):
 
         with open(os.path.join(ROOT, "docs", "guides", "compat.md")) as fh:
             doc = fh.read()
-        named = set(re.findall(r"tests/(\w+)\.py::(\w+)::(test_\w+)", doc))
+        named = set(re.findall(r"tests/(\w+)/(\w+)\.py::(\w+)::(test_\w+)", doc))
         self.assertGreater(len(named), 20)
         missing = []
-        for module, cls, test in sorted(named):
-            owner = getattr(importlib.import_module(f"tests.{module}"), cls, None)
+        for folder, module, cls, test in sorted(named):
+            owner = getattr(importlib.import_module(f"tests.{folder}.{module}"), cls, None)
             if owner is None or not hasattr(owner, test):
-                missing.append(f"tests/{module}.py::{cls}::{test}")
+                missing.append(f"tests/{folder}/{module}.py::{cls}::{test}")
         self.assertEqual(missing, [], "docs/guides/compat.md names tests that do not exist")

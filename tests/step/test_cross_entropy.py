@@ -19,7 +19,7 @@ from paddlefleet.cudagraph.core import cross_entropy
 
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, backend_variants, clone_leaf
-from .test_training import gpu_amp_state
+from tests.grads.test_training import gpu_amp_state
 
 CLASSES = 7
 N = 48  # from about 24 samples on, mean_all is not sum / n bit for bit (Paddle 2.6.2, CPU)

@@ -3,9 +3,9 @@
 * ``clone_param_grads="auto"`` (the default): grads handed out as aliases, copied only where a
   later replay could overwrite a tensor someone still holds (NOTE [ Grad hand-out ]). Fleet's own
   consumers stay correct over several steps with accumulation: plain ``p.grad`` accumulation
-  (tests/test_training.py GradAccumulationTest covers from zero and from None), a hook that
+  (tests/grads/test_training.py GradAccumulationTest covers from zero and from None), a hook that
   stores its grad, Fleet's ``MixPrecisionLayer`` main_grad hook (it frees what it is handed);
-  DataParallel runs in tests/test_distributed.py.
+  DataParallel runs in tests/integration/test_distributed.py.
 * ``accumulate_in_graph=True``: grads added into ``p.grad`` / ``p.main_grad`` inside the graph
   (NOTE [ Accumulation inside the graph ]).
 The counters (``grad_copies``) pin that no needless copy is made.
@@ -27,7 +27,7 @@ from paddlefleet.cudagraph import CudaGraphError, autocudagraph
 
 from testkit.harness import BackendCase, backend_classes, grads_of, parameterized_class, params_of, twin_layers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Chain(paddle.nn.Layer):

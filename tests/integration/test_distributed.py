@@ -23,7 +23,7 @@ from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.block.graphed import GraphedCallable
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist_scripts" / "fleet_worker.py"
 TIMEOUT_S = 240  # the job takes ~8 s; a hang must not block CI
 CASES = (

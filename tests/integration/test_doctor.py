@@ -13,7 +13,7 @@ import paddle
 from paddlefleet.cudagraph import doctor
 from paddlefleet.cudagraph.backends import ENV_BACKEND
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(env=None):

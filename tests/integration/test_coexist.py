@@ -19,7 +19,7 @@ import tempfile
 import textwrap
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FINDER = "_paddlefleet_cudagraph_finder.py"
 PTH = "paddlefleet_cudagraph.pth"
 

@@ -302,7 +302,7 @@ class LMOutput(collections.OrderedDict):
 
 
 class PatternCases(TwinCase):
-    """Call patterns of real model code (tests/test_patterns.py), matmul-only."""
+    """Call patterns of real model code (tests/core/test_patterns.py), matmul-only."""
 
     def test_containers_keep_their_type_in_and_out(self):
         """A ModelOutput-style dict subclass out (attribute access), a namedtuple and a frozen dataclass
@@ -455,7 +455,7 @@ class _Tied(paddle.nn.Layer):
 
 
 class GradSafetyCases(TwinCase):
-    """Grads of the fast paths (tests/test_grad_safety.py). They accumulate grads: Paddle's add kernel."""
+    """Grads of the fast paths (tests/grads/test_grad_safety.py). They accumulate grads: Paddle's add kernel."""
 
     def _steps(self, g, e, micro, seed):
         draw = normal(seed)

@@ -639,7 +639,7 @@ class RecomputedMLP(paddle.nn.Layer):
 class TestRecomputeUnderRecordingCapture(unittest.TestCase):
     """NOTE [ Recompute under CUDA graphs ]: a capture that only records (cuda) keeps recompute
     without random ops; the simulated backend stands in for it here with capture_executes=False
-    (the refusal with dropout is tests/test_footguns.py's)."""
+    (the refusal with dropout is tests/block/test_footguns.py's)."""
 
     def setUp(self):
         device = paddle_device("cpu")

@@ -13,7 +13,7 @@ from paddlefleet.cudagraph.demo.main import MIN_STEPS, run_demo
 
 from testkit.harness import numpy_random_after_paddle_kills_the_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class TestDemo(unittest.TestCase):

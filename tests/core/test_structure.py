@@ -6,7 +6,7 @@ import ast
 import pathlib
 import unittest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paddlefleet" / "cudagraph"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "paddlefleet" / "cudagraph"
 NAME = "paddlefleet.cudagraph"
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60

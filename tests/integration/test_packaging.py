@@ -12,7 +12,7 @@ import sys
 import tempfile
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCES = ["setup.py", "README.md", "LICENSE", "_paddlefleet_cudagraph_finder.py", "paddlefleet_cudagraph.pth"]
 
 

@@ -18,7 +18,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 from testkit.differential import Trainee, differential_run
-from tests import test_distributed  # the module, not its classes: pytest would collect them here too
+from tests.integration import test_distributed  # the module, not its classes: pytest would collect them here too
 
 STAGES, MICRO, WIDTH = 2, 4, 8
 STEPS = 4

@@ -36,7 +36,7 @@ from testkit.differential import Trainee, assert_same_state, differential_run, s
 from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, normal
 from testkit.step_gpu import MatmulSGD
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOST = np.full((8, 8), 0.25, "float32")  # host data the functions read
 
 

@@ -24,10 +24,10 @@ from paddlefleet.cudagraph.io.host_tensors import mark_host
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
 from testkit.harness import BackendCase, backend_classes, parameterized_class
-from .test_distributed import TwoRankJob
+from tests.integration.test_distributed import TwoRankJob
 
-STEP_WORKER = pathlib.Path(__file__).resolve().parent / "dist_scripts" / "step_worker.py"
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "train_step.md"
+STEP_WORKER = pathlib.Path(__file__).resolve().parents[1] / "dist_scripts" / "step_worker.py"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "train_step.md"
 
 
 def _data(n, shape=(4, 8), seed=5):

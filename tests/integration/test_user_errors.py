@@ -15,7 +15,7 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.differential import Trainee, differential_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def mm(x, w):
@@ -196,8 +196,8 @@ class DeprecatedCounterNameTest(unittest.TestCase):
                         text = f.read()
                     if "fallbacks=" in text or "['fallbacks']" in text or '["fallbacks"]' in text:
                         users.append(os.path.relpath(path, ROOT))
-        # tests/test_foundation.py pins the deprecated name on purpose (under assertWarns).
-        self.assertEqual(users, ["tests/test_foundation.py"])
+        # tests/core/test_foundation.py pins the deprecated name on purpose (under assertWarns).
+        self.assertEqual(users, ["tests/core/test_foundation.py"])
 
 
 if __name__ == "__main__":
