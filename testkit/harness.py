@@ -29,11 +29,6 @@ from testkit.common import (
 )
 from testkit.common import device as paddle_device
 
-try:
-    from parameterized import parameterized_class
-except ImportError:  # a bare GPU host may lack it: tools/gpu_check.py runs only test_gpu_safe.py, which does not use it
-    parameterized_class = None
-
 BACKENDS = ("simulate", "cuda")
 
 
@@ -73,15 +68,10 @@ def storageless_numpy_is_empty():
     return t.numpy().size == 0
 
 
-def backend_classes():
-    """parameterized_class arguments: one class per backend."""
-    return [{"backend": b} for b in BACKENDS]
-
-
 class BackendCase(unittest.TestCase):
     """Base for tests that run on every backend: sets the device and offers helpers."""
 
-    backend = None  # set by parameterized_class
+    backend = None  # set on each variant by for_each_backend / backend_variants
     kernels = "all"  # Paddle kernels the cuda variant needs: "all", or "matmul" (MatmulOnlyCase)
 
     def setUp(self):
@@ -136,9 +126,21 @@ class MatmulOnlyCase(BackendCase):
         return build(factory, seed), build(factory, seed)
 
 
+def for_each_backend(base):
+    """Class decorator, the suite's one backend fixture: adds one subclass of ``base`` per backend
+    (``Base_simulate``, ``Base_cuda``) to ``base``'s module, where the test runner collects them;
+    ``base`` itself is not collected (``__test__ = False``; without a backend it would skip)."""
+    module = sys.modules[base.__module__]
+    for name, cls in backend_variants(base).items():
+        setattr(module, name, cls)
+    base.__test__ = False
+    return base
+
+
 def backend_variants(base):
     """``{name: subclass}``, one subclass of ``base`` per backend, without the parameterized package."""
-    return {f"{base.__name__}_{b}": type(f"{base.__name__}_{b}", (base,), {"backend": b, "__module__": base.__module__})
+    return {f"{base.__name__}_{b}": type(f"{base.__name__}_{b}", (base,),
+                                         {"backend": b, "__module__": base.__module__, "__test__": True})
             for b in BACKENDS}
 
 
@@ -199,15 +201,14 @@ __all__ = [
     "BackendCase",
     "MatmulOnlyCase",
     "assert_bitwise",
-    "backend_classes",
     "backend_variants",
     "clear_grads",
     "clone_leaf",
+    "for_each_backend",
     "cuda_skip_reason",
     "grads_of",
     "normal",
     "numpy_random_after_paddle_kills_the_process",
-    "parameterized_class",
     "params_of",
     "storageless_numpy_is_empty",
     "paddle_device",

@@ -17,13 +17,12 @@ from paddlefleet.cudagraph.io.host_tensors import MAX_HOST_KEY_ELEMENTS, mark_ho
 
 from testkit.harness import (
     add_tracker_state,
-    BackendCase,
     assert_bitwise,
-    backend_classes,
+    BackendCase,
     clone_leaf,
+    for_each_backend,
     grads_of,
     paddle_device,
-    parameterized_class,
     storageless_numpy_is_empty,
     twin_layers,
 )
@@ -57,7 +56,7 @@ class Net(paddle.nn.Layer):
         return self.drop(self.fc(x))
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class FootgunTest(BackendCase):
     def setUp(self):
         super().setUp()

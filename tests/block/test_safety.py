@@ -19,7 +19,7 @@ from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, StaleOutpu
 from paddlefleet.cudagraph.io import host_tensors as host
 from paddlefleet.cudagraph.io.host_tensors import MAX_HOST_KEY_ELEMENTS, mark_host
 
-from testkit.harness import add_tracker_state, BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from testkit.harness import add_tracker_state, BackendCase, clone_leaf, for_each_backend, grads_of, twin_layers
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -144,7 +144,7 @@ def syncing_block(x, w):
     return y * scale
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class CaptureFailureTest(SafetyCase):
     def test_host_sync_falls_back_with_one_warning_naming_the_users_line(self):
         f = self.graphed(syncing_block, warmup_steps=1)
@@ -233,7 +233,7 @@ class CaptureFailureTest(SafetyCase):
 
 
 # ---------------------------------------------------------------------------- 2. explain
-@parameterized_class(backend_classes())
+@for_each_backend
 class ExplainTest(SafetyCase):
     def test_every_key_and_every_eager_call_is_explained(self):
         def block(x, w, mode="graph"):
@@ -310,7 +310,7 @@ class HostScale(PyLayer):
         return dy * float(HostScale.box["scale"])  # host read in the backward
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class VerifyTest(SafetyCase):
     def test_matching_replays_pass_and_leave_training_untouched(self):
         eager, graphed = twin_layers(Block)
@@ -447,7 +447,7 @@ class VerifyTest(SafetyCase):
 
 
 # ---------------------------------------------------------------------------- 4. host tensors
-@parameterized_class(backend_classes())
+@for_each_backend
 class HostIOTest(SafetyCase):
     def _block(self):
         def block(x, n):
@@ -533,7 +533,7 @@ class HostMaskTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------- 5. input copies
-@parameterized_class(backend_classes())
+@for_each_backend
 class InputCopiesTest(SafetyCase):
     def test_the_same_tensors_again_pay_no_copy(self):
         f = self.graphed(mm, warmup_steps=1)
@@ -592,7 +592,7 @@ class InputCopiesTest(SafetyCase):
 
 
 # ---------------------------------------------------------------------------- 6. max_bytes
-@parameterized_class(backend_classes())
+@for_each_backend
 class MaxBytesTest(SafetyCase):
     def _bytes_per_key(self):
         probe = self.graphed(mm_tagged, warmup_steps=0)
@@ -649,7 +649,7 @@ def double(x):
     return x * 2.0
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class StaleOutputTest(SafetyCase):
     def _graphed(self, **extra):
         return self.graphed(double, warmup_steps=0, clone_outputs=False, check_stale_outputs=True, **extra)

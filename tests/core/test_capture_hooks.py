@@ -19,7 +19,7 @@ from paddle.autograd import PyLayer
 import paddlefleet.cudagraph as cudagraph
 from paddlefleet.cudagraph import is_capturing
 
-from testkit.harness import BackendCase, backend_classes, clone_leaf, parameterized_class
+from testkit.harness import BackendCase, clone_leaf, for_each_backend
 
 
 class FakeCustomAllReduce:
@@ -103,7 +103,7 @@ class RecordingHook:
             self.events.append(("exit", self.name, sys.exc_info()[0]))
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestCaptureHooks(BackendCase):
     def _train(self, graphed_fn, ar, ref_ar, steps, warmup):
         w = paddle.randn([8, 8])

@@ -8,7 +8,7 @@ import paddle
 
 from paddlefleet.cudagraph import CudaGraphError, InputMismatchError
 
-from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, twin_layers
+from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, twin_layers
 
 
 class Out:
@@ -48,7 +48,7 @@ def caught_messages(fn):
     return result, [str(c.message) for c in caught]
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class EdgeTest(BackendCase):
     def test_an_output_object_holding_tensors_is_refused_not_frozen(self):
         lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))

@@ -17,16 +17,7 @@ from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagr
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from testkit.harness import (
-    BackendCase,
-    backend_classes,
-    clone_leaf,
-    grads_of,
-    paddle_device,
-    parameterized_class,
-    params_of,
-    twin_layers,
-)
+from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, paddle_device, params_of, twin_layers
 
 
 def mm(x, w):
@@ -100,7 +91,7 @@ def run_steps(fn, inputs_per_step, leaves_per_step, dys=None):
     return outs, grads
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestPureFunctions(BackendCase):
     @parameterized.expand([(0,), (1,), (2,), (3,)])
     def test_warmup_steps_then_one_capture_then_replays(self, warmup):
@@ -186,7 +177,7 @@ class TestPureFunctions(BackendCase):
         self.assertBitwise(y, expected)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestLayers(BackendCase):
     def test_decorated_method_instances_keep_their_own_graphs(self):
         # The class decorator names no backend: backend=None picks cuda for GPU tensors; the
@@ -354,7 +345,7 @@ class TestLayers(BackendCase):
             self.assertBitwise(grads_of(model), grads_of(ref), f"param grads step {step}")
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestNestedIO(BackendCase):
     def test_nested_dict_and_list_io(self):
         def block(batch, extra=None):
@@ -455,7 +446,7 @@ class TestNestedIO(BackendCase):
         self.assertEqual(model.forward.stats()["keys"], 2)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestDispatch(BackendCase):
     def test_dispatch_key_fn_none_runs_eagerly(self):
         g = self.graphed(mm, warmup_steps=0, dispatch_key_fn=lambda ba: None if ba.arguments["x"].shape[0] > 4 else "small")
@@ -533,7 +524,7 @@ class TestDispatch(BackendCase):
         self.assertGreater(int((y == 0).astype("int32").sum()), 0, "training graph applies dropout")
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestCaptureRules(BackendCase):
     def test_host_sync_during_capture_falls_back_with_warning(self):
         if self.backend != "simulate":
@@ -559,7 +550,7 @@ class TestCaptureRules(BackendCase):
         self.assertEqual(float(paddle.to_tensor(2.0)), 2.0)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestBackwardBody(BackendCase):
     def test_capture_retries_with_backward_when_paddle_grad_refuses(self):
         # NOTE [ Backward body ]: paddle.grad first; a graph it refuses is captured again with
@@ -597,7 +588,7 @@ class TwoSizes(paddle.nn.Layer):
         return y
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TestGradGroups(BackendCase):
     @parameterized.expand([("all_small", 1 << 20, [2, 3]), ("b_too_large", 4096, [2])])
     def test_same_shape_grads_are_stacked_up_to_the_size_limit(self, _, limit, sizes):

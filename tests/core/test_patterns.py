@@ -17,7 +17,7 @@ from paddle.distributed.fleet.utils import recompute
 
 from paddlefleet.cudagraph import autocudagraph
 
-from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, params_of, twin_layers
 
 
 # ---------------------------------------------------------------------------- containers
@@ -158,7 +158,7 @@ def tensor_sum(value):
     return paddle.add_n(parts) if parts else None
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class ContainerTest(BackendCase):
     def test_output_containers_keep_their_type(self):
         model, ref = twin_layers(Head)
@@ -243,7 +243,7 @@ def hierarchy(decorate):
     return Base, Sub
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class HierarchyTest(BackendCase):
     def test_graphed_forward_in_a_base_class_and_a_subclass(self):
         Base, Sub = hierarchy(lambda fn: self.graphed(fn, warmup_steps=1))
@@ -274,7 +274,7 @@ class HierarchyTest(BackendCase):
 
 
 # ---------------------------------------------------------------------------- static and class methods
-@parameterized_class(backend_classes())
+@for_each_backend
 class StaticAndClassMethodTest(BackendCase):
     def _classes(self):
         graphed = lambda fn: self.graphed(fn, warmup_steps=0)  # noqa: E731
@@ -370,7 +370,7 @@ class Decorated:
         return x
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class SignatureTest(BackendCase):
     def test_signature_is_that_of_what_is_wrapped_bound_where_it_is_bound(self):
         layer = self.graphed(Block())

@@ -14,7 +14,7 @@ from paddle.distributed.fleet.utils import recompute
 from paddlefleet.cudagraph import is_capturing
 from paddlefleet.cudagraph.core import saved_hooks
 
-from testkit.harness import BackendCase, backend_classes, clone_leaf, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, params_of, twin_layers
 
 
 class Block(paddle.nn.Layer):
@@ -59,7 +59,7 @@ def non_reentrant_rng_reason():
     return None
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class NonReentrantRecomputeTest(BackendCase):
     def test_non_reentrant_recompute_around_a_graphed_layer_trains_like_eager(self):
         eager, graphed = twin_layers(Block)
@@ -120,7 +120,7 @@ class NonReentrantRecomputeTest(BackendCase):
         self.assertFalse(saved_hooks.active())
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class ReentrantRecomputeTest(BackendCase):
     """Reentrant recompute (the default) around graphed callables."""
 
@@ -146,7 +146,7 @@ class ReentrantRecomputeTest(BackendCase):
         self.assertEqual(graphed.forward.stats()["captures"], 2)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class CaptureGradModeTest(BackendCase):
     def test_a_failed_capture_leaves_the_calls_grad_mode(self):
         # An unpack hook that raises inside the captured backward: Paddle then leaves grad mode
@@ -173,7 +173,7 @@ class CaptureGradModeTest(BackendCase):
         self.assertIn("capture failed", graphed.explain())
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class VerifyGradsTest(BackendCase):
     def test_verify_replays_catches_outputs_that_lost_their_grads(self):
         # Graph-unsafe code: the output is cut from autograd while capturing, so the graph has

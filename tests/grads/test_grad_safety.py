@@ -19,7 +19,7 @@ from parameterized import parameterized
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.differential import Trainee, differential_run
-from testkit.harness import BackendCase, backend_classes, parameterized_class
+from testkit.harness import BackendCase, for_each_backend
 
 
 def _h(x, w):
@@ -37,7 +37,7 @@ VIEW_OUTPUTS = {
 }
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class ViewOutputsTest(BackendCase):
     @parameterized.expand([(f"{name}_clone{c}", name, c) for name in VIEW_OUTPUTS for c in (True, False)])
     def test_outputs_that_are_views_and_their_grads_equal_eager(self, _, name, clone_outputs):
@@ -149,7 +149,7 @@ def _handle_trainee(set_to_zero, hook, take):
     return build
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class HeldGradHandleTest(BackendCase):
     @parameterized.expand([(f"{'zero' if z else 'free'}_hook{h}_take{t}", z, h, t)
                            for z in (True, False) for h in (False, True) for t in (0, 1)])
@@ -281,7 +281,7 @@ def _accumulating_trainee(factory, micro, set_to_zero):
     return build
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class AccumulateInGraphSafetyTest(BackendCase):
     def _graph(self, graphed, layer_of, **options):
         def graph(trainee):

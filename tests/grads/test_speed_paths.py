@@ -25,7 +25,7 @@ from parameterized import parameterized
 
 from paddlefleet.cudagraph import CudaGraphError, autocudagraph
 
-from testkit.harness import BackendCase, backend_classes, grads_of, parameterized_class, params_of, twin_layers
+from testkit.harness import BackendCase, for_each_backend, grads_of, params_of, twin_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,7 +93,7 @@ def train(model, xs, micro, set_to_zero, opt_cls=paddle.optimizer.AdamW, mix=Fal
     return log
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class AutoPolicyTest(BackendCase):
     @parameterized.expand([("set_to_zero", True), ("free", False)])
     def test_default_hands_out_aliases_and_copies_only_adopted_grads_once(self, _, set_to_zero):
@@ -183,7 +183,7 @@ class AutoPolicyTest(BackendCase):
             self.assertIsNone(p.grad)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class AccumulateInGraphTest(BackendCase):
     @parameterized.expand([(f"micro{m}_{'zero' if z else 'free'}", m, z) for m in (1, 2, 3) for z in (True,)])
     def test_grads_accumulate_in_the_graph_bitwise_like_eager(self, _, micro, set_to_zero):

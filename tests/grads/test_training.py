@@ -27,11 +27,10 @@ from paddlefleet.cudagraph.core import state
 from testkit.harness import (
     add_tracker_state,
     BackendCase,
-    backend_classes,
     clear_grads,
     clone_leaf,
+    for_each_backend,
     grads_of,
-    parameterized_class,
     params_of,
     twin_layers,
 )
@@ -164,7 +163,7 @@ class TrackerCase(BackendCase):
 
 
 # ---------------------------------------------------------------------------- item 1
-@parameterized_class(backend_classes())
+@for_each_backend
 class GradAccumulationTest(BackendCase):
     def _train(self, model, xs, micro, steps, set_to_zero, log_input_grads=True):
         opt = paddle.optimizer.AdamW(learning_rate=0.01, parameters=model.parameters())
@@ -242,7 +241,7 @@ class GradAccumulationTest(BackendCase):
 
 
 # ---------------------------------------------------------------------------- item 2
-@parameterized_class(backend_classes())
+@for_each_backend
 class NoTraceTest(TrackerCase):
     def _steps(self, model, xs):
         """Per call: loss, param grads (accumulating, never cleared), input grad, buffers, RNG."""
@@ -315,7 +314,7 @@ class NoTraceTest(TrackerCase):
 
 
 # ---------------------------------------------------------------------------- items 3 and 4
-@parameterized_class(backend_classes())
+@for_each_backend
 class ClonePolicyTest(BackendCase):
     def _hooked(self, layer):
         """Keeps every grad tensor that autograd hands fc1.weight's hook after a backward."""
@@ -446,7 +445,7 @@ class ClonePolicyTest(BackendCase):
 
 
 # ---------------------------------------------------------------------------- item 5
-@parameterized_class(backend_classes())
+@for_each_backend
 class DropoutRngTest(TrackerCase):
     def test_masks_differ_per_replay_and_match_eager(self):
         def drop(x):
@@ -568,7 +567,7 @@ class RecordingRngGuardTest(unittest.TestCase):
 AMP_STATES = [("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16")]
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class AmpTest(BackendCase):
     @parameterized.expand([(f"{lvl}_{dt}", lvl, dt) for lvl, dt in AMP_STATES])
     def test_amp_state_keys_the_graph_and_replays_under_it(self, _, level, dtype):
@@ -648,7 +647,7 @@ class AmpTest(BackendCase):
 
 
 # ---------------------------------------------------------------------------- item 7
-@parameterized_class(backend_classes())
+@for_each_backend
 class RecomputeTest(TrackerCase):
     def _train(self, model, xs, call=None):
         call = call or model
@@ -699,7 +698,7 @@ def realloc(layer):
             fresh._share_buffer_to(p)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class ParameterChangeTest(BackendCase):
     def _run(self, model, xs, change_at, change):
         paddle.seed(4)
@@ -830,7 +829,7 @@ class ParameterChangeTest(BackendCase):
 
 
 # ---------------------------------------------------------------------------- item 9
-@parameterized_class(backend_classes())
+@for_each_backend
 class TrainEvalTest(BackendCase):
     def _calls(self, model, xs, modes):
         # Eval calls run with grads enabled too, so only the training flag tells the keys apart.

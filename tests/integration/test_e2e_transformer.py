@@ -10,12 +10,12 @@ from parameterized import parameterized
 
 from paddlefleet.cudagraph.demo import transformer_blocks as examples
 
-from testkit.harness import BackendCase, backend_classes, parameterized_class
+from testkit.harness import BackendCase, for_each_backend
 
 STEPS, ACCUMULATE = 20, 2
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class TransformerEndToEndTest(BackendCase):
     @parameterized.expand([("clone_param_grads", True), ("no_clone_param_grads", False), ("auto", "auto"),
                            ("accumulate_in_graph", "in_graph")])

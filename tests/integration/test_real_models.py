@@ -17,7 +17,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 
-from testkit.harness import BackendCase, backend_classes, parameterized_class, twin_layers
+from testkit.harness import BackendCase, for_each_backend, twin_layers
 
 
 def state_of(model):
@@ -82,7 +82,7 @@ def train_lm(model, batches, seed=11, **call):
     return losses, state_of(model)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class PaddleFormersLlamaTest(BackendCase):
     def setUp(self):
         super().setUp()
@@ -183,7 +183,7 @@ class StandInCache:
         return sum(k.shape[0] for k in self.keys)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class KeyValueCacheArgumentTest(BackendCase):
     """Without PaddleFormers: a cache argument runs eagerly, named, with the fix."""
 
@@ -280,7 +280,7 @@ def deterministic_cudnn(case):
     case.addCleanup(paddle.set_flags, old)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class VisionModelTest(BackendCase):
     def setUp(self):
         super().setUp()
@@ -372,7 +372,7 @@ def train_main_grad(inner, batches, accumulate=2):
     return log, state_of(inner)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class FleetMainGradTest(BackendCase):
     def _check(self, **options):
         paddle.seed(2)

@@ -23,7 +23,7 @@ from paddlefleet.cudagraph.errors import InputMismatchError
 from paddlefleet.cudagraph.io.host_tensors import mark_host
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from testkit.harness import BackendCase, backend_classes, parameterized_class
+from testkit.harness import BackendCase, for_each_backend
 from tests.integration.test_distributed import TwoRankJob
 
 STEP_WORKER = pathlib.Path(__file__).resolve().parents[1] / "dist_scripts" / "step_worker.py"
@@ -74,7 +74,7 @@ def _run(make_opt, steps=8, backend=None, graphed=True, between=None, warmup_ste
     return losses, states, (step if graphed else None)
 
 
-@parameterized_class(backend_classes())
+@for_each_backend
 class WholeStepBitwiseTest(BackendCase):
     def assertRunsEqual(self, eager, graphed):
         self.assertBitwise(graphed[0], eager[0], "losses")
