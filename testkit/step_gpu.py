@@ -57,7 +57,8 @@ class MatmulStep:
 
     def __init__(self, model, lr=None):
         self.model = model
-        self.opt = MatmulSGD(model.parameters(), lr) if lr is not None else None
+        self.params = list(model.parameters())  # made once: Layer.parameters() costs host time per call
+        self.opt = MatmulSGD(self.params, lr) if lr is not None else None
 
     def __call__(self, x, dy):
         y = self.model(x)
@@ -66,7 +67,7 @@ class MatmulStep:
             self.opt.step()
             self.opt.clear_grad()
         else:
-            for p in self.model.parameters():
+            for p in self.params:
                 p.clear_gradient(False)
         return y
 

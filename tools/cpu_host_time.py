@@ -28,6 +28,7 @@ import paddle  # noqa: E402
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.backends import simulated  # noqa: E402
 from testkit.common import MatMLP, build, host_tensor, normal  # noqa: E402
+from testkit.step_gpu import MatmulStep  # noqa: E402
 
 clock = time.thread_time
 
@@ -67,16 +68,7 @@ def per_layer_step(args, x, dy, graph):
 
 
 def whole_step(args, x, dy):
-    model = build(lambda: MatMLP([args.width] * (args.layers + 1)), 0)
-    params = model.parameters()
-
-    def train(x, dy):
-        y = model(x)
-        y.backward(dy)
-        for p in params:
-            p.clear_gradient(False)
-        return y
-
+    train = MatmulStep(build(lambda: MatMLP([args.width] * (args.layers + 1)), 0))
     graphed = autocudagraph_step(train, optimizers=[], warmup_steps=2, backend="simulate")
     for _ in range(4):  # 2 warmup steps, capture, first replay
         graphed(x, dy)

@@ -61,6 +61,7 @@ from testkit.common import (  # noqa: E402
     short,
     write_generated,
 )
+from testkit.step_gpu import MatmulStep  # noqa: E402
 
 TOOL = "tools/host_breakdown.py"
 #: (full size on a GPU, smoke size with --backend simulate)
@@ -271,16 +272,7 @@ class Breakdown:
             self.rows.append((name, "total", "n/a (no autocudagraph_step in this version)"))
             return
         args = self.args
-        model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
-        params = model.parameters()
-
-        def train(x, dy):
-            y = model(x)
-            y.backward(dy)
-            for p in params:
-                p.clear_gradient(False)
-            return y
-
+        train = MatmulStep(build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0))
         graphed = make(train, optimizers=[], warmup_steps=2, backend=args.backend)
 
         def step():
