@@ -208,15 +208,12 @@ class RngRewindGuard:
                 if hasattr(paddle._C_ops, name):
                     flag_random(name)
         except BaseException:
-            self._restore()
+            self._patches.restore()
             raise
         return self
 
-    def _restore(self):
-        self._patches.restore()
-
     def __exit__(self, exc_type, exc, tb):
-        self._restore()
+        self._patches.restore()
         return False
 
     def check(self):
@@ -296,7 +293,7 @@ class RecordingRngGuard:
                 if hasattr(paddle._C_ops, name):
                     self._patch(name)
         except BaseException:
-            self._restore()
+            self._patches.restore()
             raise
         return self
 
@@ -314,11 +311,8 @@ class RecordingRngGuard:
 
         self._patches.set(paddle._C_ops, name, drawing)
 
-    def _restore(self):
-        self._patches.restore()
-
     def __exit__(self, exc_type, exc, tb):
-        self._restore()
+        self._patches.restore()
         return False
 
     def check(self):
