@@ -170,16 +170,12 @@ def _transformer_section(backend, device, steps, out):
     under recompute) trained with AdamW and gradient accumulation 2, eager vs graphed."""
     paddle.set_device(device)
     result = compare_transformer(steps=steps, accumulate=2, backend=backend)
-    s = result.graphed.stats
     out.write(
         f"\ntransformer block (attention + MLP under recompute + LayerNorm + dropout), AdamW, gradient "
         f"accumulation 2, {steps} steps: {len(result.eager.losses)} micro-batch losses and "
-        f"{len(result.eager.params)} final parameters bitwise equal: {result.equal}"
-        + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
-        + f"\n  graphed block: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
-        f"eager_calls={s['eager_calls']}\n"
+        f"{len(result.eager.params)} final parameters bitwise equal: " + _outcome(result, "graphed block")
     )
-    return result.equal, s["replays"]
+    return result.equal, result.graphed.stats["replays"]
 
 
 def _whole_step_section(backend, device, steps, out):
@@ -188,13 +184,17 @@ def _whole_step_section(backend, device, steps, out):
     overflow step it must skip) in one graph per micro-batch phase of accumulation 2."""
     paddle.set_device(device)
     result = compare_transformer_steps(steps=steps, accumulate=2, backend=backend, inf_at=(min(3, steps - 1),))
-    s = result.graphed.stats
     out.write(
         f"\nwhole step (autocudagraph_step): transformer block + clipping + AdamW (warmup + cosine LR) + "
         f"GraphGradScaler, accumulation 2, {steps} steps: every loss, parameter, optimizer state, the LR and the "
-        f"loss scale bitwise equal: {result.equal}"
-        + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
-        + f"\n  whole-step graphs: warmup_calls={s['warmup_calls']} captures={s['captures']} replays={s['replays']} "
-        f"eager_calls={s['eager_calls']}\n"
+        f"loss scale bitwise equal: " + _outcome(result, "whole-step graphs")
     )
-    return result.equal, s["replays"]
+    return result.equal, result.graphed.stats["replays"]
+
+
+def _outcome(result, what):
+    """``True``, or ``False (first mismatch: ...)``, then a line of the graphed run's counters."""
+    s = result.graphed.stats
+    verdict = f"{result.equal}" + (f" (first mismatch: {result.first_mismatch})" if not result.equal else "")
+    return (f"{verdict}\n  {what}: warmup_calls={s['warmup_calls']} captures={s['captures']} "
+            f"replays={s['replays']} eager_calls={s['eager_calls']}\n")
