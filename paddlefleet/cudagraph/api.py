@@ -237,12 +237,14 @@ def autocudagraph(target=None, **options):
     first ``warmup_steps`` calls run eagerly, the next call captures, and later calls replay.
     Every call returns what eager would; grads flow to inputs and to the parameters of the
     Layers used through autograd, so hooks, DataParallel and accumulation behave as in eager.
+    Graphed calls that each take the previous one's output (a model graphed layer by layer) are
+    replayed as one chain through one autograd bridge once the pattern repeats (chain_calls).
 
     Args:
         target: the function, method or Layer; omitted when options are given.
         **options: see GraphOptions (warmup_steps, max_graphs, dispatch_key_fn, backend,
             clone_outputs, clone_param_grads, verify_replays, max_bytes, capture_hooks,
-            check_stale_outputs, max_inflight).
+            check_stale_outputs, max_inflight, chain_calls).
 
     Returns:
         The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer, or

@@ -176,6 +176,9 @@ class GraphOptions(OptionsCore):
             forwards of the key run eagerly until a backward has run. 1: one forward in flight.
         check_stale_outputs: with clone_outputs=False, raise when an output is used after a later
             replay overwrote it.
+        chain_calls: let consecutive graphed calls that each take the previous one's output
+            (``h = layer(h)`` per graphed layer) be replayed as one chain through one autograd
+            bridge (NOTE [ Chains of graphed calls ] in block/chain.py); False: every call alone.
     """
 
     clone_outputs: bool = True
@@ -185,6 +188,7 @@ class GraphOptions(OptionsCore):
     max_bytes: Optional[int] = None
     check_stale_outputs: bool = False
     max_inflight: int = 4
+    chain_calls: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -201,6 +205,8 @@ class GraphOptions(OptionsCore):
                     "accumulate_in_graph=True adds grads into p.main_grad / p.grad inside the graph.")
         _check_bool("check_stale_outputs", self.check_stale_outputs,
                     "Pass check_stale_outputs=True to detect reads of overwritten outputs.")
+        _check_bool("chain_calls", self.chain_calls,
+                    "chain_calls=False replays every graphed call through a bridge of its own.")
         _check_int("verify_replays", self.verify_replays, 0,
                    "Pass how many replays per key to compare with eager, e.g. verify_replays=2.")
         if self.max_bytes is not None:

@@ -73,18 +73,36 @@ class TestGraphedCallsThatCannotPay(unittest.TestCase):
         from unittest import mock
 
         # The simulated replay re-runs the function, so its graphed call always costs more host
-        # time than the eager one: timed as if measured, every layer cannot pay.
-        model = per_layer_model()
+        # time than the eager one: timed as if measured, every layer cannot pay (each call alone:
+        # chained calls are not judged one by one, test_chained_calls_are_not_judged_alone).
+        model = per_layer_model(chain_calls=False)
         with mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True), \
                 self.assertWarns(RuntimeWarning) as caught:
             self.steps(model, 3 + self.host_cost.REPLAYS_TIMED)
         texts = [str(w.message) for w in caught.warnings if "of host time against" in str(w.message)]
         self.assertEqual(len(texts), 1, texts)
         self.assertIn("autocudagraph_step", texts[0])
-        self.assertIn("Graph larger blocks", texts[0])
+        self.assertIn("graph larger blocks", texts[0])
+        self.assertIn("chained through one bridge", texts[0])
         for layer in model:
             self.assertIn("host us per forward call: eager", layer.forward.explain())
             self.assertFalse(layer.forward._entries[next(iter(layer.forward._entries))].host_cost.timing)
+
+    def test_chained_calls_are_not_judged_alone(self):
+        import warnings
+        from unittest import mock
+
+        # A chain's first call replays the chain's first key only, and hands out the others' outputs
+        # as their calls come: no call's host time is that of its key alone, so none is judged.
+        model = per_layer_model()
+        with mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.steps(model, 4 + self.host_cost.REPLAYS_TIMED)
+        self.assertGreaterEqual(model[1].forward.stats()["chained_calls"], self.host_cost.REPLAYS_TIMED)
+        for layer in model:  # timed only while their calls replayed alone, before the chain formed
+            [entry] = layer.forward._entries.values()
+            self.assertLess(len(entry.host_cost.replay_s), 3, layer.forward.explain())
+            self.assertTrue(entry.host_cost.timing)
 
     def test_a_backend_whose_replay_reruns_the_function_is_not_timed(self):
         import warnings

@@ -5,7 +5,8 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import Backend, Graph, capture_open, capturing, function_errors, is_own_error, own_error, in_whole_step, is_capturing, whole_step
+from .base import (Backend, Graph, capture_open, capturing, function_errors, in_own_grad, in_whole_step, is_capturing,
+                   is_own_error, own_error, own_grad, whole_step)
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -20,7 +21,9 @@ __all__ = [
     "is_own_error",
     "own_error",
     "is_capturing",
+    "in_own_grad",
     "in_whole_step",
+    "own_grad",
     "whole_step",
     "resolve_backend",
     "cuda_available",

@@ -10,8 +10,8 @@ import threading
 
 from ..errors import CudaGraphError
 
-__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_whole_step", "whole_step",
-           "function_errors", "capture_open", "own_error", "is_own_error"]
+__all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_own_grad", "in_whole_step", "own_grad",
+           "whole_step", "function_errors", "capture_open", "own_error", "is_own_error"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -114,6 +114,22 @@ def function_errors():
         _state.asked = asked
 
 
+def in_own_grad():
+    """True while the package itself runs paddle.grad in this thread (own_grad)."""
+    return getattr(_state, "own_grads", 0) > 0
+
+
+@contextlib.contextmanager
+def own_grad():
+    """Marks a paddle.grad the package runs itself (a backward body, a probe, a verification):
+    NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py refuses only the caller's."""
+    _state.own_grads = getattr(_state, "own_grads", 0) + 1
+    try:
+        yield
+    finally:
+        _state.own_grads -= 1
+
+
 def in_whole_step():
     """True while a whole training step (autocudagraph_step) runs in this thread."""
     return getattr(_state, "steps", 0) > 0
@@ -175,6 +191,14 @@ class Backend:
     def new_graph(self, pool):
         """Returns an empty Graph that will allocate from ``pool``."""
         raise NotImplementedError
+
+    def copy(self, dst, src):
+        """Copies ``src`` into ``dst`` (same shape and dtype) on the device, outside any capture, in
+        stream order with the graphs' replays: the copies a chain makes between them."""
+        dst.copy_(src, False)
+
+    def copy_stream(self):
+        """Reads again where copy() copies (a chain's first call asks)."""
 
     def describe(self):
         """One line naming the backend and its capabilities."""

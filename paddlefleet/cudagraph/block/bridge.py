@@ -24,11 +24,12 @@ from paddle.autograd import PyLayer
 from ..errors import CudaGraphError, PendingBackwardError
 from ..grads.accumulate import own_backward
 from ..grads.handles import alias, copy
+from . import partial_grad
 
-__all__ = ["GraphedFunction", "hand_out_outputs"]
+__all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_out_outputs", "replay_backward"]
 
 
-class _Token:
+class Token:
     """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx)."""
 
     __slots__ = ("__weakref__", "done")
@@ -47,17 +48,32 @@ def hand_out_outputs(graphs):
     return [alias(t) for t in graphs.static_outputs]
 
 
+def bridge_args(graphs, tensors):
+    """The bridge's BridgeArgs: the bridged parameters, the anchor, then the call's tensors (NOTE
+    [ paddle.grad through a graphed call ] in block/partial_grad.py)."""
+    backward = graphs.backward
+    inputs = list(backward.bridged)
+    if backward.anchor is not None:
+        inputs.append(backward.anchor)
+    leaves = len(inputs)
+    inputs += tensors
+    return partial_grad.BridgeArgs(inputs, leaves)
+
+
 class GraphedFunction(PyLayer):
-    """``apply(graphs, *tensors, *bridged params[, anchor])``: static inputs must already hold the
-    call's values."""
+    """``apply(graphs, args, *args.args)`` with ``args = bridge_args(graphs, tensors)``: static
+    inputs must already hold the call's values."""
 
     @staticmethod
-    def forward(ctx, graphs, *inputs):
+    def forward(ctx, graphs, args, *inputs):
         graphs.fwd_graph.replay()
         graphs.generation += 1
-        token = _Token()
+        token = Token()
         graphs.inflight = weakref.ref(token)
+        if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+            partial_grad.note_pending(token)
         ctx.token = token
+        ctx.args = args
         ctx.graphs = graphs
         ctx.generation = graphs.generation
         outputs = hand_out_outputs(graphs)
@@ -68,43 +84,67 @@ class GraphedFunction(PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        graphs = ctx.graphs
         if paddle.is_grad_enabled():
-            # Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.
-            raise CudaGraphError(
-                "autocudagraph: a backward with create_graph=True (double backward, e.g. a gradient "
-                "penalty) reached a graphed call. The backward graph returns plain tensors, so second-order "
-                "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
-                "it, or call the function outside the wrapper (wrapped.__wrapped__)."
-            )
-        backward = graphs.backward
-        if backward is None or backward.graph is None or ctx.generation != graphs.generation:
-            raise PendingBackwardError(
-                f"autocudagraph: backward of forward replay #{ctx.generation} ran after replay "
-                f"#{graphs.generation} of the same graph overwrote its saved activations. Run backward "
-                "before calling the graphed function again with the same key, or wrap the extra calls "
-                "in dispatch_key_fn returning None."
-            )
-        # Grad mode is off here (checked above): the copies record nothing without a no_grad() block.
-        buffers = iter(backward.grad_outputs)
-        for grad, differentiable in zip(grads, graphs.out_differentiable):
-            if not differentiable:
-                continue
-            buf = next(buffers)
-            if grad is None:
-                buf.zero_()
-            elif grad is not buf:
-                buf.copy_(grad, False)
-        acc = backward.accumulators
-        if acc is not None:
-            acc.prepare()
-        graph, plan, adopted = backward.sets.next()
-        plan.before_replay(adopted)
-        with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
-            graph.replay()
-        ctx.token.done = True
-        if acc is not None:
-            acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
-            acc.after_backward()
-        grads = plan.hand_out()
-        return grads if backward.anchor is None else grads + (None,)
+            raise CudaGraphError(DOUBLE_BACKWARD)
+        graphs = ctx.graphs
+        try:
+            plan = replay_backward(graphs, grads, ctx.generation, ctx.token)
+        except BaseException:
+            ctx.token.done = True  # Paddle never runs a failed backward again: the forward waits no more
+            raise
+        return ctx.args.grads(bridge_grads(graphs.backward, plan.hand_out(), len(graphs.static_inputs.buffers)))
+
+
+#: Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.
+DOUBLE_BACKWARD = (
+    "autocudagraph: a backward with create_graph=True (double backward, e.g. a gradient "
+    "penalty) reached a graphed call. The backward graph returns plain tensors, so second-order "
+    "grads would be missing. Run that computation eagerly: return None from dispatch_key_fn for "
+    "it, or call the function outside the wrapper (wrapped.__wrapped__)."
+)
+
+
+def bridge_grads(backward, grads, n):
+    """GradPlan.hand_out()'s grads (the ``n`` call tensors', then the parameters') in the order of
+    bridge_args()."""
+    out = list(grads[n:])
+    if backward.anchor is not None:
+        out.append(None)
+    out += grads[:n]
+    return out
+
+
+def replay_backward(graphs, grads, generation, token):
+    """One backward replay of ``graphs`` for its forward replay number ``generation`` (whose
+    ``token`` it marks done): ``grads`` holds one grad per output (None where none reached it).
+    Returns the GradPlan of the buffer set the replay wrote; its hand_out() gives the grads.
+    The bridge's backward and a chain's (block/chain_bridge.py) both run it, grad mode off."""
+    backward = graphs.backward
+    if backward is None or backward.graph is None or generation != graphs.generation:
+        raise PendingBackwardError(
+            f"autocudagraph: backward of forward replay #{generation} ran after replay "
+            f"#{graphs.generation} of the same graph overwrote its saved activations. Run backward "
+            "before calling the graphed function again with the same key, or wrap the extra calls "
+            "in dispatch_key_fn returning None."
+        )
+    buffers = iter(backward.grad_outputs)
+    for grad, differentiable in zip(grads, graphs.out_differentiable):
+        if not differentiable:
+            continue
+        buf = next(buffers)
+        if grad is None:
+            buf.zero_()
+        elif grad is not buf:
+            graphs.backend.copy(buf, grad)  # NOTE [ Copies between replays ] in backends/cuda.py
+    acc = backward.accumulators
+    if acc is not None:
+        acc.prepare()
+    graph, plan, adopted = backward.sets.next()
+    plan.before_replay(adopted)
+    with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+        graph.replay()
+    token.done = True
+    if acc is not None:
+        acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
+        acc.after_backward()
+    return plan

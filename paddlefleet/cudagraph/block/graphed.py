@@ -11,6 +11,8 @@ import weakref
 
 import paddle
 
+from . import chain_links
+from .chain import start_chain
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body, Replayed
@@ -113,17 +115,35 @@ class BlockBody(Body):
             return slots.blocked()
         return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
+    def shortcut(self, args, kwargs):
+        """``(entry, Replayed)`` when this call is the next of an open chain (NOTE [ Chains of
+        graphed calls ] in block/chain.py), else None."""
+        run = chain_links.current_run()
+        return None if run is None else run.hand_out(self, args, kwargs)
+
     def replay(self, entry, call, copy):
-        """Runs the current slot of ``entry`` for ``call``."""
+        """Runs the current slot of ``entry`` for ``call`` (or, as its first call, a chain)."""
         graphs = entry.graphs.current
+        bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
+        if bridged:  # NOTE [ Chains of graphed calls ] in block/chain.py
+            chain_links.observe(self, entry, call)
+            with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
+                started = start_chain(self, entry, call)
+            if started is not None:
+                entry.host_cost.skip = True  # a chain's first call is not this key's call alone
+                return started
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
         if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
-            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
-        # NOTE [ A replay that changes shape ] in block/replay_fallback.py
-        with state_restored_on_refusal(graphs.layers, True):
-            return Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+            replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+        else:
+            # NOTE [ A replay that changes shape ] in block/replay_fallback.py
+            with state_restored_on_refusal(graphs.layers, True):
+                replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+        if bridged and isinstance(replayed.result, paddle.Tensor) and self.options.chain_calls:
+            chain_links.remember(entry, replayed.result, call.args, call.kwargs)
+        return replayed
 
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager

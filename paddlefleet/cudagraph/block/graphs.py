@@ -77,6 +77,8 @@ class BlockGraphs(Graphs):
         live: keeps the capture-time autograd graph (saved activations) alive with the graphs.
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
+        chain: why the key never joins a chain ("" when it may), decided once (block/chain_run.py).
+
     """
 
     backend: Any
@@ -98,6 +100,7 @@ class BlockGraphs(Graphs):
     handed_out: Any = None
     generation: int = 0
     inflight: Any = None
+    chain: Any = None
 
     @property
     def accumulators(self):

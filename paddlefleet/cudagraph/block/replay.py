@@ -13,7 +13,7 @@ structure are checked (InputMismatchError).
 
 import paddle
 
-from .bridge import GraphedFunction, hand_out_outputs
+from .bridge import GraphedFunction, bridge_args, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import hookable
 from ..core.body import Action, Blocked
@@ -66,8 +66,8 @@ def run_graphs(graphs, call, copy, name, label):
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     backward = graphs.backward
     if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
-        anchor = () if backward.anchor is None else (backward.anchor,)
-        outputs = GraphedFunction.apply(graphs, *tensors, *backward.bridged, *anchor)
+        args = bridge_args(graphs, tensors)
+        outputs = GraphedFunction.apply(graphs, args, *args.args)
         if isinstance(outputs, paddle.Tensor):
             outputs = [outputs]
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a

@@ -30,6 +30,7 @@ differently under ``is_capturing()``.
 import numpy as np
 import paddle
 
+from ..backends import own_grad
 from ..core import state
 from ..grads.accumulate import own_backward
 from ..grads.handles import GradSwap, copy, merge_leaf_grads
@@ -128,7 +129,7 @@ def _eager_grads(outputs, leaves, grad_outputs):
     """Grads of ``outputs`` w.r.t. ``leaves`` by paddle.grad, plus what an inner backward
     accumulated into ``.grad`` meanwhile; every ``.grad`` is left as it was."""
     swap = GradSwap(leaves)
-    with swap:
+    with swap, own_grad():
         raw = paddle.grad(outputs, leaves, grad_outputs, retain_graph=False, allow_unused=True)
     return merge_leaf_grads(raw, swap.collected)
 

@@ -106,6 +106,12 @@ class Body(Protocol):
         """Captures ``entry``'s key from ``call``; returns its Graphs or raises (the lifecycle
         moves the key to eager with the error as reason)."""
 
+    def shortcut(self, args: tuple, kwargs: dict) -> Optional[Tuple[Any, Replayed]]:
+        """``(entry, Replayed)`` for a call the body serves before its key is made (the next
+        call of a chain: NOTE [ Chains of graphed calls ] in block/chain.py; the lifecycle counts
+        it as a replay of ``entry``), or None."""
+        return None
+
     def blocker(self, entry, call) -> Optional[Blocked]:
         """None when ``call`` can replay ``entry``'s graphs now, else a Blocked."""
 

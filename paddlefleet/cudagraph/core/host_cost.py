@@ -14,7 +14,10 @@ time is that of a warmup call: a first call that paid one-time set-up looks slow
 warning errs towards silence. Timing stops after REPLAYS_TIMED replays (two perf_counter reads a
 call until then). A backend whose replay re-runs the function (simulate) is not timed: its
 graphed calls always cost more than eager ones. The warning is given once per process (a model
-graphed layer by layer would give it once per layer); explain() has every key's numbers.
+graphed layer by layer would give it once per layer); explain() has every key's numbers. A
+chain's calls (NOTE [ Chains of graphed calls ] in block/chain.py) are not timed: none of them
+costs what its key alone costs (the chain's first call replays its own graph and applies the one
+bridge; the others are handed their output).
 """
 
 import statistics
@@ -47,12 +50,13 @@ class HostCost:
     """Host seconds of one key's eager warmup call and of its first replays (``measure`` False:
     nothing is timed)."""
 
-    __slots__ = ("eager_s", "replay_s", "judged")
+    __slots__ = ("eager_s", "replay_s", "judged", "skip")
 
     def __init__(self, measure=True):
         self.eager_s = None
         self.replay_s = []
         self.judged = not measure
+        self.skip = False  # set by a replay that served more than this key's call (a chain's first call)
 
     def timed_warmup(self, warmup, entry, call):
         """``warmup(entry, call)``, its host time kept as the eager call's."""
@@ -66,6 +70,9 @@ class HostCost:
         pay (once per process)."""
         start = time.perf_counter()
         out = replay(entry, call)
+        if self.skip:
+            self.skip = False
+            return out
         if self.add_replay(time.perf_counter() - start) and self.cannot_pay() and warn_once_per_process():
             warn_once("cannot_pay", self.warning(entry.label))
         return out
@@ -109,6 +116,9 @@ class HostCost:
             f"{self.eager_us():.1f} us for the eager call (forward, measured; NOTE [ Graphed calls that cannot pay ] "
             "in core/host_cost.py). Each graphed call pays a fixed toll (key, checks, copies and Paddle's autograd "
             "bridge, again in backward), more than this block's kernel launches cost eagerly, so graphing it makes "
-            "training slower where the host is the bottleneck. Graph larger blocks (several layers in one Layer: "
-            "autocudagraph on the Layer that calls them), or the whole training step with autocudagraph_step."
+            "training slower where the host is the bottleneck. Graphed calls that each take the previous one's output "
+            "as their first argument (h = layer(h)) are chained through one bridge and do not pay it per call (NOTE "
+            "[ Chains of graphed calls ] in block/chain.py); a call between them (a residual add, say) stops a chain. "
+            "Otherwise graph larger blocks (several layers in one Layer: autocudagraph on the Layer that calls "
+            "them), or the whole training step with autocudagraph_step."
         )

@@ -116,14 +116,12 @@ class Lifecycle:
         return describe_entries(self._entries.values())
 
     def explain(self):
-        """A readable report: every key's phase and counts, and a reason for every eager call
-        (stats.explain shows an example)."""
+        """A readable report: every key's phase and counts, and why each eager call ran eagerly."""
         return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
 
     def reset(self):
-        """Drops every graph, pool and static buffer, and zeroes the counters. A slot whose backward
-        is still pending keeps its graphs until that backward has run (they go with it: NOTE
-        [ Slots ] in block/slots.py)."""
+        """Drops every graph, pool and static buffer, and zeroes the counters (a slot whose backward
+        is pending keeps its graphs until that backward ran: NOTE [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
             entry.release()
         self._entries.clear()
@@ -135,6 +133,10 @@ class Lifecycle:
         nested = self._nested()
         if nested is not None:
             return self._eager(Call(args, kwargs), nested)
+        served = self._body.shortcut(args, kwargs)
+        if served is not None:  # NOTE [ Chains of graphed calls ] in block/chain.py
+            self.counters.chained_calls += 1
+            return self._run_graphs(served[0], None, True, served[1])
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -300,8 +302,10 @@ class Lifecycle:
         self._warn_once(("verify", id(entry)), _MISMATCH.format(label=entry.label, mismatch=mismatch))
         return self._eager(call, "verification found a mismatch")
 
-    def _run_graphs(self, entry, call, copy):
-        result, copied, skipped, then = self._body.replay(entry, call, copy)
+    def _run_graphs(self, entry, call, copy, replayed=None):
+        """Replays ``entry`` for ``call`` (or counts ``replayed``, a call the body served)."""
+        result, copied, skipped, then = replayed or self._body.replay(entry, call, copy)
+        entry.last_used = self._tick
         if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
             entry.fall_back(then.reason)
             self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")

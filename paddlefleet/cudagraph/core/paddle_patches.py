@@ -7,9 +7,9 @@ backward and grad clears of a whole step. For those, the package replaces Paddle
 for a while, always through ``Patches`` (or ``patched``): it remembers what the owner itself
 held, and ``restore()``, in a ``finally`` or a context manager's exit, puts each back in
 reverse order (deleting again what the owner only inherited), so nested patches of one
-attribute unwind in order and an exception never leaves one installed. Two patches are
+attribute unwind in order and an exception never leaves one installed. A few patches are
 installed for the whole process, once, when the package is imported (``install_for_process``;
-paddlefleet/cudagraph/__init__.py calls both install functions). The list, with where each
+paddlefleet/cudagraph/__init__.py calls their install functions). The list, with where each
 lives, is in docs/design/architecture.md ("Paddle patches"); this module imports nothing from the
 package, so every layer (backends included) may use it.
 """

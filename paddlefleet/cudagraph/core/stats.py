@@ -34,6 +34,7 @@ _FIELDS = (
     "verified_replays",
     "verify_mismatches",
     "slot_captures",
+    "chained_calls",
 )
 
 
@@ -83,6 +84,7 @@ class Counters:
     verified_replays: int = 0
     verify_mismatches: int = 0
     slot_captures: int = 0
+    chained_calls: int = 0  # replays served by a chain (NOTE [ Chains of graphed calls ] in block/chain.py)
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):
@@ -246,6 +248,9 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
     # The same counts as stats(): warmup calls apart from eager_calls (the calls run eagerly for a reason).
     if counters.warmup_calls:
         lines.append(f"  warmup calls: {counters.warmup_calls} (eager, before the capture of their key)")
+    if counters.chained_calls:
+        lines.append(f"  chained calls: {counters.chained_calls} of the replays, served by a chain of consecutive "
+                     "graphed calls through one autograd bridge")
     if counters.eager_calls:
         lines.append(f"  eager calls: {counters.eager_calls}")
         for reason, count in collections.Counter(counters.eager_reasons).most_common():

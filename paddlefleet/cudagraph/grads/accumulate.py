@@ -147,15 +147,26 @@ def split_params(params, inputs=()):
 _QUIET = [0]  # > 0 while a graph's own backward body runs eagerly (simulated replay, verification)
 
 
-@contextlib.contextmanager
+class _OwnBackward:
+    """``with own_backward():`` (a class, not a generator: it runs on every backward replay)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _QUIET[0] += 1
+
+    def __exit__(self, *exc):
+        _QUIET[0] -= 1
+        return False
+
+
+_OWN_BACKWARD = _OwnBackward()
+
+
 def own_backward():
     """Marks a backward run of a graph's own body: an inner ``backward()`` in it (reentrant
     recompute) runs the parameters' accumulation nodes, which is no use from outside the graph."""
-    _QUIET[0] += 1
-    try:
-        yield
-    finally:
-        _QUIET[0] -= 1
+    return _OWN_BACKWARD
 
 
 _CALLS = [0]  # graphed block calls so far (eager or replayed): a new call starts a new forward

@@ -4,6 +4,7 @@ second backward graph later (NOTE [ Two grad buffer sets ] in grads/hand_out_pla
 
 import paddle
 
+from ..backends import own_grad
 from . import stacks as grad_stacks
 from .accumulate import Accumulators, split_params
 from .hand_out_plan import GradPlan
@@ -88,7 +89,7 @@ def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad)
                 seed = seed + grad_outputs[k]
             seeds.append(seed)
         swap = GradSwap(leaves)
-        with swap:
+        with swap, own_grad():
             if by_grad:
                 raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
             else:

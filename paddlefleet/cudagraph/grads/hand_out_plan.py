@@ -74,6 +74,12 @@ class GradPlan:
             self._generation = hook_registry.generation()
         return self._copies
 
+    def input_grad(self, i):
+        """The static grad buffer of call tensor ``i`` (overwritten by the next backward replay), or
+        None where it gets no grad."""
+        slot = self.slots[i]
+        return None if slot is None else self.static_grads[slot]
+
     def adopted(self):
         """Indices of the parameters whose ``p.grad`` lives in this plan's static buffers."""
         if self.policy is True or not self.params:
@@ -94,10 +100,11 @@ class GradPlan:
             rescue_grad(self.params[i], self.static_grads[self.slots[self._inputs + i]])
         self.rescues += len(adopted)
 
-    def hand_out(self):
-        """The grads to return from the bridge's backward, one per bridge input."""
+    def hand_out(self, inputs=True):
+        """The grads to return from the bridge's backward, one per bridge input (``inputs``
+        False: None for the call's tensors, whose grads the caller reads from input_grad())."""
         static, slots, n = self.static_grads, self.slots, self._inputs
-        grads = [None if slot is None else copy(static[slot]) for slot in slots[:n]]
+        grads = [None if slot is None or not inputs else copy(static[slot]) for slot in slots[:n]]
         copied = 0
         param_grads = [None] * len(self.params)
         copies = self.param_copies()

@@ -29,7 +29,7 @@ import paddle
 
 from ..core.paddle_patches import install_for_process
 
-__all__ = ["install", "may_keep", "generation", "describe"]
+__all__ = ["install", "may_keep", "generation", "describe", "set_taker"]
 
 #: Hooks that read their grad (or free it) and keep nothing: ``(module, qualname)``.
 _KEEP_NOTHING = {
@@ -80,6 +80,15 @@ def _unrecord(tensor, hook_id):
         _bump()
 
 
+_taker = []  # (take(tensor, hook) -> hook id or None, drop(tensor, hook id) -> True or None)
+
+
+def set_taker(take, drop):
+    """Lets ``take`` answer a hook registration first (and ``drop`` its removal): a hook it takes
+    is never registered with Paddle (NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py)."""
+    _taker[:] = [take, drop]
+
+
 def install():
     """Wraps Paddle's hook registration once per process and marks the parameters of the Layers
     that already exist as "hooks unknown" (NOTE [ Grad consumers ])."""
@@ -90,11 +99,17 @@ def install():
     remove = paddle.Tensor._remove_grad_hook
 
     def _register_grad_hook(self, hook):
+        taken = _taker[0](self, hook) if _taker else None
+        if taken is not None:  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
+            return taken
         hook_id = register(self, hook)
         _record(self, hook_id, hook)
         return hook_id
 
     def _remove_grad_hook(self, hook_id):
+        taken = _taker[1](self, hook_id) if _taker else None
+        if taken is not None:
+            return taken
         result = remove(self, hook_id)
         _unrecord(self, hook_id)
         return result

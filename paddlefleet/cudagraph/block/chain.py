@@ -1,0 +1,178 @@
+"""Chains: consecutive graphed calls, each given the previous one's output, replayed through one
+autograd bridge.
+
+NOTE [ Chains of graphed calls ]
+A model graphed layer by layer (``h = layer(h)`` for each graphed layer) pays the per-call toll
+of a graphed block once per layer: the key, the replay checks, Paddle's PyLayer apply and, in
+backward, one grad node per layer. Most of it does not depend on the layer, so a *chain* pays it
+once for a run of consecutive graphed calls:
+
+* **Links.** After each replay through the bridge, this thread remembers the call (weakly: its
+  output, that output's inplace version and the rest of its arguments). A replay whose first
+  argument is that very output, unchanged, with every other argument the very same object as
+  the previous call's, is a *link* from the previous key to its own. A link seen CONFIRM times
+  in a row is used; a chain is the longest run of used links from a key (no key twice).
+* **The head call** of a chain (a replay of its first key) checks every member as a replay of
+  its own would (the key's graphs, parameters, adopted inputs, pending backward; the training
+  flags its key was made with), replays every member's forward graph in order, each reading the
+  previous one's static output, and applies ONE PyLayer whose inputs are the head call's tensors
+  and every member's parameters and whose outputs are every member's output
+  (block/chain_bridge.py). It returns the first output.
+* **The later calls** are served before their key is made (``BlockBody.shortcut``): member ``j``
+  gets output ``j`` when its first argument is output ``j - 1`` (same object, same inplace
+  version, still stop_gradient=False), its other arguments are the head's (same objects, same
+  inplace versions), grad mode and AMP state are the head's, its Layers' training flags are
+  those its key was made with and no parameter of it changed in place since the head call.
+  Otherwise the chain *breaks* there: that call and the rest run through their own keys as
+  usual, and the link is seen again before it is used again.
+* **Replays ahead of their call** are why members must be pure: a member draws no random
+  numbers (its replay would move the generator at another point than eager), writes no Layer
+  state (running statistics) and takes no argument other than its first that needs grad; a
+  member's graphs are never replayed ahead while a backward of theirs is pending (slots in
+  flight: pipeline schedules). Calls that never come (an early exit) leave their replays unused:
+  nothing reached autograd through them.
+* **Backward** (block/chain_bridge.py) replays the backward graphs of the members that handed
+  out their output, last first, feeding each the grad of its output: the grad the next member's
+  backward gave its first input, plus any grad that reached the output from outside the chain
+  (two terms: the sum commutes exactly), then the output's own hooks. Parameters get their grads
+  from the one grad node, as the bridge hands them out (NOTE [ Grad hand-out ]).
+* **Intermediate outputs** are ordinary tensors, but the grad the next member gives them never
+  passes through autograd: hooks registered on them and ``retain_grads()`` are kept by the chain
+  and applied to the whole grad (block/chain_outputs.py); ``paddle.grad`` with respect to one the
+  next member consumed raises, naming ``chain_calls=False`` (the grad it would return misses the
+  chain's part).
+
+``chain_calls=False`` keeps a wrapper out of chains. Keys with accumulate_in_graph,
+verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several slots do not chain.
+"""
+
+import weakref
+
+import paddle
+
+from ..core.entry import Phase
+from ..core.state import amp_state
+from . import chain_links
+from .chain_links import confirmed, current_run, flags
+from .chain_run import ChainRun
+from .replay import replay_blocker
+
+__all__ = ["Member", "start_chain"]
+
+_chains = weakref.WeakKeyDictionary()  # head entry -> (links version, [Member]) built from it
+
+
+class Member:
+    """A key of a chain: its body, entry, the one BlockGraphs it replays, its bridged parameters
+    and the Layers (with the training flags) its key was made with."""
+
+    __slots__ = ("body", "entry", "graphs", "params", "layers", "flags")
+
+    def __init__(self, body, entry, graphs, flags_):
+        self.body = body
+        self.entry = entry
+        self.graphs = graphs
+        self.params = graphs.backward.bridged
+        self.layers = graphs.layers
+        self.flags = flags_
+
+    def current(self):
+        """Whether the key still replays these graphs, alone in its slots, and none waits for a backward."""
+        slots = self.entry.graphs
+        return (slots is not None and slots.current is self.graphs and len(slots.all) == 1
+                and self.entry.phase is Phase.REPLAY and not self.graphs.backward_pending())
+
+
+def _why_not(graphs):
+    """Why a key with ``graphs`` never joins a chain, or "" (decided once per capture)."""
+    backward = graphs.backward
+    if backward is None or backward.graph is None:
+        return "no backward graph"
+    if backward.accumulators is not None or backward.anchor is not None:
+        return "accumulate_in_graph"
+    if len(graphs.static_outputs) != 1 or not graphs.out_differentiable[0] or graphs.host_outputs:
+        return "not one differentiable output"
+    if graphs.handed_out is not None:
+        return "check_stale_outputs"
+    static = graphs.static_inputs
+    if not static.buffers or static.host:
+        return "host tensors among its arguments"
+    if any(not b.stop_gradient for b in static.buffers[1:]):
+        return "an argument other than the first needs grad"
+    return ""
+
+
+def _member(body, entry, flags_):
+    """The Member for ``entry`` when its key may join a chain now, else None."""
+    slots = entry.graphs
+    if slots is None or len(slots.all) != 1 or entry.verify_left > 0 or not body.options.chain_calls:
+        return None
+    graphs = slots.all[0]
+    if graphs.chain is None:
+        graphs.chain = _why_not(graphs)
+    if graphs.chain:
+        return None
+    return Member(body, entry, graphs, flags_)
+
+
+def start_chain(body, entry, call):
+    """Starts a chain at this replay of ``entry`` (the head) when confirmed links lead on from
+    it; returns the head's Replayed, or None (the call replays alone)."""
+    run = current_run()
+    if run is not None:  # a run nobody finished (an early exit): its calls never come
+        run.break_at(run.handed, "a new chain started")
+    if confirmed(entry) is None or not paddle.is_grad_enabled():
+        return None
+    built = _chains.get(entry)
+    if built is None or built[0] != chain_links.VERSION[0] or len(built[1]) < 2 or not built[1][0].current():
+        built = (chain_links.VERSION[0], _members(body, entry, call))
+        _chains[entry] = built
+    members = built[1]
+    if len(members) < 2:
+        return None
+    return ChainRun(members, call, amp_state(), lambda: _chains.pop(entry, None)).start()
+
+
+def _members(body, entry, call):
+    """The head and the members the confirmed links lead to, as far as each may join (the later
+    members are checked again when their call comes: ChainRun.hand_out)."""
+    head = _member(body, entry, flags(entry.graphs.current))
+    if head is None or not head.current():
+        return []
+    members, seen = [head], {id(entry)}
+    params = {id(p) for p in head.params}
+    params.update(id(t) for t in call.tensors)
+    nxt = confirmed(entry)
+    while nxt is not None:
+        body, entry, link_flags = nxt
+        member = None if id(entry) in seen else _member(body, entry, link_flags)
+        if member is None or not _may_join(member, head, call, params):
+            break
+        members.append(member)
+        seen.add(id(entry))
+        nxt = confirmed(entry)
+    return members
+
+
+def _may_join(member, head, call, params):
+    graphs = member.graphs
+    if not member.current() or graphs.in_spec != head.graphs.in_spec or flags(graphs) != member.flags:
+        return False
+    if member.entry.backend is not head.entry.backend or 0 in graphs.static_inputs.adopted:
+        return False
+    if graphs.backward.grad_plan.slots[0] is None:  # its first argument gets no grad
+        return False
+    if any(id(p) in params for p in member.params):  # a parameter shared with another member
+        return False
+    params.update(id(p) for p in member.params)
+    predicted = _Predicted([graphs.static_inputs.buffers[0]] + call.tensors[1:])
+    return replay_blocker(graphs, predicted, check_inputs=False) is None
+
+
+class _Predicted:
+    """The tensors a member's call will have, for its replay preconditions."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors):
+        self.tensors = tensors

@@ -1,0 +1,111 @@
+"""The autograd bridge of a chain (NOTE [ Chains of graphed calls ] in block/chain.py): one PyLayer
+whose forward replays the head's forward graph and makes every member's output, and whose
+backward replays the backward graphs of the members that handed out their output, last first.
+"""
+
+import weakref
+
+import paddle
+from paddle import _C_ops
+from paddle.autograd import PyLayer
+
+from ..errors import CudaGraphError
+from ..grads.handles import alias, copy
+from . import chain_outputs, partial_grad
+from .bridge import DOUBLE_BACKWARD, Token, replay_backward
+
+__all__ = ["ChainFunction", "replay_forward"]
+
+_EMPTY = getattr(_C_ops, "empty", None) or (lambda shape, dtype, place: paddle.empty(shape, dtype))
+
+
+class ChainFunction(PyLayer):
+    """``apply(run, *run.args.args)``: every member's parameters and the head call's tensors (NOTE
+    [ paddle.grad through a graphed call ] in block/partial_grad.py). The
+    head's static inputs must already hold the call's values. Returns one output per member."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        if hasattr(ctx, "set_materialize_grads"):
+            ctx.set_materialize_grads(False)  # None for outputs nothing used: their calls never came
+        ctx.run = run
+        return tuple(_replay_forwards(run))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if paddle.is_grad_enabled():
+            raise CudaGraphError(DOUBLE_BACKWARD)
+        return _replay_backwards(ctx.run, grads)
+
+
+def _replay_forwards(run):
+    """The head's forward replay; returns one output per member: the head's to hand out now,
+    the others' to be filled when their call comes (ChainRun.hand_out)."""
+    outputs = []
+    for j, member in enumerate(run.members):
+        static = member.graphs.static_outputs[0]
+        if j == 0:
+            replay_forward(run, 0)
+            outputs.append(copy(static) if member.graphs.clone_outputs else alias(static))
+        elif member.graphs.clone_outputs:
+            outputs.append(_EMPTY(static.shape, static.dtype, static.place))
+        else:
+            outputs.append(alias(static))  # the member's replay writes it when its call comes
+    return outputs
+
+
+def replay_forward(run, j):
+    """Member ``j``'s forward replay (its static inputs hold its call's values), its in-flight
+    token kept by the run (NOTE [ One forward in flight ] in block/bridge.py)."""
+    graphs = run.members[j].graphs
+    graphs.fwd_graph.replay()
+    graphs.generation += 1
+    token = Token()
+    graphs.inflight = weakref.ref(token)
+    if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+        partial_grad.note_pending(token)
+    run.tokens.append(token)
+    run.generations.append(graphs.generation)
+
+
+def _add(a, b):
+    """The grad of an output from outside the chain plus the one the next member gave it (two
+    terms: the sum is the same in either order, as eager's)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return paddle.add(a, b)
+
+
+def _replay_backwards(run, grads):
+    """The grads of the bridge's tensors, in the order ChainRun.start gave them."""
+    head, params = _member_backwards(run, grads)
+    return run.args.grads([g for of_member in params for g in of_member] + head)
+
+
+def _member_backwards(run, grads):
+    members, handed = run.members, run.handed
+    run.break_at(handed, "backward ran")  # no call is handed an output after its backward
+    head_grads = [None] * len(run.call.tensors)
+    param_grads = [[None] * len(m.params) for m in members]
+    given = None  # the grad the member after this one gave its first argument (a static buffer)
+    try:
+        for j in reversed(range(handed)):
+            member = members[j]
+            total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
+            given = None
+            if total is None:  # nothing reached this output: its call's backward does not run (eager)
+                continue
+            plan = replay_backward(member.graphs, (total,), run.generations[j], run.tokens[j])
+            out = plan.hand_out(inputs=j == 0)
+            n = len(run.call.tensors)
+            if j == 0:
+                head_grads = list(out[:n])
+            else:
+                given = plan.input_grad(0)
+            param_grads[j] = list(out[n:])
+    finally:
+        for token in run.tokens:
+            token.done = True
+    return head_grads, param_grads

@@ -1,0 +1,119 @@
+"""The outputs a chain handed out, whose grad the next member's part never passes through
+autograd (NOTE [ Chains of graphed calls ] in block/chain.py): their hooks and retain_grads()
+are kept and applied by the chain's backward, and paddle.grad with respect to one of them that
+the next member consumed is refused.
+
+NOTE [ Hooks on a chain's outputs ]
+Eagerly, a hook registered on a layer's output gets the whole grad of that output: what the
+next layer gave it plus what other consumers gave it. In a chain, the next layer's part is
+computed inside the chain's one grad node, so a hook Paddle ran would see only the others'. So
+the registration of a hook on an output a chain handed out, and ``retain_grads()`` on one, are
+taken by the chain (grads/hook_registry.py lets one taker answer first): its backward adds both
+parts, runs the hooks in the order they were registered (a hook's result replaces the grad, as in
+Paddle) and retains the grad where asked; ``remove()`` of such a hook works as usual.
+"""
+
+import itertools
+import weakref
+
+import paddle
+
+from ..core.paddle_patches import install_for_process
+from ..errors import CudaGraphError
+from ..grads import hook_registry
+from ..grads.handles import copy
+from . import partial_grad
+
+__all__ = ["install", "output_grad", "track"]
+
+_runs = weakref.WeakSet()  # chain runs whose outputs may still get hooks or be differentiated
+_ids = itertools.count(1 << 40)  # hook ids of taken hooks: far from Paddle's own
+
+
+def track(run):
+    _runs.add(run)
+
+
+def _find(t):
+    """``(run, index)`` of an output a chain handed out, or None."""
+    for run in list(_runs):
+        j = run.index_of(t)
+        if j is not None:
+            return run, j
+    return None
+
+
+def output_grad(run, j, total, given):
+    """The grad member ``j``'s backward gets: ``total`` after the hooks taken for output ``j``
+    (NOTE [ Hooks on a chain's outputs ]); ``given`` is the part that is a static buffer (a hook may
+    keep what it is handed: it gets a copy)."""
+    hooks = run.hooks.get(j)
+    if not hooks or total is None:
+        return total
+    if total is given:
+        total = copy(total)
+    for _, hook in hooks:
+        if hook is None:
+            out = run.refs[j]()
+            if out is not None:
+                out._copy_gradient_from(total)
+            continue
+        result = hook(total)
+        if result is not None:
+            total = result
+    return total
+
+
+def _take_hook(t, hook):
+    found = _find(t)
+    if found is None:
+        return None
+    run, j = found
+    hook_id = next(_ids)
+    run.hooks.setdefault(j, []).append((hook_id, hook))
+    return hook_id
+
+
+def _drop_hook(t, hook_id):
+    found = _find(t)
+    if found is None:
+        return None
+    run, j = found
+    hooks = run.hooks.get(j, [])
+    kept = [(i, h) for i, h in hooks if i != hook_id]
+    if len(kept) == len(hooks):
+        return None
+    run.hooks[j] = kept
+    return True
+
+
+def install():
+    """Lets chains take hooks and retain_grads(), and wraps paddle.grad (NOTE [ paddle.grad through a
+    graphed call ] in block/partial_grad.py), once per process (NOTE [ Paddle patches ] in
+    core/paddle_patches.py)."""
+    hook_registry.set_taker(_take_hook, _drop_hook)
+    retain = paddle.Tensor.retain_grads
+
+    def retain_grads(self):
+        found = _find(self)
+        if found is None:
+            return retain(self)
+        run, j = found
+        run.hooks.setdefault(j, []).append((None, None))
+        return None
+
+    retain_grads.__doc__ = getattr(retain, "__doc__", None)
+    install_for_process(paddle.Tensor, "retain_grads", retain_grads)
+    partial_grad.install(_refuse_grad_of_consumed)
+
+
+def _refuse_grad_of_consumed(inputs):
+    """paddle.grad with respect to an output the next call of its chain consumed is refused."""
+    for t in inputs or ():
+        found = _find(t) if isinstance(t, paddle.Tensor) else None
+        if found is not None and found[1] < found[0].handed - 1:
+            raise CudaGraphError(
+                "autocudagraph: paddle.grad with respect to the output of a graphed call that the next graphed "
+                "call took as its input, both replayed as one chain (NOTE [ Chains of graphed calls ] in "
+                "block/chain.py): the grad the next call gives it is computed inside the chain and would be "
+                "missing. Pass chain_calls=False to autocudagraph for these calls.")

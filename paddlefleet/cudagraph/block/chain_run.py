@@ -1,0 +1,185 @@
+"""One run of a chain (NOTE [ Chains of graphed calls ] in block/chain.py): the one bridge applied
+at the head call, and each later call checked, replayed and handed its output.
+"""
+
+import weakref
+
+import paddle
+
+from ..core.body import Replayed
+from ..core.state import amp_state
+from ..errors import ReplayShapeError
+from ..grads.accumulate import note_call
+from ..io.static_inputs import unflatten
+from . import chain_outputs, partial_grad
+from .capture import capture_second_backward
+from .chain_bridge import ChainFunction, replay_forward
+from .chain_links import current_run, forget_link, remember, set_run
+from .replay_fallback import state_restored_on_refusal
+
+__all__ = ["ChainRun"]
+
+_MISSING = object()
+
+
+class ChainRun:
+    """The members of one run of a chain and what each call of it is handed.
+
+    Args:
+        members: the chain's Members (block/chain.py), in call order, the head first.
+        call: the head call (its Call).
+        amp: the AMP state at the head call.
+        forget: drops the head's cached members (a member no longer fits).
+    """
+
+    __slots__ = ("members", "call", "amp", "rest", "extras", "handed", "tokens", "generations", "outputs", "refs",
+                 "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
+
+    def __init__(self, members, call, amp, forget):
+        self.members = members
+        self.call = call
+        self.amp = amp
+        self.forget = forget
+        self.rest = call.args[1:]
+        self.extras = call.tensors[1:]
+        self.handed = 0
+        self.tokens = []
+        self.generations = []
+        self.outputs = None  # strong only while calls may still be handed their output
+        self.refs = []
+        self.ids = {}
+        self.order = {id(m.body): j for j, m in enumerate(members)}
+        self.hooks = {}  # output index -> [(hook id, hook)]; hook None: retain_grads()
+        self.args = None
+        self.executes = members[0].entry.backend.capture_executes
+
+    def start(self):
+        """Replays the head's forward, applies the bridge; returns the head call's Replayed."""
+        head = self.members[0]
+        head.entry.backend.copy_stream()  # NOTE [ Copies between replays ] in backends/cuda.py
+        self._second_set(head.graphs)
+        copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
+        # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+        params = [p for m in self.members for p in m.params]
+        self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
+        note_call()
+        try:
+            outputs = ChainFunction.apply(self, *self.args.args)
+        except BaseException:
+            self.break_at(0, "the head's replay failed")
+            raise
+        if isinstance(outputs, paddle.Tensor):
+            outputs = [outputs]
+        self.outputs = list(outputs)
+        self.refs = [weakref.ref(o) for o in self.outputs]
+        self.ids = {id(o): j for j, o in enumerate(self.outputs)}
+        chain_outputs.track(self)
+        set_run(self)
+        return Replayed(self._give(0), copied, skipped)
+
+    @staticmethod
+    def _second_set(graphs):
+        if graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
+            capture_second_backward(graphs)
+
+    def _give(self, j):
+        out = self.outputs[j]
+        self.handed = j + 1
+        member = self.members[j]
+        if self.handed == len(self.members):  # a call after the chain may be given its output
+            remember(member.entry, out, self.call.args, self.call.kwargs)
+            self.close()
+        graphs = member.graphs
+        return unflatten(graphs.out_spec, [out], graphs.out_consts)
+
+    def hand_out(self, body, args, kwargs):
+        """``(entry, Replayed)`` for this call of ``body``: its forward replayed, its output handed
+        out; or None: the chain breaks here (or ``body`` is not the next member) and the call runs
+        as usual."""
+        j = self.order.get(id(body))
+        if j is None or j < self.handed:
+            return None
+        if j > self.handed:  # a later member called first: the calls in between never come
+            self.break_at(self.handed, "a later member was called first")
+            return None
+        why = self._mismatch(j, args, kwargs)
+        if why is not None:
+            self.break_at(j, why)
+            return None
+        member = self.members[j]
+        graphs = member.graphs
+        self._second_set(graphs)
+        note_call()
+        try:
+            if self.executes:  # NOTE [ A replay that changes shape ] in block/replay_fallback.py
+                with state_restored_on_refusal(graphs.layers, True):
+                    copied, skipped = self._replay(j, args[0])
+            else:
+                copied, skipped = self._replay(j, args[0])
+        except ReplayShapeError:  # the call runs alone, which falls back
+            self.break_at(j, "its replay changed an output's shape")
+            return None
+        return member.entry, Replayed(self._give(j), copied, skipped)
+
+    def _replay(self, j, first):
+        """Member ``j``'s inputs copied in, its forward replayed, its output filled."""
+        graphs = self.members[j].graphs
+        backend = self.members[j].entry.backend
+        if self.extras:
+            copied, skipped = graphs.static_inputs.copy_in([first] + self.extras)
+        else:  # NOTE [ Copies between replays ] in backends/cuda.py
+            backend.copy(graphs.static_inputs.buffers[0], first)
+            copied, skipped = 1, 0
+        replay_forward(self, j)
+        if graphs.clone_outputs:  # the head made it, empty, as an output of the one grad node
+            backend.copy(self.outputs[j], graphs.static_outputs[0])
+        return copied, skipped
+
+    def _mismatch(self, j, args, kwargs):
+        """Why call ``j`` cannot be replayed as the chain's (its key's) call now, or None."""
+        prev = self.outputs[j - 1]
+        if not args or args[0] is not prev or prev.stop_gradient:
+            return "its first argument is not the previous call's output"
+        rest = self.rest
+        if len(args) != len(rest) + 1 or (rest and any(a is not b for a, b in zip(args[1:], rest))):
+            return "its other arguments differ from the first call's"
+        first = self.call.kwargs
+        if kwargs is not first and (len(kwargs) != len(first) or any(first.get(k, _MISSING) is not v
+                                                                      for k, v in kwargs.items())):
+            return "its keyword arguments differ from the first call's"
+        if self.extras and not all(t.stop_gradient for t in self.extras):
+            return "an argument other than the first needs grad"
+        if not paddle.is_grad_enabled() or amp_state() != self.amp:
+            return "grad mode or AMP state changed"
+        member = self.members[j]
+        if not member.current():
+            self.forget()
+            return "its key's graphs changed or wait for a backward"
+        for layer, flag in zip(member.layers, member.flags):
+            if layer.training != flag:
+                return "a Layer's training flag changed"
+        return member.graphs.params.moved()
+
+    def break_at(self, j, reason):
+        """No call from member ``j`` on is handed its output: their graphs are free for their own
+        calls, and the link into member ``j`` is seen again before it is used again."""
+        for token in self.tokens[j:]:
+            token.done = True
+        self.handed = min(self.handed, j)
+        if 0 < j < len(self.members):
+            forget_link(self.members[j - 1].entry)
+        self.close()
+
+    def close(self):
+        """No more hand-outs: the thread's open run is no longer this one, and the strong references
+        to the outputs go (they and the bridge's context would otherwise keep each other alive)."""
+        if current_run() is self:
+            set_run(None)
+        self.outputs = None
+
+    def index_of(self, t):
+        """The index of ``t`` among the outputs handed out so far, or None."""
+        j = self.ids.get(id(t))
+        if j is None or j >= self.handed or self.refs[j]() is not t:
+            return None
+        return j
