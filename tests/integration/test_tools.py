@@ -162,6 +162,7 @@ def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
 
 
 def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
-    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3")
+    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3", "--block", "3x8x2")
     assert rc == 0, log[-3000:]
     assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]
+    assert "graphed block of 3x8x2" in log and "grad hand-out" in log and "n/a" not in log, log[-2000:]
