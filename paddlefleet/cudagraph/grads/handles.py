@@ -19,7 +19,7 @@ from paddle import _C_ops
 
 from ..io.static_inputs import place_key
 
-__all__ = ["alias", "can_hook", "copy", "GradSwap", "hand_out", "hookable", "merge_leaf_grads", "rescue_grad"]
+__all__ = ["alias", "can_hook", "copy", "GradSwap", "hookable", "merge_leaf_grads", "rescue_grad"]
 
 # The C++ entry points skip Paddle's Python wrappers (measured: view 9.7 us -> 4.6 us,
 # clone 9.2 us -> 6.9 us per call on the host); both are copies/views, no arithmetic kernel.
@@ -37,12 +37,13 @@ def copy(t):
         return t.clone()
 
 
-def alias(t):
-    """A new tensor object on ``t``'s storage (no copy), or None for None."""
+def alias(t, shape=None):
+    """A new tensor object on ``t``'s storage (no copy), or None for None; ``shape``: ``t``'s own,
+    where the caller has it at hand (reading ``t.shape`` builds a new list each time)."""
     if t is None:
         return None
     if _VIEW is not None:
-        return _VIEW(t, t.shape)
+        return _VIEW(t, t.shape if shape is None else shape)
     if hasattr(t, "view"):
         return t.view(t.shape)
     return copy(t)  # Paddle without views: a copy is the safe alias
@@ -142,13 +143,6 @@ def rescue_grad(t, buffer):
         t.grad_ = copy(g)
 
 
-def hand_out(static, clone):
-    """What to give autograd for a static grad buffer: a copy, or a fresh alias of the buffer."""
-    if static is None:
-        return None
-    return copy(static) if clone else alias(static)
-
-
 def merge_leaf_grads(returned, collected):
     """Per leaf: the grad paddle.grad returned plus any grad an inner backward (reentrant
     recompute) accumulated into ``.grad`` (collected by a GradSwap)."""
@@ -192,6 +186,7 @@ def can_hook(t):
     return _reshape_passes_grads(t)
 
 
-def hookable(t):
-    """``t`` as a differentiable alias whose hooks run (see can_hook(), checked by the caller)."""
-    return _RESHAPE(t, t.shape)
+def hookable(t, shape=None):
+    """``t`` as a differentiable alias whose hooks run (see can_hook(), checked by the caller);
+    ``shape``: ``t``'s own, where the caller has it at hand."""
+    return _RESHAPE(t, t.shape if shape is None else shape)
