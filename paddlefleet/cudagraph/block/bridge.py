@@ -61,9 +61,8 @@ class GraphedFunction(PyLayer):
         ctx.graphs = graphs
         ctx.generation = graphs.generation
         outputs = hand_out_outputs(graphs)
-        non_diff = [o for o, d in zip(outputs, graphs.out_differentiable) if not d]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if graphs.non_diff_at:  # NOTE [ Replay work decided at capture ] in block/replay.py
+            ctx.mark_non_differentiable(*[outputs[i] for i in graphs.non_diff_at])
         return tuple(outputs)
 
     @staticmethod
@@ -86,11 +85,8 @@ class GraphedFunction(PyLayer):
                 "in dispatch_key_fn returning None."
             )
         # Grad mode is off here (checked above): the copies record nothing without a no_grad() block.
-        buffers = iter(backward.grad_outputs)
-        for grad, differentiable in zip(grads, graphs.out_differentiable):
-            if not differentiable:
-                continue
-            buf = next(buffers)
+        for i, buf in graphs.grad_feeds:  # (output index, its grad-output buffer), decided at capture
+            grad = grads[i]
             if grad is None:
                 buf.zero_()
             elif grad is not buf:

@@ -207,6 +207,7 @@ class _BlockCapture:
             # as long as the graphs: a CUDA graph keeps writing and reading those addresses, so the
             # allocator must never hand them to another tensor.
             graphs.out_hookable = [d and can_hook(o) for o, d in zip(graphs.static_outputs, graphs.out_differentiable)]
+            graphs.settle()
             graphs.live = live
             captured = True
         finally:

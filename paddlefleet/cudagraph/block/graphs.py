@@ -77,6 +77,8 @@ class BlockGraphs(Graphs):
         live: keeps the capture-time autograd graph (saved activations) alive with the graphs.
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
+        bridge_tail, hookable_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
+            [ Replay work decided at capture ] in block/replay.py).
     """
 
     backend: Any
@@ -98,6 +100,25 @@ class BlockGraphs(Graphs):
     handed_out: Any = None
     generation: int = 0
     inflight: Any = None
+    bridge_tail: tuple = ()
+    hookable_at: tuple = ()
+    non_diff_at: tuple = ()
+    grad_feeds: tuple = ()
+
+    def settle(self):
+        """Decides once, after capture, what every replay of these graphs passes and hands out
+        (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs after the
+        call's tensors (bridged parameters, then the anchor), ``(index, shape)`` of each output
+        handed out through a hookable alias, the indices of outputs that carry no grad, and
+        ``(output index, grad-output buffer)`` of each output that does."""
+        backward = self.backward
+        if backward is not None:
+            self.bridge_tail = tuple(backward.bridged) + (() if backward.anchor is None else (backward.anchor,))
+            diff_index = [i for i, d in enumerate(self.out_differentiable) if d]
+            self.grad_feeds = tuple(zip(diff_index, backward.grad_outputs))
+        self.hookable_at = tuple((i, list(o.shape)) for i, (o, h) in enumerate(zip(self.static_outputs, self.out_hookable))
+                                 if h)
+        self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
 
     @property
     def accumulators(self):
@@ -158,3 +179,4 @@ class BlockGraphs(Graphs):
         self.static_outputs = []
         self.inflight = None
         self.handed_out = None
+        self.bridge_tail = self.grad_feeds = ()  # grad_feeds holds the grad-output buffers

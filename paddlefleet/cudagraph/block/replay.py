@@ -9,6 +9,14 @@ again. A call gets a slot whose previous forward's backward has run (NOTE [ Slot
 block/slots.py; NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
 proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
 structure are checked (InputMismatchError).
+
+NOTE [ Replay work decided at capture ]
+A replayed call pays the host time of everything it does, so what is the same for every replay
+of a key is decided once when it is captured (BlockGraphs.settle): the tensors the bridge takes
+after the call's own, which outputs get a hookable alias (with their shapes) and which carry no
+grad; likewise the parameter-address check (NOTE [ The parameter-address check ] in
+core/layers.py) and the grad hand-out (NOTE [ A precomputed hand-out ] in grads/hand_out_plan.py).
+A call still gets new output tensors and new grad tensors every time.
 """
 
 import paddle
@@ -24,7 +32,8 @@ __all__ = ["replay_blocker", "run_graphs"]
 
 
 def replay_blocker(graphs, call, check_inputs):
-    """None when ``call`` can replay ``graphs``, else a Blocked (NOTE [ Replay preconditions ]).
+    """None when ``call`` can replay ``graphs``, else a Blocked (NOTE [ Replay preconditions ]);
+    ``graphs``: a slot without a pending backward (Slots.select(), NOTE [ Slots ] in block/slots.py).
 
     Raises:
         InputMismatchError: with ``check_inputs`` (dispatch_key_fn), for a call that does not fit.
@@ -53,9 +62,7 @@ def replay_blocker(graphs, call, check_inputs):
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
                 "happens again, the key runs eagerly). Zero grads in place (optimizer.clear_grad()) or free them "
                 "(clear_grad(set_to_zero=False)) instead of rebinding them."))
-    if graphs.backward_pending():
-        return Blocked(Action.EAGER, "previous replay's backward still pending")
-    return None
+    return None  # a pending backward: BlockBody.blocker's Slots.select() took a slot without one
 
 
 def run_graphs(graphs, call, copy, name, label):
@@ -66,13 +73,13 @@ def run_graphs(graphs, call, copy, name, label):
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     backward = graphs.backward
     if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
-        anchor = () if backward.anchor is None else (backward.anchor,)
-        outputs = GraphedFunction.apply(graphs, *tensors, *backward.bridged, *anchor)
-        if isinstance(outputs, paddle.Tensor):
-            outputs = [outputs]
+        # NOTE [ Replay work decided at capture ]: bridge_tail, hookable_at.
+        outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridge_tail)
+        outputs = [outputs] if isinstance(outputs, paddle.Tensor) else list(outputs)
         # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
         # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
-        outputs = [hookable(o) if h else o for o, h in zip(outputs, graphs.out_hookable)]
+        for i, shape in graphs.hookable_at:
+            outputs[i] = hookable(outputs[i], shape)
     else:
         graphs.fwd_graph.replay()
         outputs = hand_out_outputs(graphs)
