@@ -179,7 +179,9 @@ def choose(plans, last):
     set captured so far): they are moved out with a copy. Training loops that free grads never
     adopt, and keep one set.
     """
-    order = [(last + 1) % len(plans), last % len(plans)] if len(plans) > 1 else [0]
+    if len(plans) == 1:
+        return 0, plans[0].adopted()
+    order = ((last + 1) % len(plans), last % len(plans))
     adopted = None
     for k in order:
         adopted = plans[k].adopted()
