@@ -22,7 +22,7 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
-``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
+``hand_out``, ``static_outputs``, ``hookable_at``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
 report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
 """
@@ -134,8 +134,9 @@ class Internals:
     def hookable(self):
         from paddlefleet.cudagraph.grads.handles import hookable
 
-        out = self._entry().graphs.static_outputs[0]
-        return lambda: hookable(out)
+        index, shape = self._entry().graphs.hookable_at[0]  # as run_graphs passes it: the shape decided at capture
+        out = self._entry().graphs.static_outputs[index]
+        return lambda: hookable(out, shape)
 
     def forward_replay(self):
         return self._entry().graphs.fwd_graph.replay
