@@ -29,12 +29,20 @@ __all__ = ["GraphedFunction", "hand_out_outputs"]
 
 
 class _Token:
-    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx)."""
+    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx); ``hooked``: the
+    grads hooks on its outputs returned, by output index (NOTE [ Hooks on graphed outputs ] in
+    grads/handles.py), or None."""
 
-    __slots__ = ("__weakref__", "done")
+    __slots__ = ("__weakref__", "done", "hooked")
 
     def __init__(self):
         self.done = False
+        self.hooked = None
+
+    def keep_hooked(self, index, grad):
+        if self.hooked is None:
+            self.hooked = {}
+        self.hooked[index] = grad
 
 
 def hand_out_outputs(graphs):
@@ -85,8 +93,9 @@ class GraphedFunction(PyLayer):
                 "in dispatch_key_fn returning None."
             )
         # Grad mode is off here (checked above): the copies record nothing without a no_grad() block.
+        hooked = ctx.token.hooked  # grads the outputs' hooks returned: NOTE [ Hooks on graphed outputs ]
         for i, buf in graphs.grad_feeds:  # (output index, its grad-output buffer), decided at capture
-            grad = grads[i]
+            grad = grads[i] if hooked is None else hooked.pop(i, grads[i])
             if grad is None:
                 buf.zero_()
             elif grad is not buf:

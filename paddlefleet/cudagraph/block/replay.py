@@ -13,9 +13,10 @@ structure are checked (InputMismatchError).
 NOTE [ Replay work decided at capture ]
 A replayed call pays the host time of everything it does, so what is the same for every replay
 of a key is decided once when it is captured (BlockGraphs.settle): the tensors the bridge takes
-after the call's own, which outputs get a hookable alias (with their shapes) and which carry no
-grad; likewise the parameter-address check (NOTE [ The parameter-address check ] in
-core/layers.py) and the grad hand-out (NOTE [ A precomputed hand-out ] in grads/hand_out_plan.py).
+after the call's own, which outputs carry a grad (their hooks are routed to the backward, NOTE
+[ Hooks on graphed outputs ] in grads/handles.py) and which do not; likewise the parameter-address
+check (NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out (NOTE [ A
+precomputed hand-out ] in grads/hand_out_plan.py).
 A call still gets new output tensors and new grad tensors every time.
 """
 
@@ -23,7 +24,7 @@ import paddle
 
 from .bridge import GraphedFunction, hand_out_outputs
 from ..errors import InputMismatchError
-from ..grads.handles import hookable
+from ..grads.handles import route_hooks
 from ..core.body import Action, Blocked
 from ..core.location import user_call_site
 from ..io.static_inputs import unflatten
@@ -73,13 +74,10 @@ def run_graphs(graphs, call, copy, name, label):
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     backward = graphs.backward
     if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
-        # NOTE [ Replay work decided at capture ]: bridge_tail, hookable_at.
+        # NOTE [ Replay work decided at capture ]: bridge_tail, diff_at.
         outputs = GraphedFunction.apply(graphs, *tensors, *graphs.bridge_tail)
         outputs = [outputs] if isinstance(outputs, paddle.Tensor) else list(outputs)
-        # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
-        # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
-        for i, shape in graphs.hookable_at:
-            outputs[i] = hookable(outputs[i], shape)
+        route_hooks(outputs, graphs.diff_at, graphs.inflight)  # NOTE [ Hooks on graphed outputs ] in grads/handles.py
     else:
         graphs.fwd_graph.replay()
         outputs = hand_out_outputs(graphs)
