@@ -108,13 +108,12 @@ class BlockGraphs(Graphs):
         (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs after the
         call's tensors (bridged parameters, then the anchor), the indices of the outputs that carry
         a grad and of those that do not, and ``(output index, grad-output buffer)`` of each that does."""
+        self.diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if d)
+        self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
         backward = self.backward
         if backward is not None:
             self.bridge_tail = tuple(backward.bridged) + (() if backward.anchor is None else (backward.anchor,))
-            diff_index = [i for i, d in enumerate(self.out_differentiable) if d]
-            self.grad_feeds = tuple(zip(diff_index, backward.grad_outputs))
-        self.diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if d)
-        self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
+            self.grad_feeds = tuple(zip(self.diff_at, backward.grad_outputs))
 
     @property
     def accumulators(self):
