@@ -1,6 +1,13 @@
-"""CPU host time of a model graphed layer by layer and of a whole-step graph, without a GPU.
+"""CPU host time of a model graphed layer by layer, of a whole-step graph, and of the pieces of one
+replayed block call, without a GPU.
 
     OMP_NUM_THREADS=1 python tools/cpu_host_time.py [--layers 32 --width 32 --batch 4]
+                                                    [--block 16x512x16 | --block 0]
+
+The block rows time one graphed Layer of ``--block`` LAYERSxWIDTHxBATCH matmul layers (default: the
+16 x 512, batch 16 block of docs/reports/host_breakdown.md) replaying: the whole call forward and
+backward, then each of its pieces alone (tools/host_breakdown.py's Internals: the same pieces as
+that report's rows) and Paddle's own pieces at that size. ``--block 0`` leaves them out.
 
 NOTE [ Stand-in graph ]
 To time only the host work of a graphed call on a machine without a GPU, the simulated backend is
@@ -29,6 +36,9 @@ from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E40
 from paddlefleet.cudagraph.backends import simulated  # noqa: E402
 from testkit.common import MatMLP, build, host_tensor, normal  # noqa: E402
 from testkit.step_gpu import MatmulStep  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_breakdown import Internals, Passthrough  # noqa: E402
 
 clock = time.thread_time
 
@@ -75,12 +85,57 @@ def whole_step(args, x, dy):
     return lambda: graphed(x, dy)
 
 
+def median_us(fn, reps):
+    return statistics.median(cpu_us(fn) for _ in range(reps))
+
+
+def block_rows(spec, reps):
+    """``[(piece, us)]``: one replayed call of a graphed block of ``spec`` (LAYERSxWIDTHxBATCH),
+    forward and backward, then its pieces alone; the same pieces as tools/host_breakdown.py's."""
+    n, width, batch = (int(v) for v in spec.lower().split("x"))
+    draw = normal(1)
+    x, dy = host_tensor(draw(batch, width)), host_tensor(draw(batch, width))
+    model = build(lambda: MatMLP([width] * (n + 1)), 0)
+    autocudagraph(model, backend="simulate", warmup_steps=1)
+    params = model.parameters()
+
+    def step():
+        model(x).backward(dy)
+        for p in params:
+            p.clear_gradient(False)
+
+    for _ in range(3):  # warmup, capture, first replay
+        step()
+    rows = [("block call: forward + backward + release grads", median_us(step, reps)),
+            (f"release {len(params)} grads (clear_gradient(False))",
+             median_us(lambda: [p.clear_gradient(False) for p in params], reps)),
+            ("forward call alone (then drop the output)", median_us(lambda: model(x), reps))]
+    for name, _, resolve in Internals(model.forward, x).pieces():
+        try:
+            rows.append((name, median_us(resolve(), reps)))
+        except Exception as err:  # noqa: BLE001 - a piece whose private name moved (NOTE in host_breakdown.py)
+            rows.append((name, f"n/a ({type(err).__name__}: {err})"))
+    stack = host_tensor(draw(n, width, width))
+    Passthrough.grads = [host_tensor(draw(width, width)) for _ in params]
+
+    def pylayer_step():
+        Passthrough.apply(x, *params).backward(dy)
+        for p in params:
+            p.clear_gradient(False)
+
+    rows += [(f"Paddle: unbind of a {n}-grad stack", median_us(lambda: paddle._C_ops.unbind(stack, 0), reps)),
+             (f"Paddle: PyLayer.apply with {len(params) + 1} tensor inputs", median_us(lambda: Passthrough.apply(x, *params), reps)),
+             (f"Paddle: PyLayer forward + backward handing {len(params)} grads + release", median_us(pylayer_step, reps))]
+    return [(name, us if isinstance(us, str) else f"{us:.1f}") for name, us in rows]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--block", default="16x512x16", help="LAYERSxWIDTHxBATCH of the timed block, or 0 for none")
     args = parser.parse_args()
     paddle.set_device("cpu")
     stand_in()
@@ -106,6 +161,10 @@ def main():
     print(f"- whole-step graph (autocudagraph_step), one call: {w:.1f} us")
     key_line = next(line for line in layers[0].forward.explain().splitlines() if line.strip().startswith("key "))
     print(f"- explain() of the first layer: {key_line.strip()}")
+    if args.block != "0":
+        print(f"One replayed call of a graphed block of {args.block} (LAYERSxWIDTHxBATCH), median of {5 * args.steps}:")
+        for name, us in block_rows(args.block, 5 * args.steps):
+            print(f"- {name}: {us} us")
     return 0
 
 

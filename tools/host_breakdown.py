@@ -22,8 +22,8 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
-``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
-``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
+``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
+``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``. A piece whose name moved reads "n/a (...)" in the
 report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
 """
 
@@ -131,11 +131,12 @@ class Internals:
         graphs = self._entry().graphs
         return lambda: hand_out_outputs(graphs)
 
-    def hookable(self):
-        from paddlefleet.cudagraph.grads.handles import hookable
+    def hook_route(self):
+        from paddlefleet.cudagraph.grads.handles import copy, route_hooks
 
-        out = self._entry().graphs.static_outputs[0]
-        return lambda: hookable(out)
+        graphs = self._entry().graphs
+        outputs = [copy(t) for t in graphs.static_outputs]  # stand-ins for what a call hands out
+        return lambda: route_hooks(outputs, graphs.diff_at, graphs.inflight)
 
     def forward_replay(self):
         return self._entry().graphs.fwd_graph.replay
@@ -152,7 +153,7 @@ class Internals:
             ("  of which the parameter-address check", "ours", self.params_moved),
             ("input copy into the static buffer (copy_)", "ours (1 device copy)", self.copy_in),
             ("output hand-out (clone_outputs: one copy per output)", "ours (1 device copy)", self.hand_out_outputs),
-            ("hookable alias of a differentiable output (reshape)", "ours", self.hookable),
+            ("hook route of the differentiable outputs (a weak reference each)", "ours", self.hook_route),
             ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
             ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks)", "ours", self.hand_out_grads),
             ("forward graph replay()", "Paddle", self.forward_replay),

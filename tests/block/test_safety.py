@@ -580,6 +580,26 @@ class InputCopiesTest(SafetyCase):
             self.assertBitwise([f(x3, w), f(x, w)], [mm(x3, w), mm(x, w)])
         np.testing.assert_array_equal(x.numpy(), x_before)
 
+    def test_copied_inputs_that_need_grad_record_nothing_in_autograd(self):
+        # NOTE [ Copy-in without no_grad ]: the copy into a static buffer runs with grad enabled.
+        f = self.graphed(mm, warmup_steps=1)
+        w, w_eager = data(8, 8, seed=1, grad=True), data(8, 8, seed=1, grad=True)
+        for seed in (7, 8):  # warmup, capture
+            (f(data(4, 8, seed=seed, grad=True) * 2.0, w) * 3.0).sum().backward()
+            (mm(data(4, 8, seed=seed, grad=True) * 2.0, w_eager) * 3.0).sum().backward()
+        static = next(iter(f._entries.values())).graphs.static_inputs.buffers[0]
+        version = static._inplace_version()
+        for i in range(3):
+            x, x_eager = data(4, 8, seed=i, grad=True), data(4, 8, seed=i, grad=True)
+            with f.counters.expect(replays=1, input_copies=1):
+                (f(x * 2.0, w) * 3.0).sum().backward()
+            (mm(x_eager * 2.0, w_eager) * 3.0).sum().backward()
+            self.assertBitwise([x.grad, w.grad], [x_eager.grad, w_eager.grad], f"call {i}")
+        self.assertTrue(static.is_leaf)
+        self.assertFalse(static.stop_gradient)
+        self.assertIsNone(static.grad)
+        self.assertEqual(static._inplace_version(), version)
+
     def test_adopted_input_grads_match_eager(self):
         f = self.graphed(mm, warmup_steps=1)
         w, w_eager = data(8, 8, seed=1, grad=True), data(8, 8, seed=1, grad=True)

@@ -76,27 +76,44 @@ class EdgeTest(BackendCase):
             self.assertBitwise(grads_of(lin), grads_of(ref), f"grads step {step}")
         self.assertEqual(g.stats()["captures"], 1)
 
-    def test_outputs_are_plain_when_the_place_cannot_alias_them_differentiably(self):
-        # Paddle 2.6 on a Hopper GPU has no grad kernel for views: the probe says no, outputs are
-        # handed out as they are, and training stays bitwise (only output hooks are lost there).
-        from unittest import mock
-
-        from paddlefleet.cudagraph.grads import handles as grads
-
-        def no_grad_kernel(*args, **kwargs):
-            raise RuntimeError("(NotFound) The kernel `reshape_grad` is not registered.")
-
+    def test_hooks_on_graphed_outputs_chain_and_reach_the_backward_as_in_eager(self):
+        # NOTE [ Hooks on graphed outputs ]: chained hooks on each of two outputs (one returning None),
+        # calls without hooks in between, and a removed hook.
         lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
-        g = self.graphed(lambda x: lin(x), warmup_steps=0)
-        with mock.patch.object(grads, "_RESHAPE", no_grad_kernel), mock.patch.dict(grads._HOOKABLE, clear=True):
-            for step in range(3):
-                x = paddle.randn([2, 4])
-                y, y_e = g(x), ref(x)
-                y.sum().backward()
-                y_e.sum().backward()
-                self.assertBitwise(grads_of(lin), grads_of(ref), f"grads step {step}")
-            self.assertEqual(set(grads._HOOKABLE.values()), {False})
-        self.assertEqual(g.stats()["captures"], 1)
+
+        def two(layer):
+            return lambda x: (layer(x), layer(x) * 2.0)
+
+        g = self.graphed(two(lin), warmup_steps=0)
+        f = two(ref)
+        seen = {"graphed": [], "eager": []}
+        for step in range(4):
+            x = paddle.randn([2, 4])
+            for name, fn in (("graphed", g), ("eager", f)):
+                y, z = fn(x)
+                log = seen[name]
+                if step != 1:
+                    y.register_hook(lambda grad: grad * 3.0)
+                    y.register_hook(lambda grad, log=log: log.append(grad.numpy()) or grad + 1.0)
+                    z.register_hook(lambda grad, log=log: log.append(grad.numpy()))  # returns None
+                    z.register_hook(lambda grad: grad * 0.5)
+                if step == 3:
+                    z.register_hook(lambda grad: grad * 7.0).remove()
+                (y.sum() + (z * z).sum()).backward()
+            self.assertBitwise(grads_of(lin), grads_of(ref), f"grads step {step}")
+        self.assertBitwise(seen["graphed"], seen["eager"], "what the logging hooks saw")
+        self.assertEqual((g.stats()["captures"], g.stats()["replays"]), (1, 3))
+
+    def test_a_hook_on_an_output_of_an_earlier_call_changes_only_that_call(self):
+        lin, ref = twin_layers(lambda: paddle.nn.Linear(4, 4))
+        g = self.graphed(lambda x: lin(x), warmup_steps=0, max_inflight=2)
+        xs = [paddle.randn([2, 4]) for _ in range(2)]
+        ys, ys_e = [g(x) for x in xs], [ref(x) for x in xs]  # two forwards in flight: two slots
+        ys[0].register_hook(lambda grad: grad * 5.0)
+        ys_e[0].register_hook(lambda grad: grad * 5.0)
+        (ys[1].sum() + ys[0].sum()).backward()
+        (ys_e[1].sum() + ys_e[0].sum()).backward()
+        self.assertBitwise(grads_of(lin), grads_of(ref))
 
     def test_negative_zero_and_nan_are_keys_of_their_own(self):
         g = self.graphed(lambda x, s: x / s, warmup_steps=0)

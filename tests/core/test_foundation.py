@@ -588,8 +588,34 @@ class TwoSizes(paddle.nn.Layer):
         return y
 
 
+class Interleaved(paddle.nn.Layer):
+    """Parameters of two shapes in alternating order: each stack's grads go to every other slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = paddle.nn.ParameterList([self.create_parameter(shape) for shape in ([8, 8], [8, 6]) * 2])
+
+    def forward(self, x):
+        y = paddle.matmul(paddle.matmul(x, self.ws[0]), self.ws[2])
+        return paddle.matmul(y, self.ws[3]) + paddle.matmul(x, self.ws[1])
+
+
 @for_each_backend
 class TestGradGroups(BackendCase):
+    def test_stacks_of_interleaved_shapes_hand_each_grad_to_its_parameter(self):
+        # NOTE [ A precomputed hand-out ]: a stack whose parameters are not next to each other.
+        for clone in (True, False, "auto"):
+            model, ref = twin_layers(Interleaved)
+            self.graphed(model, warmup_steps=0, clone_param_grads=clone)
+            for step in range(3):
+                x = paddle.randn([4, 8])
+                model(x).sum().backward()
+                ref(x).sum().backward()
+                self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
+            plan = next(iter(model.forward._entries.values())).graphs.backward.grad_plan
+            self.assertEqual(sorted(positions for _, positions in plan.groups), [[0, 2], [1, 3]])
+            self.assertEqual(model.forward.stats()["replays"], 2)
+
     @parameterized.expand([("all_small", 1 << 20, [2, 3]), ("b_too_large", 4096, [2])])
     def test_same_shape_grads_are_stacked_up_to_the_size_limit(self, _, limit, sizes):
         # NOTE [ Grad groups ]: one stack per shape for grads up to GROUP_MAX_BYTES.

@@ -30,12 +30,20 @@ __all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_o
 
 
 class Token:
-    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx)."""
+    """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx); ``hooked``: the
+    grads hooks on its outputs returned, by output index (NOTE [ Hooks on graphed outputs ] in
+    grads/handles.py), or None."""
 
-    __slots__ = ("__weakref__", "done")
+    __slots__ = ("__weakref__", "done", "hooked")
 
     def __init__(self):
         self.done = False
+        self.hooked = None
+
+    def keep_hooked(self, index, grad):
+        if self.hooked is None:
+            self.hooked = {}
+        self.hooked[index] = grad
 
 
 def hand_out_outputs(graphs):
@@ -49,15 +57,11 @@ def hand_out_outputs(graphs):
 
 
 def bridge_args(graphs, tensors):
-    """The bridge's BridgeArgs: the bridged parameters, the anchor, then the call's tensors (NOTE
-    [ paddle.grad through a graphed call ] in block/partial_grad.py)."""
-    backward = graphs.backward
-    inputs = list(backward.bridged)
-    if backward.anchor is not None:
-        inputs.append(backward.anchor)
-    leaves = len(inputs)
-    inputs += tensors
-    return partial_grad.BridgeArgs(inputs, leaves)
+    """The bridge's BridgeArgs: its tail (the bridged parameters, the anchor: NOTE [ Replay work
+    decided at capture ] in block/replay.py), then the call's tensors (NOTE [ paddle.grad through a
+    graphed call ] in block/partial_grad.py)."""
+    tail = graphs.bridge_tail
+    return partial_grad.BridgeArgs(list(tail) + tensors, len(tail))
 
 
 class GraphedFunction(PyLayer):
@@ -77,9 +81,8 @@ class GraphedFunction(PyLayer):
         ctx.graphs = graphs
         ctx.generation = graphs.generation
         outputs = hand_out_outputs(graphs)
-        non_diff = [o for o, d in zip(outputs, graphs.out_differentiable) if not d]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if graphs.non_diff_at:  # NOTE [ Replay work decided at capture ] in block/replay.py
+            ctx.mark_non_differentiable(*[outputs[i] for i in graphs.non_diff_at])
         return tuple(outputs)
 
     @staticmethod
@@ -127,15 +130,14 @@ def replay_backward(graphs, grads, generation, token):
             "before calling the graphed function again with the same key, or wrap the extra calls "
             "in dispatch_key_fn returning None."
         )
-    buffers = iter(backward.grad_outputs)
-    for grad, differentiable in zip(grads, graphs.out_differentiable):
-        if not differentiable:
-            continue
-        buf = next(buffers)
+    hooked = token.hooked  # grads the outputs' hooks returned: NOTE [ Hooks on graphed outputs ] in grads/handles.py
+    copy_in = graphs.backend.copy  # NOTE [ Copies between replays ] in backends/cuda.py
+    for i, buf in graphs.grad_feeds:  # (output index, its grad-output buffer), decided at capture
+        grad = grads[i] if hooked is None else hooked.pop(i, grads[i])
         if grad is None:
             buf.zero_()
         elif grad is not buf:
-            graphs.backend.copy(buf, grad)  # NOTE [ Copies between replays ] in backends/cuda.py
+            copy_in(buf, grad)
     acc = backward.accumulators
     if acc is not None:
         acc.prepare()

@@ -38,7 +38,6 @@ from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
-from ..grads.handles import can_hook
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
@@ -203,10 +202,10 @@ class _BlockCapture:
             graphs.layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
             graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
             self._backward(graphs, live, grad_enabled)
+            graphs.settle()  # NOTE [ Replay work decided at capture ] in block/replay.py
             # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
             # as long as the graphs: a CUDA graph keeps writing and reading those addresses, so the
             # allocator must never hand them to another tensor.
-            graphs.out_hookable = [d and can_hook(o) for o, d in zip(graphs.static_outputs, graphs.out_differentiable)]
             graphs.live = live
             captured = True
         finally:

@@ -69,16 +69,16 @@ class BlockGraphs(Graphs):
             nothing needs grad).
         static_inputs: StaticInputs of the call's tensors; in_spec: the call's structure.
         static_outputs, out_spec, out_consts: the outputs and how to rebuild the result.
-        out_differentiable: per output, whether it carries grad; out_hookable: per output,
-            whether it is handed out through a hookable alias (grads.can_hook).
+        out_differentiable: per output, whether it carries grad.
         host_outputs: indices of host (CPU) outputs (NOTE [ Host tensors ] in io/host_tensors.py).
         clone_outputs: the output policy fixed at capture (NOTE [ Policies fixed at capture ]).
         params: ParamSet of the Layers the call used (layers: those Layers).
         live: keeps the capture-time autograd graph (saved activations) alive with the graphs.
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
-        chain: why the key never joins a chain ("" when it may), decided once (block/chain_run.py).
-
+        chain: why the key never joins a chain ("" when it may), decided once (block/chain.py).
+        bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
+            [ Replay work decided at capture ] in block/replay.py).
     """
 
     backend: Any
@@ -91,7 +91,6 @@ class BlockGraphs(Graphs):
     out_spec: Any = None
     out_consts: Optional[list] = None
     out_differentiable: List[bool] = dataclasses.field(default_factory=list)
-    out_hookable: List[bool] = dataclasses.field(default_factory=list)
     host_outputs: List[int] = dataclasses.field(default_factory=list)
     clone_outputs: bool = True
     params: Any = None
@@ -101,6 +100,22 @@ class BlockGraphs(Graphs):
     generation: int = 0
     inflight: Any = None
     chain: Any = None
+    bridge_tail: tuple = ()
+    diff_at: tuple = ()
+    non_diff_at: tuple = ()
+    grad_feeds: tuple = ()
+
+    def settle(self):
+        """Decides once, after capture, what every replay of these graphs passes and hands out
+        (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs after the
+        call's tensors (bridged parameters, then the anchor), the indices of the outputs that carry
+        a grad and of those that do not, and ``(output index, grad-output buffer)`` of each that does."""
+        self.diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if d)
+        self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
+        backward = self.backward
+        if backward is not None:
+            self.bridge_tail = tuple(backward.bridged) + (() if backward.anchor is None else (backward.anchor,))
+            self.grad_feeds = tuple(zip(self.diff_at, backward.grad_outputs))
 
     @property
     def accumulators(self):
@@ -161,3 +176,4 @@ class BlockGraphs(Graphs):
         self.static_outputs = []
         self.inflight = None
         self.handed_out = None
+        self.bridge_tail = self.grad_feeds = ()  # grad_feeds holds the grad-output buffers

@@ -9,13 +9,22 @@ again. A call gets a slot whose previous forward's backward has run (NOTE [ Slot
 block/slots.py; NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
 proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
 structure are checked (InputMismatchError).
+
+NOTE [ Replay work decided at capture ]
+A replayed call pays the host time of everything it does, so what is the same for every replay
+of a key is decided once when it is captured (BlockGraphs.settle): the tensors the bridge takes
+after the call's own, which outputs carry a grad (their hooks are routed to the backward, NOTE
+[ Hooks on graphed outputs ] in grads/handles.py) and which do not; likewise the parameter-address
+check (NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out (NOTE [ A
+precomputed hand-out ] in grads/hand_out_plan.py).
+A call still gets new output tensors and new grad tensors every time.
 """
 
 import paddle
 
 from .bridge import GraphedFunction, bridge_args, hand_out_outputs
 from ..errors import InputMismatchError
-from ..grads.handles import hookable
+from ..grads.handles import route_hooks
 from ..core.body import Action, Blocked
 from ..core.location import user_call_site
 from ..io.static_inputs import unflatten
@@ -24,7 +33,8 @@ __all__ = ["replay_blocker", "run_graphs"]
 
 
 def replay_blocker(graphs, call, check_inputs):
-    """None when ``call`` can replay ``graphs``, else a Blocked (NOTE [ Replay preconditions ]).
+    """None when ``call`` can replay ``graphs``, else a Blocked (NOTE [ Replay preconditions ]);
+    ``graphs``: a slot without a pending backward (Slots.select(), NOTE [ Slots ] in block/slots.py).
 
     Raises:
         InputMismatchError: with ``check_inputs`` (dispatch_key_fn), for a call that does not fit.
@@ -53,9 +63,7 @@ def replay_blocker(graphs, call, check_inputs):
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
                 "happens again, the key runs eagerly). Zero grads in place (optimizer.clear_grad()) or free them "
                 "(clear_grad(set_to_zero=False)) instead of rebinding them."))
-    if graphs.backward_pending():
-        return Blocked(Action.EAGER, "previous replay's backward still pending")
-    return None
+    return None  # a pending backward: BlockBody.blocker's Slots.select() took a slot without one
 
 
 def run_graphs(graphs, call, copy, name, label):
@@ -66,13 +74,12 @@ def run_graphs(graphs, call, copy, name, label):
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     backward = graphs.backward
     if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
+        # NOTE [ Replay work decided at capture ]: bridge_tail, diff_at; NOTE [ paddle.grad through a
+        # graphed call ] in block/partial_grad.py: bridge_args.
         args = bridge_args(graphs, tensors)
         outputs = GraphedFunction.apply(graphs, args, *args.args)
-        if isinstance(outputs, paddle.Tensor):
-            outputs = [outputs]
-        # Paddle ignores hooks registered on a PyLayer's outputs (measured, 3.3.1): hand out a
-        # reshape alias of each differentiable output so y.register_hook(...) works as in eager.
-        outputs = [hookable(o) if h else o for o, h in zip(outputs, graphs.out_hookable)]
+        outputs = [outputs] if isinstance(outputs, paddle.Tensor) else list(outputs)
+        route_hooks(outputs, graphs.diff_at, graphs.inflight)  # NOTE [ Hooks on graphed outputs ] in grads/handles.py
     else:
         graphs.fwd_graph.replay()
         outputs = hand_out_outputs(graphs)

@@ -60,7 +60,6 @@ block's backward) is added after the graph's, and a -0.0 accumulator element can
 the hook handed autograd zeros.
 """
 
-import contextlib
 import gc
 import weakref
 
@@ -148,12 +147,14 @@ _QUIET = [0]  # > 0 while a graph's own backward body runs eagerly (simulated re
 
 
 class _OwnBackward:
-    """``with own_backward():`` (a class, not a generator: it runs on every backward replay)."""
+    """The context manager own_backward() returns: a class with __enter__/__exit__ costs a
+    fraction of a generator-based one, and every backward replay enters it."""
 
     __slots__ = ()
 
     def __enter__(self):
         _QUIET[0] += 1
+        return self
 
     def __exit__(self, *exc):
         _QUIET[0] -= 1

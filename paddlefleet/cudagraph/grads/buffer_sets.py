@@ -19,6 +19,7 @@ class GradSets:
 
     def __init__(self, graph, plan, recipe=None):
         self.sets = [(graph, plan)]
+        self._plans = [plan]  # the plans of self.sets, for choose() at every backward
         self._recipe = recipe
         self._wanted = False
         self._last = 0
@@ -31,7 +32,7 @@ class GradSets:
     def next(self):
         """``(graph, plan, adopted)`` for the next backward replay: ``adopted`` lists parameters
         to move out of the chosen buffers first."""
-        k, adopted = choose([plan for _, plan in self.sets], self._last)
+        k, adopted = choose(self._plans, self._last)
         if adopted and len(self.sets) == 1 and self._recipe is not None:
             self._wanted = True
         self._last = k
@@ -45,13 +46,15 @@ class GradSets:
 
     def add_second(self, graph, plan):
         self.sets.append((graph, plan))
+        self._plans.append(plan)
 
     def plans(self):
-        return [plan for _, plan in self.sets]
+        return list(self._plans)
 
     def release(self):
         """Frees the second set's graph (the first belongs to the backward record)."""
         for graph, _ in self.sets[1:]:
             graph.reset()
         self.sets = self.sets[:1]
+        self._plans = self._plans[:1]
         self._recipe = None

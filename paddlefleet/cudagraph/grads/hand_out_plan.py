@@ -20,12 +20,15 @@ For each it returns a grad read from a static grad buffer of the backward graph,
 
 from . import hook_registry
 from .stacks import unstack
-from .handles import copy, hand_out, rescue_grad
+from .handles import alias, copy, rescue_grad
 
 __all__ = ["GradPlan", "POLICIES", "choose"]
 
 #: Values of clone_param_grads.
 POLICIES = (True, False, "auto")
+
+# How a stack is handed out, per hook generation (NOTE [ A precomputed hand-out ]).
+_VIEWS, _COPY_ALL, _COPY_SOME = "views", "copy all", "copy some"
 
 
 class GradPlan:
@@ -38,6 +41,14 @@ class GradPlan:
         params: the parameters whose grads follow the inputs'.
         policy: clone_param_grads, fixed at capture (NOTE [ Policies fixed at capture ]).
         groups: ``(stack, leaf indices)`` per stack of same-shape parameter grads.
+
+    NOTE [ A precomputed hand-out ]
+    The hand-out runs in every backward: where each grad goes in the tuple autograd gets, the
+    static tensor and shape it aliases or copies, and the addresses the adopted-grad check compares
+    are laid out once here; which grads are copies is worked out once per hook generation (the
+    "auto" policy reads the hooks: NOTE [ Grad consumers ] in hook_registry.py). Every backward
+    still hands out new tensor objects (NOTE [ Paddle .grad handles ] in handles.py): aliases made
+    fresh (one ``unbind`` per stack), or copies, exactly as decided per grad before.
     """
 
     def __init__(self, static_grads, input_needs_grad, params, policy, groups=()):
@@ -48,7 +59,7 @@ class GradPlan:
         for needs in input_needs_grad:
             slots.append(leaf if needs and self.static_grads[leaf] is not None else None)
             leaf += needs
-        self._inputs = len(slots)
+        n = self._inputs = len(slots)
         first_param_leaf = leaf
         for _ in self.params:
             slots.append(leaf if self.static_grads[leaf] is not None else None)
@@ -56,23 +67,59 @@ class GradPlan:
         self.slots = slots
         # (stack, parameter indices) per stack.
         self.groups = [(stack, [i - first_param_leaf for i in idxs]) for stack, idxs in groups]
-        grouped = {i for _, idxs in self.groups for i in idxs}
-        self._single = [i for i in range(len(self.params)) if i not in grouped and self.slots[self._inputs + i] is not None]
-        self._copies = None
-        self._generation = None
+        self._generation = self._auto = None
+        self._lay_out(n)
         #: Copies of parameter grads made: handed out, and rescued (adopted grads moved out
         #: before a replay). Input grads are always copies and not counted.
         self.copies = 0
         self.rescues = 0
 
+    def _lay_out(self, n):
+        """The per-backward work of hand_out() and adopted(), decided once (NOTE [ A precomputed hand-out ])."""
+        static, slots = self.static_grads, self.slots
+        self._width = len(slots)
+        self._input_grads = tuple((pos, static[slot]) for pos, slot in enumerate(slots[:n]) if slot is not None)
+        grouped = {i for _, idxs in self.groups for i in idxs}
+        self._singles = tuple((n + i, i, static[slots[n + i]], list(static[slots[n + i]].shape))
+                              for i in range(len(self.params)) if i not in grouped and slots[n + i] is not None)
+        stacks = []
+        for stack, idxs in self.groups:
+            positions = [n + i if slots[n + i] is not None else None for i in idxs]
+            start = positions[0]
+            contiguous = start is not None and positions == list(range(start, start + len(idxs)))
+            stacks.append((stack, idxs, positions, start if contiguous else None))
+        self._stacks = tuple(stacks)
+        # Addresses of the parameters' static grads: adopted() compares p.grad's with them. The
+        # static grad tensors are never handed out themselves, so nothing re-points them.
+        self._watched = tuple((i, p, static[slots[n + i]].data_ptr()) for i, p in enumerate(self.params)
+                              if slots[n + i] is not None)
+        fixed = self.policy != "auto"
+        self._fixed = self._decide([bool(self.policy)] * len(self.params)) if fixed else None
+
+    def _decide(self, copies):
+        """``(copies, copies per hand-out, how each stack is handed out)`` for per-parameter copy flags."""
+        counted = sum(copies[i] for _, i, _, _ in self._singles)
+        modes = []
+        for _, idxs, _, _ in self._stacks:
+            wanted = [copies[i] for i in idxs]
+            counted += sum(wanted)
+            modes.append(_COPY_ALL if all(wanted) else (_COPY_SOME if any(wanted) else _VIEWS))
+        return copies, counted, tuple(modes)
+
+    def _decided(self):
+        """_decide() of the current copy flags: fixed by the policy, or read from the hooks once per
+        hook generation ("auto")."""
+        if self._fixed is not None:
+            return self._fixed
+        generation = hook_registry.generation()
+        if self._generation != generation:
+            self._auto = self._decide([hook_registry.may_keep(p) for p in self.params])
+            self._generation = generation
+        return self._auto
+
     def param_copies(self):
         """Per parameter, whether its handed-out grad is a copy (NOTE [ Grad hand-out ])."""
-        if self.policy != "auto":
-            return [bool(self.policy)] * len(self.params)
-        if self._generation != hook_registry.generation():
-            self._copies = [hook_registry.may_keep(p) for p in self.params]
-            self._generation = hook_registry.generation()
-        return self._copies
+        return self._decided()[0]
 
     def input_grad(self, i):
         """The static grad buffer of call tensor ``i`` (overwritten by the next backward replay), or
@@ -82,14 +129,14 @@ class GradPlan:
 
     def adopted(self):
         """Indices of the parameters whose ``p.grad`` lives in this plan's static buffers."""
-        if self.policy is True or not self.params:
+        if self.policy is True:
             return []
-        found, slots, n = [], self.slots, self._inputs
-        for i, (p, copied) in enumerate(zip(self.params, self.param_copies())):
-            slot = slots[n + i]
-            if not copied and slot is not None:
+        copies = self.param_copies()
+        found = []
+        for i, p, ptr in self._watched:
+            if not copies[i]:
                 g = p.grad
-                if g is not None and g.data_ptr() == self.static_grads[slot].data_ptr():
+                if g is not None and g.data_ptr() == ptr:
                     found.append(i)
         return found
 
@@ -101,26 +148,29 @@ class GradPlan:
         self.rescues += len(adopted)
 
     def hand_out(self, inputs=True):
-        """The grads to return from the bridge's backward, one per bridge input (``inputs``
-        False: None for the call's tensors, whose grads the caller reads from input_grad())."""
-        static, slots, n = self.static_grads, self.slots, self._inputs
-        grads = [None if slot is None or not inputs else copy(static[slot]) for slot in slots[:n]]
-        copied = 0
-        param_grads = [None] * len(self.params)
-        copies = self.param_copies()
-        for i in self._single:
-            param_grads[i] = hand_out(static[slots[n + i]], copies[i])
-            copied += copies[i]
+        """The grads to return from the bridge's backward, one per bridge input: copies of the
+        input grads (``inputs`` False: None, the caller reads them from input_grad()); per parameter
+        a copy or a fresh alias of its static grad (NOTE [ Grad hand-out ])."""
+        out = [None] * self._width
+        if inputs:
+            for pos, t in self._input_grads:
+                out[pos] = copy(t)
+        copies, counted, modes = self._decided()
+        for pos, i, t, shape in self._singles:
+            out[pos] = copy(t) if copies[i] else alias(t, shape)
         # Stacks: one copy (or none) and one unbind per stack instead of one call per parameter.
-        for stack, idxs in self.groups:
-            wanted = [copies[i] for i in idxs]
-            views = unstack(copy(stack) if all(wanted) else stack)
-            for i, view, want in zip(idxs, views, wanted):
-                if slots[n + i] is not None:
-                    param_grads[i] = copy(view) if want and not all(wanted) else view
-            copied += sum(wanted)
-        self.copies += copied
-        return tuple(grads + param_grads)
+        for (stack, idxs, positions, start), mode in zip(self._stacks, modes):
+            views = unstack(copy(stack) if mode is _COPY_ALL else stack)
+            if mode is _COPY_SOME:
+                views = [copy(v) if copies[i] else v for v, i in zip(views, idxs)]
+            if start is not None:
+                out[start:start + len(idxs)] = views
+            else:
+                for pos, view in zip(positions, views):
+                    if pos is not None:
+                        out[pos] = view
+        self.copies += counted
+        return tuple(out)
 
 
 def choose(plans, last):
@@ -137,7 +187,9 @@ def choose(plans, last):
     set captured so far): they are moved out with a copy. Training loops that free grads never
     adopt, and keep one set.
     """
-    order = [(last + 1) % len(plans), last % len(plans)] if len(plans) > 1 else [0]
+    if len(plans) == 1:
+        return 0, plans[0].adopted()
+    order = ((last + 1) % len(plans), last % len(plans))
     adopted = None
     for k in order:
         adopted = plans[k].adopted()

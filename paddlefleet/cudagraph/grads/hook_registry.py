@@ -19,7 +19,8 @@ Hooks known to keep nothing (Fleet's ``MixPrecisionLayer`` main_grad hook) do no
 Hooks registered before the import were not seen: the parameters of every Layer that exists at
 import time are therefore treated as "hooks unknown" and get copies (import paddlefleet.cudagraph
 before building the model to avoid that). The wrappers call Paddle's own methods first and only
-record; registering and removing hooks is otherwise unchanged.
+record; registering and removing hooks is otherwise unchanged, except that a hook registered on an
+output of a graphed call is registered wrapped (NOTE [ Hooks on graphed outputs ] in grads/handles.py).
 """
 
 import gc
@@ -28,6 +29,7 @@ import weakref
 import paddle
 
 from ..core.paddle_patches import install_for_process
+from .handles import routed
 
 __all__ = ["install", "may_keep", "generation", "describe", "set_taker"]
 
@@ -102,7 +104,7 @@ def install():
         taken = _taker[0](self, hook) if _taker else None
         if taken is not None:  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
             return taken
-        hook_id = register(self, hook)
+        hook_id = register(self, routed(self, hook))  # NOTE [ Hooks on graphed outputs ] in grads/handles.py
         _record(self, hook_id, hook)
         return hook_id
 
