@@ -245,11 +245,13 @@ class SpeedOption:
     """An option that trades safety margin for speed, as the tools and the suite exercise it.
 
     ``keeps_grads``: parameter grads are persistent accumulators the graph adds into, so a
-    step must not free them, and accumulation needs Paddle's add kernel."""
+    step must not free them, and accumulation needs Paddle's add kernel. ``per_layer``: timed on
+    the models graphed layer by layer too, where it matters most."""
 
     name: str
     options: dict
     keeps_grads: bool = False
+    per_layer: bool = False
 
 
 SPEED_OPTIONS = (
@@ -257,6 +259,7 @@ SPEED_OPTIONS = (
     SpeedOption("clone_param_grads_true", {"clone_param_grads": True}),
     SpeedOption("accumulate_in_graph", {"accumulate_in_graph": True}, keeps_grads=True),
     SpeedOption("clone_outputs_false", {"clone_outputs": False}),
+    SpeedOption("chain_calls_false", {"chain_calls": False}, per_layer=True),
 )
 
 

@@ -12,7 +12,8 @@ It runs the suite's cases marked ``gpu_safe`` (tests/integration/test_gpu_safe.p
 bitwise against eager, phases pinned with the wrapper's counters; tests/block/test_capture_failures.py: every
 reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
 exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
-process that must exit 0) with
+process that must exit 0; tests/block/test_chains.py: chains of graphed layers and paddle.grad through
+graphed calls) with
 PADDLEFLEET_CUDAGRAPH_BACKEND set to the backend, in a child pytest process that reports each case
 as it ends (conftest's ``--results-jsonl``). If the child dies (a CUDA error inside a capture can
 abort the process), the case that was running is recorded as an error and the rest run in a new
@@ -41,7 +42,7 @@ from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tens
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
 CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
-         "tests/block/test_capture_failures.py"]  # modules holding the gpu_safe cases
+         "tests/block/test_capture_failures.py", "tests/block/test_chains.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

@@ -507,6 +507,59 @@ class FootgunTest(BackendCase):
         with graphed.forward.counters.expect(recaptures=1, captures=1):
             self.assertBitwise(graphed(x), eager(x))
 
+    # ------------------------------------------------------------------ chains and paddle.grad
+    def chain(self, **options):
+        layers = [paddle.nn.Linear(3, 3) for _ in range(3)]
+        for layer in layers:
+            self.graphed(layer, warmup_steps=0, **options)
+        return layers
+
+    def test_hooks_on_a_chained_output_see_its_whole_grad(self):
+        graphed, eager = self.chain(), [paddle.nn.Linear(3, 3) for _ in range(3)]
+        for g, e in zip(graphed, eager):
+            e.set_state_dict(g.state_dict())
+        for step in range(5):
+            got = []
+            for layers in (graphed, eager):
+                seen = []
+                x = data(2, 3)
+                h1 = layers[1](layers[0](x))
+                h1.register_hook(lambda g: g * 2.0)
+                h1.register_hook(lambda g: seen.append(g.numpy()))
+                layers[2](h1).sum().backward()
+                got.append(seen + [p.grad.numpy() for layer in layers for p in layer.parameters()])
+                for layer in layers:
+                    layer.clear_gradients()
+            self.assertBitwise(got[0], got[1], f"step {step}")
+        self.assertGreater(graphed[2].forward.stats()["chained_calls"], 0)
+
+    def test_paddle_grad_of_an_output_a_chain_consumed_is_refused(self):
+        layers = self.chain()
+        for _ in range(4):
+            x = data(2, 3)
+            h1 = layers[0](x)
+            y = layers[2](layers[1](h1))
+            if layers[2].forward.stats()["chained_calls"]:
+                with self.assertRaisesRegex(CudaGraphError, "chain_calls=False"):
+                    paddle.grad([y.sum()], [h1])
+                return
+            y.sum().backward()
+        self.fail("never chained")
+
+    def test_paddle_grad_through_a_graphed_call_on_the_simulated_backend_is_refused(self):
+        if self.backend != "simulate":
+            self.skipTest("a GPU replay runs no Python: paddle.grad through it runs (tests/block/test_chains.py)")
+        layer = self.graphed(paddle.nn.Linear(3, 3), warmup_steps=0)
+        x = data(2, 3)
+        x.stop_gradient = False
+        y = layer(x)
+        with self.assertRaisesRegex(CudaGraphError, "simulated backend"):
+            paddle.grad([y.sum()], [x])
+        y.sum().backward()  # the forward is still there to backward through
+        z = paddle.tanh(x)
+        (g,) = paddle.grad([z.sum()], [x])  # unrelated paddle.grad runs once nothing graphed waits
+        self.assertEqual(list(g.shape), [2, 3])
+
     def test_autocast_on_a_cpu_build_shares_the_key(self):
         if paddle.is_compiled_with_cuda():
             self.skipTest("on a CUDA build auto_cast takes effect on GPU tensors")

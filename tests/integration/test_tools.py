@@ -139,7 +139,7 @@ def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_m
         assert row["per_layer"] and row["blocks"] == row["layers"] == 8  # shrunk for the CPU, still one Layer each
         assert row["checks"]["autocudagraph"].startswith("bitwise equal"), row["checks"]
         assert row["counters"]["autocudagraph"]["captures"] == 8 and row["counters"]["autocudagraph"]["eager"] == 0
-        assert row["autocudagraph_clone_outputs_false_us"] is None and "options are timed" in \
+        assert row["autocudagraph_clone_outputs_false_us"] is None and "are timed on the configs of 1 and 4 blocks" in \
             row["why_null"]["autocudagraph_clone_outputs_false"]
         for name in ("paddle_eager", "autocudagraph", "raw_replay"):
             assert name in row["peak_bytes"] and row["peak_bytes"][name] is None  # no device memory on the CPU
@@ -162,6 +162,7 @@ def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
 
 
 def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
-    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3")
+    rc, log = run_tool("cpu_host_time.py", "--layers", "4", "--width", "8", "--steps", "3", "--block", "3x8x2")
     assert rc == 0, log[-3000:]
     assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]
+    assert "graphed block of 3x8x2" in log and "grad hand-out" in log and "n/a" not in log, log[-2000:]

@@ -323,7 +323,9 @@ def eager_sgd_entry(s):
 STARTUP_STEPS = 3
 RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "startup_ms", "capture_ms")
 OPTION_NAMES = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS]
-NO_OPTIONS = "options are timed on the configs of 1 and 4 blocks (each would capture every layer again)"
+PER_LAYER_OPTIONS = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS if opt.per_layer]
+NO_OPTIONS = ("options other than chain_calls are timed on the configs of 1 and 4 blocks (each would capture "
+              "every layer again)")
 
 #: Runner groups, each timed in its own child process: the whole-step graph is new, and a CUDA
 #: error that aborts its capture must not cost the config's other rows.
@@ -405,7 +407,7 @@ def bench_config(cfg, backend, group, warmup, rounds, steps):
     memory = DeviceMemory(s.cuda)
     todo = []
     for name, factory in entries(s, group):
-        if not cfg.options and name in OPTION_NAMES:
+        if not cfg.options and name in OPTION_NAMES and name not in PER_LAYER_OPTIONS:
             out["why_null"][name] = NO_OPTIONS
         else:
             todo.append((name, factory))
