@@ -219,6 +219,9 @@ class _CudaGraph(Graph):
             self._graph = None
 
 
+_COPY = [None]  # (copier, stream) of copy(), read again by copy_stream() (every backend of the process)
+
+
 class CudaBackend(Backend):
     """Captures with ``paddle.device.cuda.graphs.CUDAGraph``."""
 
@@ -228,7 +231,6 @@ class CudaBackend(Backend):
     def __init__(self, place=None):
         self._place = place
         self.shares_pools = pool_sharing_supported()
-        self._copy = None
 
     def new_pool(self):
         if not self.shares_pools:
@@ -251,7 +253,7 @@ class CudaBackend(Backend):
         stream order as Paddle's kernels and the graphs' replays. The stream is read again by
         copy_stream() (each chain's first call); anything else (a strided tensor, no driver, a
         failed copy) takes Paddle's copy."""
-        copier, stream = self._copy or self.copy_stream()
+        copier, stream = _COPY[0] or self.copy_stream()
         if copier is not None and dst.is_contiguous() and src.is_contiguous():
             n = dst.size * dst.element_size()
             if src.size * src.element_size() == n and copier(dst.data_ptr(), src.data_ptr(), n, stream):
@@ -261,8 +263,8 @@ class CudaBackend(Backend):
     def copy_stream(self):
         """Reads the stream copy() copies on (the current one) again; returns ``(copier, stream)``."""
         copier, stream = cuda_driver.device_copier(), _stream_handle(self._place)
-        self._copy = (copier, stream) if copier is not None and stream else (None, None)
-        return self._copy
+        _COPY[0] = (copier, stream) if copier is not None and stream else (None, None)
+        return _COPY[0]
 
     def describe(self):
         sharing = "forward and backward share one pool" if self.shares_pools else (

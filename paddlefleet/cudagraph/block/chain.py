@@ -52,6 +52,7 @@ import paddle
 
 from ..core.entry import Phase
 from ..core.state import amp_state
+from ..io.static_inputs import unflatten
 from . import chain_links
 from .chain_links import confirmed, current_run, flags
 from .chain_run import ChainRun
@@ -66,7 +67,8 @@ class Member:
     """A key of a chain: its body, entry, the one BlockGraphs it replays, its bridged parameters
     and the Layers (with the training flags) its key was made with."""
 
-    __slots__ = ("body", "entry", "graphs", "params", "layers", "flags")
+    __slots__ = ("body", "entry", "graphs", "params", "layers", "flags", "backend", "bare", "in_buf", "out_buf",
+                 "clone")
 
     def __init__(self, body, entry, graphs, flags_):
         self.body = body
@@ -75,6 +77,12 @@ class Member:
         self.params = graphs.backward.bridged
         self.layers = graphs.layers
         self.flags = flags_
+        self.backend = entry.backend
+        self.in_buf = graphs.static_inputs.buffers[0]
+        self.out_buf = graphs.static_outputs[0]
+        self.clone = graphs.clone_outputs
+        # The call returns its one output itself (not in a container): handed out as it is.
+        self.bare = unflatten(graphs.out_spec, [self.out_buf], graphs.out_consts) is self.out_buf
 
     def current(self):
         """Whether the key still replays these graphs, alone in its slots, and none waits for a backward."""
@@ -158,7 +166,7 @@ def _may_join(member, head, call, params):
     graphs = member.graphs
     if not member.current() or graphs.in_spec != head.graphs.in_spec or flags(graphs) != member.flags:
         return False
-    if member.entry.backend is not head.entry.backend or 0 in graphs.static_inputs.adopted:
+    if member.entry.backend.name != head.entry.backend.name or 0 in graphs.static_inputs.adopted:
         return False
     if graphs.backward.grad_plan.slots[0] is None:  # its first argument gets no grad
         return False

@@ -7,7 +7,7 @@ import weakref
 import paddle
 
 from ..core.body import Replayed
-from ..core.state import amp_state
+from ..core.state import grad_and_amp
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.static_inputs import unflatten
@@ -89,6 +89,8 @@ class ChainRun:
         if self.handed == len(self.members):  # a call after the chain may be given its output
             remember(member.entry, out, self.call.args, self.call.kwargs)
             self.close()
+        if member.bare:
+            return out
         graphs = member.graphs
         return unflatten(graphs.out_spec, [out], graphs.out_consts)
 
@@ -123,16 +125,16 @@ class ChainRun:
 
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""
-        graphs = self.members[j].graphs
-        backend = self.members[j].entry.backend
+        member = self.members[j]
+        copy = member.backend.copy  # NOTE [ Copies between replays ] in backends/cuda.py
         if self.extras:
-            copied, skipped = graphs.static_inputs.copy_in([first] + self.extras)
-        else:  # NOTE [ Copies between replays ] in backends/cuda.py
-            backend.copy(graphs.static_inputs.buffers[0], first)
+            copied, skipped = member.graphs.static_inputs.copy_in([first] + self.extras)
+        else:
+            copy(member.in_buf, first)
             copied, skipped = 1, 0
         replay_forward(self, j)
-        if graphs.clone_outputs:  # the head made it, empty, as an output of the one grad node
-            backend.copy(self.outputs[j], graphs.static_outputs[0])
+        if member.clone:  # the head made it, empty, as an output of the one grad node
+            copy(self.outputs[j], member.out_buf)
         return copied, skipped
 
     def _mismatch(self, j, args, kwargs):
@@ -149,7 +151,8 @@ class ChainRun:
             return "its keyword arguments differ from the first call's"
         if self.extras and not all(t.stop_gradient for t in self.extras):
             return "an argument other than the first needs grad"
-        if not paddle.is_grad_enabled() or amp_state() != self.amp:
+        grad, amp = grad_and_amp()
+        if not grad or amp != self.amp:
             return "grad mode or AMP state changed"
         member = self.members[j]
         if not member.current():
