@@ -411,3 +411,80 @@ class ChainAutogradCases(ChainCase):
         gc.collect()
         self.assertEqual(list(chain_outputs._runs), [])
         self.assertGreater(chained(model)[3], 0)
+
+
+@for_each_backend
+class ChainGradCases(ChainCase):
+    """Grads that stay between steps, copy policies, a key that cannot join, a member dropped or reset."""
+
+    def accumulate(self, model, test, x, dy, k):
+        """Two micro-batches per step, grads kept between them (they are released every other step)."""
+        h = x
+        for layer in model:
+            h = layer(h)
+        h.backward(dy)
+        got = [h.numpy(), x.grad.numpy()] + [p.grad.numpy() for p in model.parameters()]
+        x.clear_gradient(False)
+        if k % 2:
+            release_grads(model)
+        return got
+
+    def test_grads_accumulated_across_micro_batches(self):
+        batches = [b + (k,) for k, b in enumerate(self.batches(10))]
+        for policy in ("auto", True, False):
+            model = self.run_twins(self.accumulate, batches, clone_param_grads=policy)
+            self.assertGreater(chained(model)[3], 0, policy)
+
+    def test_a_key_that_cannot_join_splits_the_chain(self):
+        def graph_mixed(trainee):
+            model = trainee.objects["model"]
+            for i, layer in enumerate(model):
+                self.graphed(layer, accumulate_in_graph=(i == 2))
+            return trainee.step
+
+        def build_twin():
+            model = build(stack, 0)
+            return Trainee(lambda x, dy, k: self.accumulate(model, self, x, dy, k), {"model": model})
+
+        eager, graphed = differential_run(build_twin, [b + (k,) for k, b in enumerate(self.batches())], graph_mixed)
+        counts = chained(graphed.objects["model"])
+        self.assertGreater(counts[1], 0, counts)
+        self.assertEqual(counts[2:], [0, 0])
+
+    def test_a_member_reset_or_evicted_between_steps(self):
+        holder = {}
+
+        def step(model, test, x, dy, k):
+            if k == 4 and model is holder.get("graphed"):
+                model[3].forward.reset()  # between steps
+            h = model[1](model[0](x))
+            if k == 7 and model is holder.get("graphed"):
+                model[2].forward.reset()  # between two calls of a chain
+            h = model[3](model[2](h))
+            h.backward(dy)
+            return test.results(model, x, h)
+
+        def graph(trainee):
+            holder["graphed"] = trainee.objects["model"]
+            for layer in trainee.objects["model"]:
+                self.graphed(layer)
+            return trainee.step
+
+        def build_twin():
+            model = build(stack, 0)
+            return Trainee(lambda *batch: step(model, self, *batch), {"model": model})
+
+        differential_run(build_twin, [b + (k,) for k, b in enumerate(self.batches(12))], graph)
+        self.assertGreater(chained(holder["graphed"])[3], 0)
+        self.assertEqual(holder["graphed"][3].forward.stats()["captures"], 1)  # captured again after its reset
+
+    def test_a_residual_add_between_layers_keeps_calls_alone(self):
+        def step(model, test, x, dy):
+            h = x
+            for layer in model:
+                h = h + layer(h)
+            h.backward(dy)
+            return test.results(model, x, h)
+
+        model = self.run_twins(step, self.batches())
+        self.assertEqual(chained(model), [0] * LAYERS)
