@@ -192,13 +192,6 @@ class Backend:
         """Returns an empty Graph that will allocate from ``pool``."""
         raise NotImplementedError
 
-    def copy(self, dst, src):
-        """Copies ``src`` into ``dst`` (same shape and dtype) on the device, outside any capture, in
-        stream order with the graphs' replays: the copies a chain makes between them."""
-        dst.copy_(src, False)
-
-    def copy_stream(self):
-        """Reads again where copy() copies (a chain's first call asks)."""
 
     def describe(self):
         """One line naming the backend and its capabilities."""

@@ -219,9 +219,6 @@ class _CudaGraph(Graph):
             self._graph = None
 
 
-_COPY = [None]  # (copier, stream) of copy(), read again by copy_stream() (every backend of the process)
-
-
 class CudaBackend(Backend):
     """Captures with ``paddle.device.cuda.graphs.CUDAGraph``."""
 
@@ -243,28 +240,6 @@ class CudaBackend(Backend):
         if place is None:
             place = paddle.CUDAPlace(paddle.distributed.ParallelEnv().device_id)
         return _CudaGraph(place, pool)
-
-    def copy(self, dst, src):
-        """NOTE [ Copies between replays ]
-        A chain copies between graphs (a member's output into the next member's input, a grad into
-        the grad-output buffer, a static output into the tensor handed out): contiguous buffers of
-        the same size on the device. Paddle's copy op costs several microseconds of host time each;
-        the driver's asynchronous copy on the stream Paddle computes on costs about one, in the same
-        stream order as Paddle's kernels and the graphs' replays. The stream is read again by
-        copy_stream() (each chain's first call); anything else (a strided tensor, no driver, a
-        failed copy) takes Paddle's copy."""
-        copier, stream = _COPY[0] or self.copy_stream()
-        if copier is not None and dst.is_contiguous() and src.is_contiguous():
-            n = dst.size * dst.element_size()
-            if src.size * src.element_size() == n and copier(dst.data_ptr(), src.data_ptr(), n, stream):
-                return
-        dst.copy_(src, False)
-
-    def copy_stream(self):
-        """Reads the stream copy() copies on (the current one) again; returns ``(copier, stream)``."""
-        copier, stream = cuda_driver.device_copier(), _stream_handle(self._place)
-        _COPY[0] = (copier, stream) if copier is not None and stream else (None, None)
-        return _COPY[0]
 
     def describe(self):
         sharing = "forward and backward share one pool" if self.shares_pools else (

@@ -10,7 +10,7 @@ import logging
 import os
 
 __all__ = ["NONE", "ACTIVE", "INVALIDATED", "capture_status", "end_stream_capture", "begin_stream_capture",
-           "clear_last_error", "device_copier"]
+           "clear_last_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,23 +101,3 @@ def clear_last_error():
     if lib is not None:
         lib.cudaGetLastError()
 
-
-def device_copier():
-    """``copy(dst_ptr, src_ptr, nbytes, stream) -> bool``: an asynchronous device-to-device copy
-    (cuMemcpyDtoDAsync) in stream order, for about a microsecond of host time where Paddle's copy
-    op costs several; None when the driver cannot be reached."""
-    if "copier" in _libs:
-        return _libs["copier"]
-    _libs["copier"] = None
-    lib = _driver()
-    fn = getattr(lib, "cuMemcpyDtoDAsync_v2", None) if lib is not None else None
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-
-    def copy(dst, src, nbytes, stream):
-        return fn(dst, src, nbytes, stream) == 0
-
-    _libs["copier"] = copy
-    return copy

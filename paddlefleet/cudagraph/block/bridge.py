@@ -131,13 +131,12 @@ def replay_backward(graphs, grads, generation, token):
             "in dispatch_key_fn returning None."
         )
     hooked = token.hooked  # grads the outputs' hooks returned: NOTE [ Hooks on graphed outputs ] in grads/handles.py
-    copy_in = graphs.backend.copy  # NOTE [ Copies between replays ] in backends/cuda.py
     for i, buf in graphs.grad_feeds:  # (output index, its grad-output buffer), decided at capture
         grad = grads[i] if hooked is None else hooked.pop(i, grads[i])
         if grad is None:
             buf.zero_()
         elif grad is not buf:
-            copy_in(buf, grad)
+            buf.copy_(grad, False)
     acc = backward.accumulators
     if acc is not None:
         acc.prepare()

@@ -56,7 +56,6 @@ class ChainRun:
     def start(self):
         """Replays the head's forward, applies the bridge; returns the head call's Replayed."""
         head = self.members[0]
-        head.entry.backend.copy_stream()  # NOTE [ Copies between replays ] in backends/cuda.py
         self._second_set(head.graphs)
         copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
         # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
@@ -126,15 +125,14 @@ class ChainRun:
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""
         member = self.members[j]
-        copy = member.backend.copy  # NOTE [ Copies between replays ] in backends/cuda.py
         if self.extras:
             copied, skipped = member.graphs.static_inputs.copy_in([first] + self.extras)
         else:
-            copy(member.in_buf, first)
+            member.in_buf.copy_(first, False)
             copied, skipped = 1, 0
         replay_forward(self, j)
         if member.clone:  # the head made it, empty, as an output of the one grad node
-            copy(self.outputs[j], member.out_buf)
+            self.outputs[j].copy_(member.out_buf, False)
         return copied, skipped
 
     def _mismatch(self, j, args, kwargs):
