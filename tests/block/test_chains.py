@@ -28,6 +28,15 @@ def chained(model):
     return [layer.forward.stats()["chained_calls"] for layer in model]
 
 
+def fused(model):
+    """Whether the chain from ``model``'s first layer replays fused graphs (NOTE [ Fused chains ])."""
+    from paddlefleet.cudagraph.block.chain import _chains
+
+    [entry] = model[0].forward._entries.values()
+    built = _chains.get(entry)
+    return bool(built is not None and built.fused)
+
+
 class ChainCase(BackendCase):
     """Builds twins, runs a step function on both, compares them."""
 
@@ -90,6 +99,7 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
         self.assertIn("chained calls", model[1].forward.explain())
+        self.assertTrue(fused(model))
 
     def test_an_early_exit_breaks_the_chain_and_it_resumes(self):
         depths = [4, 4, 4, 2, 4, 1, 4, 4, 3, 4, 4, 4]
@@ -366,6 +376,7 @@ class ChainAutogradCases(ChainCase):
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())],
                                factory=lambda: stack(layer=Block))
         self.assertGreater(chained(model)[3], 0)
+        self.assertFalse(fused(model))  # a draw ahead of its call would move the generator early
 
     def test_batch_norm_statistics_move_once_per_call(self):
         def step(model, test, x, dy, depth):
@@ -375,6 +386,7 @@ class ChainAutogradCases(ChainCase):
         model = self.run_twins(step, [b + (d,) for b, d in zip(self.batches(), depths)],
                                factory=lambda: stack(layer=lambda: paddle.nn.BatchNorm1D(WIDTH)))
         self.assertGreater(chained(model)[3], 0)
+        self.assertFalse(fused(model))  # running statistics written ahead of a call that may not come
 
     def test_a_training_flag_changed_between_calls(self):
         def step(model, test, x, dy, k):

@@ -54,13 +54,14 @@ from ..core.entry import Phase
 from ..core.state import amp_state
 from ..io.static_inputs import unflatten
 from . import chain_links
+from .chain_fused import build_fused, fusable
 from .chain_links import confirmed, current_run, flags
 from .chain_run import ChainRun
 from .replay import replay_blocker
 
-__all__ = ["Member", "start_chain"]
+__all__ = ["Chain", "Member", "start_chain"]
 
-_chains = weakref.WeakKeyDictionary()  # head entry -> (links version, [Member]) built from it
+_chains = weakref.WeakKeyDictionary()  # head entry -> the Chain built from it
 
 
 class Member:
@@ -131,14 +132,38 @@ def start_chain(body, entry, call):
         run.break_at(run.handed, "a new chain started")
     if confirmed(entry) is None or not paddle.is_grad_enabled():
         return None
-    built = _chains.get(entry)
-    if built is None or built[0] != chain_links.VERSION[0] or len(built[1]) < 2 or not built[1][0].current():
-        built = (chain_links.VERSION[0], _members(body, entry, call))
-        _chains[entry] = built
-    members = built[1]
-    if len(members) < 2:
+    chain = _chains.get(entry)
+    if chain is None or chain.version != chain_links.VERSION[0] or len(chain.members) < 2 or not chain.members[0].current():
+        chain = _chains[entry] = Chain(chain_links.VERSION[0], _members(body, entry, call))
+    if len(chain.members) < 2:
         return None
-    return ChainRun(members, call, amp_state(), lambda: _chains.pop(entry, None)).start()
+    return ChainRun(chain.members, call, amp_state(), lambda: _chains.pop(entry, None), chain.fused_for(call)).start()
+
+
+class Chain:
+    """The members confirmed links lead to from one head (checked again at each call), and their
+    fused graphs (NOTE [ Fused chains ] in block/chain_fused.py): None before they were tried,
+    False where the chain is not fused."""
+
+    __slots__ = ("version", "members", "fused", "fused_refusal", "__weakref__")
+
+    def __init__(self, version, members):
+        self.version = version
+        self.members = members
+        self.fused = None
+        self.fused_refusal = None
+
+    def fused_for(self, call):
+        """The fused graphs a run from ``call`` replays, or None (an unfused run)."""
+        if self.fused is None:
+            self.fused = False
+            if fusable(self.members, call):
+                try:
+                    self.fused = build_fused(self.members, call)
+                except Exception as err:  # contained: the chain runs unfused
+                    self.fused_refusal = f"{type(err).__name__}: {err}"
+        fused = self.fused
+        return None if not fused or fused.backward_pending() else fused
 
 
 def _members(body, entry, call):

@@ -14,7 +14,7 @@ from ..grads.handles import alias, copy
 from . import chain_outputs, partial_grad
 from .bridge import DOUBLE_BACKWARD, Token, replay_backward
 
-__all__ = ["ChainFunction", "replay_forward"]
+__all__ = ["ChainFunction", "member_backwards", "replay_forward"]
 
 _EMPTY = getattr(_C_ops, "empty", None) or (lambda shape, dtype, place: paddle.empty(shape, dtype))
 
@@ -80,11 +80,13 @@ def _add(a, b):
 
 def _replay_backwards(run, grads):
     """The grads of the bridge's tensors, in the order ChainRun.start gave them."""
-    head, params = _member_backwards(run, grads)
+    head, params = member_backwards(run, grads)
     return run.args.grads([g for of_member in params for g in of_member] + head)
 
 
-def _member_backwards(run, grads):
+def member_backwards(run, grads):
+    """The backward replays of the members that handed out their output, last first: ``(the head
+    call's tensors' grads, [each member's parameter grads])``."""
     members, handed = run.members, run.handed
     run.break_at(handed, "backward ran")  # no call is handed an output after its backward
     head_grads = [None] * len(run.call.tensors)

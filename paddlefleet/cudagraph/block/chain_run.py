@@ -8,12 +8,14 @@ import paddle
 
 from ..core.body import Replayed
 from ..core.state import grad_and_amp
-from ..errors import ReplayShapeError
+from ..errors import PendingBackwardError, ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.static_inputs import unflatten
 from . import chain_outputs, partial_grad
 from .capture import capture_second_backward
-from .chain_bridge import ChainFunction, replay_forward
+from .bridge import bridge_args
+from .chain_bridge import ChainFunction, member_backwards, replay_forward
+from .chain_fused import WRITES, FusedFunction
 from .chain_links import current_run, forget_link, remember, set_run
 from .replay_fallback import state_restored_on_refusal
 
@@ -30,12 +32,15 @@ class ChainRun:
         call: the head call (its Call).
         amp: the AMP state at the head call.
         forget: drops the head's cached members (a member no longer fits).
+        fused: the chain's fused graphs this run replays, or None (NOTE [ Fused chains ] in
+            block/chain_fused.py).
     """
 
     __slots__ = ("members", "call", "amp", "rest", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
+                 "ids", "order", "hooks", "args", "forget", "executes", "fused", "writes", "versions", "given",
+                 "__weakref__")
 
-    def __init__(self, members, call, amp, forget):
+    def __init__(self, members, call, amp, forget, fused=None):
         self.members = members
         self.call = call
         self.amp = amp
@@ -52,18 +57,15 @@ class ChainRun:
         self.hooks = {}  # output index -> [(hook id, hook)]; hook None: retain_grads()
         self.args = None
         self.executes = members[0].entry.backend.capture_executes
+        self.fused = fused
+        self.writes = self.versions = self.given = None
 
     def start(self):
-        """Replays the head's forward, applies the bridge; returns the head call's Replayed."""
-        head = self.members[0]
-        self._second_set(head.graphs)
-        copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
-        # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
-        params = [p for m in self.members for p in m.params]
-        self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
+        """Replays the head's forward (or the fused one), applies the bridge; returns the head
+        call's Replayed."""
         note_call()
         try:
-            outputs = ChainFunction.apply(self, *self.args.args)
+            outputs, copied, skipped = self._fused_start() if self.fused is not None else self._start()
         except BaseException:
             self.break_at(0, "the head's replay failed")
             raise
@@ -76,6 +78,26 @@ class ChainRun:
         set_run(self)
         return Replayed(self._give(0), copied, skipped)
 
+    def _start(self):
+        head = self.members[0]
+        self._second_set(head.graphs)
+        copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
+        # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+        params = [p for m in self.members for p in m.params]
+        self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
+        return ChainFunction.apply(self, *self.args.args), copied, skipped
+
+    def _fused_start(self):
+        """NOTE [ Fused chains ] in block/chain_fused.py: every forward now, what they read noted."""
+        fused = self.fused
+        self._second_set(fused)
+        copied, skipped = fused.static_inputs.copy_in(self.call.tensors)
+        self.args = bridge_args(fused, self.call.tensors)
+        self.versions = [[p._inplace_version() for p in m.graphs.params.params] for m in self.members]
+        outputs = FusedFunction.apply(self, fused, self.args, *self.args.args)
+        self.writes = WRITES[0]
+        return outputs, copied, skipped
+
     @staticmethod
     def _second_set(graphs):
         if graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
@@ -84,6 +106,7 @@ class ChainRun:
     def _give(self, j):
         out = self.outputs[j]
         self.handed = j + 1
+        self.given = out._inplace_version()
         member = self.members[j]
         if self.handed == len(self.members):  # a call after the chain may be given its output
             remember(member.entry, out, self.call.args, self.call.kwargs)
@@ -108,6 +131,13 @@ class ChainRun:
             self.break_at(j, why)
             return None
         member = self.members[j]
+        if self.fused is not None:
+            why = self._changed_since_first(j)
+            if why is not None:
+                self.break_at(j, why)
+                return None
+            note_call()
+            return member.entry, Replayed(self._give(j), 0, 0)
         graphs = member.graphs
         self._second_set(graphs)
         note_call()
@@ -121,6 +151,47 @@ class ChainRun:
             self.break_at(j, "its replay changed an output's shape")
             return None
         return member.entry, Replayed(self._give(j), copied, skipped)
+
+    def _changed_since_first(self, j):
+        """Why member ``j``'s forward, run at the first call of a fused run, may differ from what
+        this call would compute now, or None (NOTE [ Fused chains ] in block/chain_fused.py)."""
+        if WRITES[0] != self.writes:
+            return "a tensor was written (set_value, copy_) since the first call"
+        if self.outputs[j - 1]._inplace_version() != self.given:
+            return "the previous output was written in place"
+        for p, version in zip(self.members[j].graphs.params.params, self.versions[j]):
+            if p._inplace_version() != version:
+                return "a parameter was written in place since the first call"
+        return None
+
+    def regular(self, grads):
+        """Whether a fused run's backward may replay the fused backward graph (see the NOTE)."""
+        return (self.handed == len(self.members) and grads[-1] is not None and not self.hooks
+                and all(g is None for g in grads[:-1]))
+
+    def recompute(self, grads, fused):
+        """The backward of a fused run that is not regular: the members that handed out their
+        output replay their own forwards from the first call's input, then their backwards as an
+        unfused chain's; the grads in the fused bridge's order."""
+        first = fused.static_inputs.buffers[0]
+        for j in range(self.handed):
+            member = self.members[j]
+            if not member.current():
+                raise PendingBackwardError(
+                    f"autocudagraph: the backward of a fused chain needs the graphs of its call #{j}, which were "
+                    "dropped or wait for another backward. Run backward before calling those graphed calls again, "
+                    "or pass chain_calls=False.")
+            member.in_buf.copy_(first, False)
+            replay_forward(self, j)
+            first = member.out_buf
+        head, params = member_backwards(self, grads)
+        tail = fused.bridge_tail
+        where = {id(p): i for i, p in enumerate(tail)}
+        out = [None] * len(tail) + head
+        for member, grads_of in zip(self.members, params):
+            for p, g in zip(member.params, grads_of):
+                out[where[id(p)]] = g
+        return out
 
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""

@@ -77,6 +77,9 @@ class BlockGraphs(Graphs):
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
         chain: why the key never joins a chain ("" when it may), decided once (block/chain.py).
+        pure: the capture drew no random numbers and its Layers hold no state a forward may write
+            (buffers, running statistics): its forward may run ahead of its call (NOTE [ Fused
+            chains ] in block/chain_fused.py).
         bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
     """
@@ -100,6 +103,7 @@ class BlockGraphs(Graphs):
     generation: int = 0
     inflight: Any = None
     chain: Any = None
+    pure: bool = False
     bridge_tail: tuple = ()
     diff_at: tuple = ()
     non_diff_at: tuple = ()

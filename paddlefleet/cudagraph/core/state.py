@@ -237,6 +237,39 @@ class RngRewindGuard:
             )
 
 
+class RandomDraws:
+    """Notes whether the block it guards runs a random kernel (``drew``): a graph that draws is
+    never replayed ahead of its call (NOTE [ Fused chains ] in block/chain_fused.py)."""
+
+    def __init__(self):
+        self.drew = False
+        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
+
+    def __enter__(self):
+        try:
+            for name in _RANDOM_OPS:
+                if hasattr(paddle._C_ops, name):
+                    self._patch(name)
+        except BaseException:
+            self._patches.restore()
+            raise
+        return self
+
+    def _patch(self, name):
+        original = getattr(paddle._C_ops, name)
+        guard = self
+
+        def drawing(*args, **kwargs):
+            guard.drew = True
+            return original(*args, **kwargs)
+
+        self._patches.set(paddle._C_ops, name, drawing)
+
+    def __exit__(self, exc_type, exc, tb):
+        self._patches.restore()
+        return False
+
+
 # The random kernels whose seed and offset Paddle patches before every replay but the first
 # (phi's CUDAGraphNodeLauncher parameter setters: dropout's forward and fused_dropout_add; the
 # same three kernels in Paddle 2.6.2's GPU build and in 3.x's sources).

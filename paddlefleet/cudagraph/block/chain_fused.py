@@ -1,0 +1,130 @@
+"""Fused chains: a chain whose members are pure replayed as one forward graph and one backward
+graph (NOTE [ Fused chains ]).
+
+NOTE [ Fused chains ]
+A chain (NOTE [ Chains of graphed calls ] in block/chain.py) still launches two graphs per member
+and copies between them; for small members (a layer of one matmul) the launches alone cost about
+what the eager kernels do. So where every member is *pure* (its capture drew no random numbers
+and its Layers hold no buffers or running statistics: BlockGraphs.pure), returns its output itself and takes no argument but
+the previous output, the chain captures once more, as one block: a function calling every member
+in turn and returning every output (block/capture.py, as any key). Then:
+
+* the chain's first call replays that one forward graph and hands out every output (one PyLayer,
+  FusedFunction); each later call is only checked and handed its output. The forwards ran ahead
+  of their calls, so a call is handed its output only if nothing its forward read changed since:
+  its parameters (inplace versions, and no ``set_value`` / ``copy_`` anywhere in the process since
+  the first call: WRITES), the previous output (same object, inplace version), grad mode, AMP, its
+  Layers' training flags. Otherwise the chain breaks there and that call runs alone.
+* backward replays the one backward graph when the run was *regular*: every call came, the last
+  output got a grad, no other output got one from outside the chain, no hook or retain_grads() was
+  taken on an output. The other outputs' grad-output buffers hold -0.0, filled once: the captured
+  backward adds each output's seed to what the next member gave it, and ``x + (-0.0)`` is ``x`` bit
+  for bit, so each member's grads equal eager's, which never adds.
+* any other backward *recomputes*: the members that handed out their output replay their own
+  forward graphs from the first call's input (the fused graph's static input still holds it) and
+  their backward graphs as an unfused chain does (block/chain_bridge.py). Pure members make the
+  recompute draw and write nothing eager would not.
+
+A fused capture that fails leaves the chain unfused (one warning-free fallback, the reason kept
+in ``Chain.fused_refusal``).
+"""
+
+import weakref
+
+import paddle
+from paddle.autograd import PyLayer
+
+from ..core.paddle_patches import install_for_process
+from ..errors import CudaGraphError
+from . import partial_grad
+from .bridge import DOUBLE_BACKWARD, Token, bridge_grads, hand_out_outputs, replay_backward
+from .capture import CaptureRequest, capture_block
+
+__all__ = ["WRITES", "FusedFunction", "build_fused", "fusable", "install"]
+
+#: Bumped by every ``Tensor.set_value`` and ``Tensor.copy_`` in the process: writes that leave a
+#: tensor's inplace version alone (NOTE [ Fused chains ]).
+WRITES = [0]
+
+
+def install():
+    """Counts ``set_value`` and ``copy_`` into WRITES, once per process (NOTE [ Paddle patches ] in
+    core/paddle_patches.py)."""
+    for name in ("set_value", "copy_"):
+        original = getattr(paddle.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            WRITES[0] += 1
+            return _original(self, *args, **kwargs)
+
+        counting.__doc__ = getattr(original, "__doc__", None)
+        counting.__name__ = name
+        install_for_process(paddle.Tensor, name, counting)
+
+
+def fusable(members, call):
+    """Whether a chain of ``members`` with ``call``'s arguments may be fused (see the NOTE)."""
+    if len(call.tensors) != 1 or len(call.args) != 1 or call.kwargs:
+        return False
+    clone = members[0].clone
+    return all(m.graphs.pure and m.bare and m.clone == clone for m in members)
+
+
+def build_fused(members, call):
+    """The fused BlockGraphs of ``members`` captured from ``call``, or raises (the chain stays unfused)."""
+    head = members[0]
+
+    def fused(owners, x):  # owners: the members' Layers, so that the capture sees their parameters
+        outs, h = [], x
+        for member in members:
+            h = member.body.run((h,), {})
+            outs.append(h)
+        return tuple(outs)
+
+    fused.__name__ = f"chain of {len(members)} calls"
+    owners = paddle.nn.LayerList([o for o in (m.body.owner() for m in members) if isinstance(o, paddle.nn.Layer)])
+    request = CaptureRequest(fused, owners, head.body.options, head.entry.backend, call, [("x", call.args[0])], None,
+                             lambda topic, message: None, fused.__name__)
+    graphs = capture_block(request)
+    backward = graphs.backward
+    if backward is None or backward.accumulators is not None or len(graphs.grad_feeds) != len(members):
+        graphs.release()
+        raise CudaGraphError("the fused chain has no plain backward graph")
+    with paddle.no_grad():
+        for _, buf in graphs.grad_feeds[:-1]:  # NOTE [ Fused chains ]: x + (-0.0) is x
+            buf.fill_(-0.0)
+    return graphs
+
+
+class FusedFunction(PyLayer):
+    """``apply(run, fused, args, *args.args)``: the fused graph's static input holds the call's value."""
+
+    @staticmethod
+    def forward(ctx, run, fused, args, *tensors):
+        if hasattr(ctx, "set_materialize_grads"):
+            ctx.set_materialize_grads(False)
+        fused.fwd_graph.replay()
+        fused.generation += 1
+        token = Token()
+        fused.inflight = weakref.ref(token)
+        if fused.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+            partial_grad.note_pending(token)
+        ctx.run, ctx.fused, ctx.args, ctx.token, ctx.generation = run, fused, args, token, fused.generation
+        return tuple(hand_out_outputs(fused))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if paddle.is_grad_enabled():
+            raise CudaGraphError(DOUBLE_BACKWARD)
+        run, fused = ctx.run, ctx.fused
+        try:
+            if run.regular(grads):
+                buffers = [buf for _, buf in fused.grad_feeds]
+                feed = buffers[:-1] + [grads[-1]]  # a buffer fed itself is left as it is (-0.0)
+                plan = replay_backward(fused, feed, ctx.generation, ctx.token)
+                out = bridge_grads(fused.backward, plan.hand_out(), len(fused.static_inputs.buffers))
+            else:
+                out = run.recompute(grads, fused)
+        finally:
+            ctx.token.done = True
+        return ctx.args.grads(out)
