@@ -240,18 +240,29 @@ class Breakdown:
         self.rows.append((f"start-up of {args.layers} graphed layers: first 3 steps, ms (of which captures, ms)", "total",
                           f"{startup:.1f} ms ({captures:.1f} ms)"))
         name = f"per-layer step: {args.layers} graphed layers (one Layer each), forward + backward + release"
-        self.row(name, "total", lambda: per_layer_step)
-        us = self.rows[-1][2]
-        per_call = f"{float(us) / args.layers:.1f}" if not us.startswith("n/a") else us
-        self.rows.append(("  per graphed layer call (forward + backward)", "total", per_call))
+        self.per_layer_row(name, per_layer_step)
+        variants = (("each call alone (chain_calls=False)", {"chain_calls": False}), ("eagerly", None))
+        for what, options in variants:
+            step, _ = self.per_layer_model(options)
+            for _ in range(3):
+                step()
+            self.per_layer_row(f"per-layer step, {what}", step)
         self.whole_step_row()
 
-    def per_layer_model(self):
-        """``(step, layers)``: the MLP with each layer its own graphed Layer, nothing run yet."""
+    def per_layer_row(self, name, step):
+        self.row(name, "total", lambda: step)
+        us = self.rows[-1][2]
+        per_call = f"{float(us) / self.args.layers:.1f}" if not us.startswith("n/a") else us
+        self.rows.append(("  per layer call (forward + backward)", "total", per_call))
+
+    def per_layer_model(self, options=()):
+        """``(step, layers)``: the MLP with each layer its own graphed Layer (``options`` None:
+        eager), nothing run yet."""
         args = self.args
         layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), seed=0)
-        for layer in layers:
-            autocudagraph(layer, backend=args.backend, warmup_steps=1)
+        if options is not None:
+            for layer in layers:
+                autocudagraph(layer, backend=args.backend, warmup_steps=1, **dict(options))
         params = layers.parameters()
 
         def per_layer_step():

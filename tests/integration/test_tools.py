@@ -156,7 +156,8 @@ def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
     rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
     assert rc == 0, log[-3000:]
     text = out.read_text()
-    for name in ("per-layer step: 4 graphed layers", "per graphed layer call", "whole-step graph (autocudagraph_step)"):
+    for name in ("per-layer step: 4 graphed layers", "per layer call", "each call alone (chain_calls=False)",
+                 "per-layer step, eagerly", "whole-step graph (autocudagraph_step)"):
         line = next(line for line in text.splitlines() if name in line)
         assert float(line.split("|")[3]) > 0, line
 
