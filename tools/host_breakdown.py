@@ -23,8 +23,12 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
-``bridge.hand_out_outputs`` and ``grads.hookable``. A piece whose name moved reads "n/a (...)" in the
-report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
+``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, ``StepInternals``: ``Lifecycle._nested``,
+``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_bindings``, ``_between``, ``_feed``,
+``_remember_between``), ``entry.graphs`` (StepGraphs: ``params``, ``stepped``, ``returned``, ``static_inputs``,
+``static_outputs``, ``out_spec``, ``graph``), ``step.body._hand_out`` and ``io.stale_outputs.check_fresh``. A
+piece whose name moved reads "n/a (...)" in the report, with what was missing, and the other rows still run:
+update ``Internals`` / ``StepInternals`` after a refactor.
 """
 
 import argparse
@@ -160,6 +164,112 @@ class Internals:
         ]
 
 
+class StepInternals:
+    """The pieces of one replayed call of a whole-step graph (``autocudagraph_step``), in the order
+    the call runs them (NOTE [ Host breakdown internals ]). ``step`` must be replaying its key with
+    ``args``; each resolver returns a callable that runs one piece alone, as the call would."""
+
+    def __init__(self, step, args, kwargs=None):
+        self.step, self.args, self.kwargs = step, tuple(args), dict(kwargs or {})
+
+    def _entry(self):
+        return next(e for e in self.step._entries.values() if e.graphs is not None)
+
+    def _call(self):
+        from paddlefleet.cudagraph.core.call import Call
+
+        return Call, Call(self.args, self.kwargs)
+
+    def nested(self):
+        return self.step._nested
+
+    def flatten(self):
+        make, _ = self._call()
+        return lambda: make(self.args, self.kwargs)
+
+    def stale(self):
+        from paddlefleet.cudagraph.io.stale_outputs import check_fresh
+
+        _, call = self._call()
+        return lambda: check_fresh(call.tensors)
+
+    def key(self):
+        _, call = self._call()
+        return lambda: self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+
+    def entry(self):
+        _, call = self._call()
+        entries, key = self.step._entries, self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+        return lambda: entries.move_to_end(key) if entries.get(key) is not None else None
+
+    def blocker(self):
+        _, call = self._call()
+        entry, body = self._entry(), self.step._body
+        return lambda: body.blocker(entry, call)
+
+    def bindings(self):
+        body, graphs = self.step._body, self._entry().graphs
+        watch = body._bindings
+        return lambda: watch.changed(graphs.bindings, watch.snapshot())
+
+    def params(self):
+        graphs = self._entry().graphs
+        return lambda: [p for p, ptr in graphs.params if p.data_ptr() != ptr]
+
+    def between(self):
+        from paddlefleet.cudagraph.step.grad_slots import grad_ptr
+
+        body = self.step._body
+        return lambda: [p for p, ptr in body._between if grad_ptr(p) != ptr]
+
+    def lr_feed(self):
+        body, graphs = self.step._body, self._entry().graphs
+        return lambda: body._feed(graphs.stepped)
+
+    def returned(self):
+        return self._entry().graphs.returned.for_replay
+
+    def copy_in(self):
+        _, call = self._call()
+        graphs = self._entry().graphs
+        return lambda: graphs.static_inputs.copy_in(call.tensors)
+
+    def replay(self):
+        return self._entry().graphs.graph.replay
+
+    def hand_out(self):
+        from paddlefleet.cudagraph.io.static_inputs import unflatten
+        from paddlefleet.cudagraph.step.body import _hand_out
+
+        graphs = self._entry().graphs
+        consts = graphs.returned.for_replay()
+        return lambda: unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), consts)
+
+    def grad_slots(self):
+        return self.step._body._remember_between
+
+    def pieces(self):
+        """(row name, resolver, part of the whole call) for each piece: the parts add up to the call
+        less the lifecycle's own bookkeeping; the others are shares of a part."""
+        return [
+            ("nested-call checks (capture open, whole step running, saved-tensors hooks)", self.nested, True),
+            ("flatten the arguments (Call)", self.flatten, True),
+            ("stale-output check of the arguments", self.stale, True),
+            ("key of the call", self.key, True),
+            ("entry lookup (LRU order)", self.entry, True),
+            ("replay preconditions (StepBody.blocker)", self.blocker, True),
+            ("  of which globals/closure bindings", self.bindings, False),
+            ("  of which parameter addresses", self.params, False),
+            ("  of which grads between calls", self.between, False),
+            ("learning-rate feed (unchanged rates)", self.lr_feed, True),
+            ("Python values of the result (get_lr recomputed)", self.returned, True),
+            ("input copy into the static buffers", self.copy_in, True),
+            ("graph replay()", self.replay, True),
+            ("output hand-out (a detached copy per output) and result rebuilt", self.hand_out, True),
+            ("grads remembered for the next call's check", self.grad_slots, True),
+        ]
+
+
 def timed(fn, reps, sync):
     samples = []
     for _ in range(reps):
@@ -282,6 +392,9 @@ class Breakdown:
             step()
         self.sync()
         self.row(name, "total", lambda: step)
+        for piece, resolve, _ in StepInternals(graphed, (self.x, self.dy)).pieces():
+            who = "Paddle" if "replay()" in piece else "ours (whole step)"
+            self.row(f"  whole step: {piece.strip()}", who, resolve)
 
     def option_rows(self):
         for option in SPEED_OPTIONS:
