@@ -13,8 +13,9 @@ host times, not GPU timings (a GPU host adds the launch cost of each device copy
 
 The whole-step rows are followed by the step's replayed call piece by piece (host_breakdown.StepInternals,
 each piece run alone in a loop), once for a step without a Paddle optimizer (``optimizers=[]``, as
-tools/host_breakdown.py and tools/bench.py time it) and once with ``paddle.optimizer.SGD`` driven by a
-learning-rate scheduler over every parameter (its learning-rate feed, parameter and grad checks).
+tools/host_breakdown.py and tools/bench.py time it) and once for a step function closing over the model
+and ``paddle.optimizer.SGD`` on a learning-rate scheduler (the closure check, the learning-rate feed,
+every parameter's address and a grad checked).
 """
 
 import argparse
@@ -73,27 +74,26 @@ def per_layer_step(args, x, dy, graph):
     return step, layers
 
 
-class SGDStep(MatmulStep):
-    """MatmulStep with ``paddle.optimizer.SGD`` on a scheduler: step, then grads cleared."""
+def sgd_step(model):
+    """A step function as users write one (a closure over the model and its optimizer):
+    ``paddle.optimizer.SGD`` on a scheduler, then grads cleared."""
+    sgd = paddle.optimizer.SGD(paddle.optimizer.lr.StepDecay(1e-3, step_size=10 ** 9), parameters=model.parameters())
 
-    def __init__(self, model):
-        super().__init__(model)
-        self.sgd = paddle.optimizer.SGD(paddle.optimizer.lr.StepDecay(1e-3, step_size=10 ** 9),
-                                        parameters=self.params)
-
-    def __call__(self, x, dy):
-        y = self.model(x)
+    def step(x, dy):
+        y = model(x)
         y.backward(dy)
-        self.sgd.step()
-        self.sgd.clear_grad()
+        sgd.step()
+        sgd.clear_grad()
         return y
+
+    return step, sgd
 
 
 def whole_step(args, x, dy, with_sgd=False):
     """``graphed``: a whole-step graph replaying its key for ``graphed(x, dy)``."""
     model = build(lambda: MatMLP([args.width] * (args.layers + 1)), 0)
-    train = SGDStep(model) if with_sgd else MatmulStep(model)
-    graphed = autocudagraph_step(train, optimizers=[train.sgd] if with_sgd else [], warmup_steps=2,
+    train, sgd = sgd_step(model) if with_sgd else (MatmulStep(model), None)
+    graphed = autocudagraph_step(train, optimizers=[sgd] if with_sgd else [], warmup_steps=2,
                                  backend="simulate")
     for _ in range(4 + 16):  # 2 warmup steps, capture, first replay; the replays timed by core/host_cost.py
         graphed(x, dy)
