@@ -24,9 +24,10 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, ``StepInternals``: ``Lifecycle._nested``,
-``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_bindings``, ``_between``, ``_feed``,
-``_remember_between``), ``entry.graphs`` (StepGraphs: ``params``, ``stepped``, ``returned``, ``static_inputs``,
-``static_outputs``, ``out_spec``, ``graph``), ``step.body._hand_out`` and ``io.stale_outputs.check_fresh``. A
+``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``, ``_feed``, ``_remember_between``),
+``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``stepped``, ``returned``,
+``static_inputs``, ``static_outputs``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between``,
+``step.body._hand_out`` and ``io.stale_outputs.check_fresh``. A
 piece whose name moved reads "n/a (...)" in the report, with what was missing, and the other rows still run:
 update ``Internals`` / ``StepInternals`` after a refactor.
 """
@@ -208,19 +209,18 @@ class StepInternals:
         return lambda: body.blocker(entry, call)
 
     def bindings(self):
-        body, graphs = self.step._body, self._entry().graphs
-        watch = body._bindings
-        return lambda: watch.changed(graphs.bindings, watch.snapshot())
+        checks = self._entry().graphs.checks
+        return checks._bindings_unchanged or (lambda: True)  # None: the capture saw nothing bound
 
     def params(self):
-        graphs = self._entry().graphs
-        return lambda: [p for p, ptr in graphs.params if p.data_ptr() != ptr]
+        checks = self._entry().graphs.checks
+        return lambda: checks._moved(None)
 
     def between(self):
-        from paddlefleet.cudagraph.step.grad_slots import grad_ptr
+        from paddlefleet.cudagraph.step.replay_checks import _grads_between
 
         body = self.step._body
-        return lambda: [p for p, ptr in body._between if grad_ptr(p) != ptr]
+        return lambda: _grads_between(body._between)
 
     def lr_feed(self):
         body, graphs = self.step._body, self._entry().graphs

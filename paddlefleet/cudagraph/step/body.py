@@ -36,12 +36,13 @@ from ..errors import CaptureError
 from .grad_scaler import live_scalers
 from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
-from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
+from .host_reads import BindingWatch, OpTrace, describe_trace_difference
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
                               optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..io.static_inputs import (StaticInputs, contiguous_outputs, flatten, holds_tensor, leaf_names, nbytes,
                                 strided_copy_works, unflatten)
+from .replay_checks import ReplayChecks, binding_message
 from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import (EXTRA_WARMUPS, NO_WATCH, GradValues, LayerWatch, Rollback, describe_changes, fingerprint,
                        step_params)
@@ -82,6 +83,7 @@ class StepGraphs(Graphs):
     moved_beta_pows: int = 0
     returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
+    checks: Any = None  # ReplayChecks, made last (NOTE [ Step replay checks ] in step/replay_checks.py)
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -272,7 +274,7 @@ class StepBody(Body):
             )
         changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
         if changed is not None:
-            raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+            raise CaptureError(binding_message(changed, "the last warmup step and the capture"))
         if self._unlisted:
             raise self.unlisted_error(list(self._unlisted.values()))
         if self._stepped_schedulers:
@@ -285,35 +287,12 @@ class StepBody(Body):
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graph now, else a Blocked."""
+        """None when ``call`` can replay ``entry``'s graph now, else a Blocked (NOTE [ Step replay
+        checks ] in step/replay_checks.py)."""
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
-        if graphs.grad_mode != self.slots.mode:
-            return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
-        changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
-        if changed is not None:
-            reason = _binding_message(changed, "the capture and this call")
-            return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
-        for p, ptr in graphs.params:
-            if p.data_ptr() != ptr:
-                return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
-        if graphs.grad_mode == CLOSED:
-            for p, ptr in self._between:
-                if grad_ptr(p) != ptr:
-                    return Blocked(Action.EAGER, "grads changed between calls", (
-                        f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
-                        "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
-                        "backward and clear_grad inside the step function."))
-        else:
-            for p, ptr in graphs.watched:
-                if grad_ptr(p) != ptr:
-                    return Blocked(Action.RECAPTURE_ONCE, f"the grad storage of {p.name} was released or replaced", (
-                        f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
-                        "False) or a backward outside the step), so the graph's grad buffers no longer are the "
-                        "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
-                        "inside the step function."))
-        return None
+        return graphs.checks.blocked(self.slots.mode, self._between)
 
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graph for ``call``."""
@@ -354,16 +333,6 @@ def _simulated_replay_check(graphs, replayed):
         f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
         "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
         "values that change as tensors (or as arguments: they become part of the key)."))
-
-
-def _binding_message(changed, between):
-    name, old, new = changed
-    return (
-        f"autocudagraph_step: the step function reads '{name}', which was rebound between {between} "
-        f"({short_repr(old)} -> {short_repr(new)}). A graph replays what the capture saw, so the new value would "
-        "be ignored. Pass it as an argument (a Python value becomes part of the key; a tensor is copied in), or "
-        "keep it in a tensor updated in place."
-    )
 
 
 def _unlisted_optimizers(body):
@@ -480,6 +449,7 @@ class _StepCapture:
         graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
         body._after_host_run(live["record"])
         graphs.watched = list(body._between)
+        graphs.checks = ReplayChecks(graphs, body._bindings)
         if self.backend.capture_executes:
             graphs.pending = unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), graphs.out_consts)
 
