@@ -24,10 +24,9 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, ``StepInternals``: ``Lifecycle._nested``,
-``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``, ``_feed``, ``_remember_between``),
-``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``stepped``, ``returned``,
-``static_inputs``, ``static_outputs``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between``,
-``step.body._hand_out`` and ``io.stale_outputs.check_fresh``. A
+``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``, ``_remember_between``), ``entry.graphs``
+(StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``feeds``, ``returned``, ``static_inputs``,
+``hand_out``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A
 piece whose name moved reads "n/a (...)" in the report, with what was missing, and the other rows still run:
 update ``Internals`` / ``StepInternals`` after a refactor.
 """
@@ -223,8 +222,8 @@ class StepInternals:
         return lambda: _grads_between(body._between)
 
     def lr_feed(self):
-        body, graphs = self.step._body, self._entry().graphs
-        return lambda: body._feed(graphs.stepped)
+        feeds = self._entry().graphs.feeds
+        return lambda: [feed.feed() for feed in feeds]
 
     def returned(self):
         return self._entry().graphs.returned.for_replay
@@ -239,11 +238,10 @@ class StepInternals:
 
     def hand_out(self):
         from paddlefleet.cudagraph.io.static_inputs import unflatten
-        from paddlefleet.cudagraph.step.body import _hand_out
 
         graphs = self._entry().graphs
         consts = graphs.returned.for_replay()
-        return lambda: unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), consts)
+        return lambda: unflatten(graphs.out_spec, graphs.hand_out(), consts)
 
     def grad_slots(self):
         return self.step._body._remember_between
@@ -266,7 +264,7 @@ class StepInternals:
             ("input copy into the static buffers", self.copy_in, True),
             ("graph replay()", self.replay, True),
             ("output hand-out (a detached copy per output) and result rebuilt", self.hand_out, True),
-            ("grads remembered for the next call's check", self.grad_slots, True),
+            ("grads remembered for the next call's check (simulated replays only)", self.grad_slots, False),
         ]
 
 

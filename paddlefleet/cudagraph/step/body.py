@@ -27,6 +27,7 @@ import weakref
 from typing import Any, List, Optional
 
 import paddle
+from paddle import _C_ops
 
 from ..core import state
 from ..core.body import Action, Blocked, Body, Graphs, Replayed
@@ -48,6 +49,8 @@ from .rollback import (EXTRA_WARMUPS, NO_WATCH, GradValues, LayerWatch, Rollback
                        step_params)
 
 __all__ = ["StepBody", "StepGraphs"]
+
+_new = tuple.__new__  # Replayed without its Python-level NamedTuple __new__
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,6 +87,8 @@ class StepGraphs(Graphs):
     returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
     checks: Any = None  # ReplayChecks, made last (NOTE [ Step replay checks ] in step/replay_checks.py)
+    feeds: tuple = ()  # the LRFeeds of the optimizers in ``stepped``
+    detached: list = dataclasses.field(default_factory=list)  # static_outputs, detached (hand_out)
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -93,11 +98,19 @@ class StepGraphs(Graphs):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
         return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
 
+    def hand_out(self):
+        """Detached copies of the static outputs, which the next replay overwrites (the graph's
+        own outputs are detached once, at capture: ``detached``)."""
+        copies = [_C_ops.assign(o) for o in self.detached]
+        for c in copies:
+            c.stop_gradient = True
+        return copies
+
     def release(self):
         if self.graph is not None:
             self.graph.reset()
         self.graph = self.pool = self.static_inputs = self.pending = None
-        self.static_outputs, self.live = [], {}
+        self.static_outputs, self.detached, self.live = [], [], {}
 
 
 @dataclasses.dataclass
@@ -109,13 +122,6 @@ class _Warm:
     changes: str = ""
     consts: Any = None  # the Python values of its result
     stepped: frozenset = frozenset()  # ids of the optimizers it updated
-
-
-def _hand_out(outputs):
-    copies = [o.detach().clone() for o in outputs]  # detached first: clone records no grad
-    for c in copies:
-        c.stop_gradient = True
-    return copies
 
 
 @contextlib.contextmanager
@@ -301,21 +307,21 @@ class StepBody(Body):
             result, graphs.pending = graphs.pending, None
             self._remember_between()
             return Replayed(result)
-        self._feed(graphs.stepped)
+        for feed in graphs.feeds:  # NOTE [ Feed only what the step updates ] in step/optimizer_state.py
+            feed.feed()
         consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
         copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
         if graphs.trace is None:
+            # A recording replay runs none of the step's Python: the grads are where the blocker
+            # (or, on the capture call, the capture) last saw them, so _between stays as it is.
             graphs.graph.replay()
-        else:  # a simulated replay re-runs the step under the op trace (process-wide patches)
-            with CAPTURE_LOCK:
-                graphs.graph.replay()
-        outputs = _hand_out(graphs.static_outputs)
-        result = unflatten(graphs.out_spec, outputs, consts)
+            return _new(Replayed, (unflatten(graphs.out_spec, graphs.hand_out(), consts), copied, skipped, None))
+        with CAPTURE_LOCK:  # a simulated replay re-runs the step under the op trace (process-wide patches)
+            graphs.graph.replay()
+        result = unflatten(graphs.out_spec, graphs.hand_out(), consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
-        then = None
-        if graphs.trace is not None and replayed is not graphs.trace:
-            then = _simulated_replay_check(graphs, replayed)
+        then = _simulated_replay_check(graphs, replayed) if replayed is not graphs.trace else None
         return Replayed(result, copied, skipped, then)
 
 
@@ -439,7 +445,9 @@ class _StepCapture:
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
         graphs.static_outputs = list(outputs)
+        graphs.detached = [o.detach() for o in graphs.static_outputs]
         graphs.stepped = self.warm.stepped
+        graphs.feeds = tuple(feed for feed in body._feeds if id(feed.opt) in graphs.stepped)
         graphs.out_spec = live["spec"][0]
         graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
         graphs.out_consts = graphs.returned.consts
@@ -451,7 +459,7 @@ class _StepCapture:
         graphs.watched = list(body._between)
         graphs.checks = ReplayChecks(graphs, body._bindings)
         if self.backend.capture_executes:
-            graphs.pending = unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), graphs.out_consts)
+            graphs.pending = unflatten(graphs.out_spec, graphs.hand_out(), graphs.out_consts)
 
     def _check(self, live, before, watch, graphs):
         body = self.body
