@@ -25,8 +25,8 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, ``StepInternals``: ``Lifecycle._nested``,
 ``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``, ``_remember_between``), ``entry.graphs``
-(StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``feeds``, ``returned``, ``static_inputs``,
-``hand_out``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A
+(StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``feeds``, ``returned``, ``in_place``,
+``static_inputs``, ``hand_out``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A
 piece whose name moved reads "n/a (...)" in the report, with what was missing, and the other rows still run:
 update ``Internals`` / ``StepInternals`` after a refactor.
 """
@@ -213,7 +213,7 @@ class StepInternals:
 
     def params(self):
         checks = self._entry().graphs.checks
-        return lambda: checks._moved(None)
+        return lambda: checks._moved(None, None)
 
     def between(self):
         from paddlefleet.cudagraph.step.replay_checks import _grads_between
@@ -231,6 +231,8 @@ class StepInternals:
     def copy_in(self):
         _, call = self._call()
         graphs = self._entry().graphs
+        if graphs.in_place:  # every input adopted: the replay copies nothing
+            return lambda: None
         return lambda: graphs.static_inputs.copy_in(call.tensors)
 
     def replay(self):
@@ -261,7 +263,7 @@ class StepInternals:
             ("  of which grads between calls", self.between, False),
             ("learning-rate feed (unchanged rates)", self.lr_feed, True),
             ("Python values of the result (get_lr recomputed)", self.returned, True),
-            ("input copy into the static buffers", self.copy_in, True),
+            ("input copy into the static buffers (none where every input is adopted)", self.copy_in, True),
             ("graph replay()", self.replay, True),
             ("output hand-out (a detached copy per output) and result rebuilt", self.hand_out, True),
             ("grads remembered for the next call's check (simulated replays only)", self.grad_slots, False),

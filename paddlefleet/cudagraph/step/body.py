@@ -11,6 +11,18 @@ what the step does on the host (NOTE [ Host values of a step ] in step/host_read
 it created state (NOTE [ Persistent state of a step ] in step/rollback.py). The capture runs the
 step on static copies of the batch's tensors and checks it against the last warmup step.
 
+NOTE [ Adopted inputs of a step ]
+A batch tensor passed in the last warmup call and again in the capture call (a loader that refills
+one device buffer in place, a benchmark's fixed batch) is adopted as blocks adopt it (NOTE
+[ Adopted inputs ] in io/static_inputs.py): its own storage is the graph's input, so a replay that
+is passed it again copies nothing - on a GPU that is one device copy, and its launch, less per
+tensor per call. Its in-place updates are what the graph reads, as eager reads them, and a step that
+writes its input in place writes the caller's tensor, as eager does. A call that passes another
+tensor there cannot be served by copying into it (that would overwrite the caller's tensor): the
+key is captured again (ReplayChecks, Action.RECAPTURE), and that capture adopts nothing the call
+does not pass again, so a loader that hands out a new tensor per step pays one extra capture, then
+copies as before. The adopted tensor's storage is kept alive while the key holds its graph.
+
 NOTE [ The capture call of a step ]
 On the simulated backend a capture executes the step: that run *is* this call's step (it
 consumed the RNG and updated the parameters as eager would), so its results are handed out and
@@ -88,6 +100,7 @@ class StepGraphs(Graphs):
     live: dict = dataclasses.field(default_factory=dict)
     checks: Any = None  # ReplayChecks, made last (NOTE [ Step replay checks ] in step/replay_checks.py)
     feeds: tuple = ()  # the LRFeeds of the optimizers in ``stepped``
+    in_place: bool = False  # every input adopted or a host input: nothing to copy (NOTE [ Adopted inputs of a step ])
     detached: list = dataclasses.field(default_factory=list)  # static_outputs, detached (hand_out)
 
     def describe(self):
@@ -289,7 +302,7 @@ class StepBody(Body):
             check_supported(opt)
         strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
         with CAPTURE_LOCK:
-            return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
+            return _StepCapture(self, entry.backend, call, leaf_names(named), warm, last_inputs).run()
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
@@ -298,7 +311,7 @@ class StepBody(Body):
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
-        return graphs.checks.blocked(self.slots.mode, self._between)
+        return graphs.checks.blocked(self.slots.mode, self._between, call.tensors)
 
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graph for ``call``."""
@@ -310,7 +323,12 @@ class StepBody(Body):
         for feed in graphs.feeds:  # NOTE [ Feed only what the step updates ] in step/optimizer_state.py
             feed.feed()
         consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
-        copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
+        if not copy:
+            copied, skipped = 0, 0
+        elif graphs.in_place:  # the blocker found every adopted input where the graph reads it
+            copied, skipped = 0, len(call.tensors)
+        else:
+            copied, skipped = graphs.static_inputs.copy_in(call.tensors)
         if graphs.trace is None:
             # A recording replay runs none of the step's Python: the grads are where the blocker
             # (or, on the capture call, the capture) last saw them, so _between stays as it is.
@@ -367,8 +385,9 @@ def _unlisted_optimizers_hint(body):
 class _StepCapture:
     """One capture of a step (NOTE [ The capture call of a step ])."""
 
-    def __init__(self, body, backend, call, names, warm):
+    def __init__(self, body, backend, call, names, warm, last_inputs=None):
         self.body = body
+        self.last_inputs = last_inputs or []  # weak references to the last warmup call's tensors
         self.backend = backend
         self.call = call
         self.names = names
@@ -410,7 +429,8 @@ class _StepCapture:
     def _capture(self, graphs, rollback):
         body, call = self.body, self.call
         host = host_mask(call.tensors, on_gpu=self.on_gpu)
-        static = StaticInputs(call.tensors, self.names, host=host)
+        static = StaticInputs(call.tensors, self.names, adopt=_adoptable(call.tensors, self.last_inputs, host),
+                              host=host)
         args, kwargs = call.rebuild(static.buffers)
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
         stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
@@ -444,6 +464,7 @@ class _StepCapture:
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
+        graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
         graphs.detached = [o.detach() for o in graphs.static_outputs]
         graphs.stepped = self.warm.stepped
@@ -510,6 +531,14 @@ class _StepCapture:
                     f"autocudagraph_step: the step returns a {type(value).__name__} object holding tensors; it would be "
                     "returned as captured, with frozen values. Return tensors in a tuple, list or dict."
                 )
+
+
+def _adoptable(tensors, last_inputs, host):
+    """Per tensor: was it the very same tensor in the last warmup call (NOTE [ Adopted inputs of a
+    step ])? Host inputs are keyed by value and never adopted, nor is a non-contiguous tensor."""
+    if len(last_inputs) != len(tensors):
+        return None
+    return [last_inputs[i]() is t and t.is_contiguous() and not (host and host[i]) for i, t in enumerate(tensors)]
 
 
 def _device_place(optimizers):

@@ -3,18 +3,20 @@
 NOTE [ Step replay checks ]
 A step's graph reads and writes fixed addresses and freezes what its Python read, so before every
 replay StepBody.blocker asks: did the grad-slot mode change, was a global or closure variable of
-the step function rebound, was a parameter the optimizers update replaced or moved, did the grads
-change between calls (closed mode: a backward or clear outside the step), or was the grad
-storage the graph adds into released (persistent mode)? These answers cost host time on every
-call, and a replayed step should cost little more than the graph launch. So what to look at is
-fixed when the key is captured (``ReplayChecks``): flat tuples of the tensors and the addresses
-they must still have, and a bindings check (``BindingWatch.unchanged_since``). A call where nothing
-changed walks each tuple once at C level (``map`` over the tensors, compared as lists of ints or
-by identity) and builds no dict; when a walk finds any difference, the per-item walk runs and
-names the first one exactly as before. Each fast walk compares the same values the per-item walk
-compares (the same addresses, the same objects by identity), so it is False exactly when that
-walk would find something (tests/step/test_replay_checks.py changes each thing once and expects
-the same Blocked as before).
+the step function rebound, was a parameter the optimizers update replaced or moved, did the
+call pass another tensor where the graph reads an adopted one in place (NOTE [ Adopted inputs of
+a step ] in step/body.py), did the grads change between calls (closed mode: a backward or clear
+outside the step), or was the grad storage the graph adds into released (persistent mode)? These
+answers cost host time on every call, and a replayed step should cost little more than the graph
+launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
+the tensors and the addresses they must still have, and a bindings check
+(``BindingWatch.unchanged_since``), only those the key has. A call where nothing changed walks each
+tuple once at C level (``map`` over the tensors, compared as lists of ints or by identity) and
+builds no dict; when a walk finds any difference, the per-item walk runs and names the first one
+exactly as before. Each fast walk compares the same values the per-item walk compares (the same
+addresses, the same objects by identity), so it is False exactly when that walk would find
+something (tests/step/test_replay_checks.py changes each thing once and expects the same Blocked
+as before).
 """
 
 import paddle
@@ -32,7 +34,8 @@ class ReplayChecks:
     """The replay preconditions of one captured step key (NOTE [ Step replay checks ]).
 
     Args:
-        graphs: the key's StepGraphs, complete (``bindings``, ``params``, ``watched``, ``grad_mode``).
+        graphs: the key's StepGraphs, complete (``bindings``, ``params``, ``watched``, ``grad_mode``,
+            ``static_inputs``).
         watch: the step function's BindingWatch.
     """
 
@@ -48,28 +51,35 @@ class ReplayChecks:
         # Only what this key has: a step without optimizers has no parameter or grad to look at.
         checks = [self._bindings] if self._bindings_unchanged is not None else []
         checks += [self._moved] if self._params else []
+        checks += [self._adopted_moved] if graphs.static_inputs.adopted else []
         if graphs.grad_mode == CLOSED:
             checks.append(_grads_between)
         elif self._watched:
             checks.append(self._released)
         self._checks = tuple(checks)
 
-    def blocked(self, mode, between):
+    def blocked(self, mode, between, tensors):
         """None when nothing a replay depends on changed, else the Blocked of the first change.
 
         Args:
             mode: the wrapper's grad-slot mode now; between: ``[(param, grad address)]`` after the
-                last call (closed mode).
+                last call (closed mode); tensors: the call's tensors.
         """
         if mode != self._mode:
             return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
         for check in self._checks:
-            blocked = check(between)
+            blocked = check(between, tensors)
             if blocked is not None:
                 return blocked
         return None
 
-    def _bindings(self, _):
+    def _adopted_moved(self, _, tensors):
+        name = self._graphs.static_inputs.moved(tensors)  # NOTE [ Adopted inputs of a step ] in step/body.py
+        if name is None:
+            return None
+        return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
+
+    def _bindings(self, *_):
         if self._bindings_unchanged():
             return None
         changed = BindingWatch.changed(self._graphs.bindings, self._watch.snapshot())
@@ -78,7 +88,7 @@ class ReplayChecks:
         reason = binding_message(changed, "the capture and this call")
         return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
 
-    def _moved(self, _):
+    def _moved(self, *_):
         if list(map(_data_ptr, self._params)) == self._param_ptrs:
             return None
         for p, ptr in self._graphs.params:
@@ -86,7 +96,7 @@ class ReplayChecks:
                 return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
         return None
 
-    def _released(self, _):
+    def _released(self, *_):
         if list(map(grad_ptr, self._watched)) == self._watched_ptrs:
             return None
         for p, ptr in self._graphs.watched:
@@ -99,7 +109,7 @@ class ReplayChecks:
         return None
 
 
-def _grads_between(between):
+def _grads_between(between, _=None):
     for p, ptr in between:
         if grad_ptr(p) != ptr:
             return Blocked(Action.EAGER, "grads changed between calls", (
