@@ -23,12 +23,13 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
-``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, ``StepInternals``: ``Lifecycle._nested``,
-``_entries``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``, ``_remember_between``), ``entry.graphs``
-(StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``), ``feeds``, ``returned``, ``in_place``,
-``static_inputs``, ``hand_out``, ``out_spec``, ``graph``), ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A
-piece whose name moved reads "n/a (...)" in the report, with what was missing, and the other rows still run:
-update ``Internals`` / ``StepInternals`` after a refactor.
+``bridge.hand_out_outputs`` and ``grads.hookable``; for the whole step, in ``StepInternals``:
+``Lifecycle._nested``, ``_entries``, ``_latest``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``,
+``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
+``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
+``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A piece whose name moved
+reads "n/a (...)" in the report, with what was missing, and the other rows still run: update
+``Internals`` / ``StepInternals`` after a refactor.
 """
 
 import argparse
@@ -199,8 +200,14 @@ class StepInternals:
 
     def entry(self):
         _, call = self._call()
-        entries, key = self.step._entries, self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
-        return lambda: entries.move_to_end(key) if entries.get(key) is not None else None
+        step = self.step
+        entries, key = step._entries, step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+
+        def lookup():
+            if entries.get(key) is not step._latest:
+                entries.move_to_end(key)
+
+        return lookup
 
     def blocker(self):
         _, call = self._call()

@@ -84,6 +84,7 @@ class Lifecycle:
         self._warned = set()
         self._last_refusal = None
         self._tick = 0
+        self._latest = None  # the entry of the latest call, last in _entries' order
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -127,6 +128,7 @@ class Lifecycle:
         for entry in self._entries.values():
             entry.release()
         self._entries.clear()
+        self._latest = None
         self._warned.clear()
         self.counters = Counters()
 
@@ -152,7 +154,9 @@ class Lifecycle:
                 return self._eager(call, self._last_refusal)
         self._tick += 1
         entry.last_used = self._tick
-        self._entries.move_to_end(key)
+        if entry is not self._latest:  # the latest entry is already last: every insertion is moved
+            self._entries.move_to_end(key)
+            self._latest = entry
         if entry.phase is Phase.REPLAY:
             if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
                 return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)
