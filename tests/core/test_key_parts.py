@@ -1,12 +1,16 @@
 """Cheap key parts (NOTE [ Cheap key parts ] in core/keys.py): dtypes and AMP levels keyed by their
 ints give equal keys exactly where the enum objects did."""
 
+import itertools
 import unittest
+from unittest import mock
 
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.core.call import Call
+from paddlefleet.cudagraph.io import host_tensors
+from paddlefleet.cudagraph.io.static_inputs import place_key
 
 
 class CheapKeyPartsTest(unittest.TestCase):
@@ -44,6 +48,39 @@ class CheapKeyPartsTest(unittest.TestCase):
                 seen.add(state.amp_state())
         self.assertEqual(len(seen), 3, seen)
         self.assertTrue(all(isinstance(s[0], int) for s in seen), seen)
+
+
+class _Place:
+    """A stand-in place: a GPU (device id), the CPU, or another kind (pinned memory)."""
+
+    def __init__(self, kind, device=0):
+        self.kind, self.device = kind, device
+
+    def is_gpu_place(self):
+        return self.kind == "gpu"
+
+    def is_cpu_place(self):
+        return self.kind == "cpu"
+
+    def gpu_device_id(self):
+        return self.device
+
+    def __str__(self):
+        return f"Place({self.kind})"
+
+
+class HostMaskFromPlaceKeysTest(unittest.TestCase):
+    """The key decides host tensors from its place keys: the same mask as from the places."""
+
+    def test_every_mix_of_places_on_a_cuda_build(self):
+        ts = [paddle.ones([1]) for _ in range(3)]
+        kinds = [_Place("gpu", 0), _Place("gpu", 1), _Place("cpu"), _Place("gpu_pinned")]
+        with mock.patch.object(host_tensors, "_CUDA_BUILD", True):
+            for places in itertools.product(kinds, repeat=3):
+                for on_gpu in (None, True, False):
+                    self.assertEqual(
+                        host_tensors.host_mask(ts, on_gpu=on_gpu, place_keys=[place_key(p) for p in places]),
+                        host_tensors.host_mask(ts, on_gpu=on_gpu, places=list(places)), [str(p) for p in places])
 
 
 if __name__ == "__main__":
