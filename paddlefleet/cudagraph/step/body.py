@@ -114,7 +114,7 @@ class StepGraphs(Graphs):
     def hand_out(self):
         """Detached copies of the static outputs, which the next replay overwrites (the graph's
         own outputs are detached once, at capture: ``detached``)."""
-        copies = [_C_ops.assign(o) for o in self.detached]
+        copies = list(map(_C_ops.assign, self.detached))
         for c in copies:
             c.stop_gradient = True
         return copies

@@ -28,6 +28,7 @@ from .host_reads import BindingWatch, short_repr
 __all__ = ["ReplayChecks", "binding_message"]
 
 _data_ptr = paddle.Tensor.data_ptr
+_is_contiguous = paddle.Tensor.is_contiguous
 
 
 class ReplayChecks:
@@ -46,12 +47,16 @@ class ReplayChecks:
         self._bindings_unchanged = watch.unchanged_since(graphs.bindings)
         self._params = tuple(p for p, _ in graphs.params)
         self._param_ptrs = [ptr for _, ptr in graphs.params]
+        static = graphs.static_inputs
+        self._adopted = tuple(static.adopted)
+        self._every_input_adopted = len(self._adopted) == len(static.buffers)
+        self._adopted_ptrs = [static.buffers[i].data_ptr() for i in self._adopted]
         self._watched = tuple(p for p, _ in graphs.watched)
         self._watched_ptrs = [ptr for _, ptr in graphs.watched]
         # Only what this key has: a step without optimizers has no parameter or grad to look at.
         checks = [self._bindings] if self._bindings_unchanged is not None else []
         checks += [self._moved] if self._params else []
-        checks += [self._adopted_moved] if graphs.static_inputs.adopted else []
+        checks += [self._adopted_moved] if self._adopted else []
         if graphs.grad_mode == CLOSED:
             checks.append(_grads_between)
         elif self._watched:
@@ -74,7 +79,11 @@ class ReplayChecks:
         return None
 
     def _adopted_moved(self, _, tensors):
-        name = self._graphs.static_inputs.moved(tensors)  # NOTE [ Adopted inputs of a step ] in step/body.py
+        # NOTE [ Adopted inputs of a step ] in step/body.py; StaticInputs.moved's test, all at once
+        picked = tensors if self._every_input_adopted else [tensors[i] for i in self._adopted]
+        if list(map(_data_ptr, picked)) == self._adopted_ptrs and all(map(_is_contiguous, picked)):
+            return None
+        name = self._graphs.static_inputs.moved(tensors)
         if name is None:
             return None
         return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
