@@ -9,7 +9,8 @@ step graph ] in step/optimizer_state.py), and grad clears follow the wrapper's g
 [ Grad slots across steps ] in step/grad_slots.py). Warmup steps are eager steps that also record
 what the step does on the host (NOTE [ Host values of a step ] in step/host_reads.py) and whether
 it created state (NOTE [ Persistent state of a step ] in step/rollback.py). The capture runs the
-step on static copies of the batch's tensors and checks it against the last warmup step.
+step on static copies of the batch's tensors (or on the tensors themselves where it adopts them:
+NOTE [ Adopted inputs of a step ]) and checks it against the last warmup step.
 
 NOTE [ Adopted inputs of a step ]
 A batch tensor passed in the last warmup call and again in the capture call (a loader that refills
