@@ -121,10 +121,14 @@ class KeyMaker:
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
         if self._key_fn is None:
-            places = [place_key(t.place) for t in tensors]
             # What a graph fixes of each tensor (io/static_inputs.tensor_meta), in cheap key parts
-            # (NOTE [ Cheap key parts ]): shape, dtype as its int, place, stop_gradient.
-            metas = tuple([(tuple(t.shape), int(t.dtype), p, t.stop_gradient) for t, p in zip(tensors, places)])
+            # (NOTE [ Cheap key parts ]): shape, dtype as its int, place, stop_gradient; one loop.
+            metas, places = [], []
+            for t in tensors:
+                place = place_key(t.place)
+                places.append(place)
+                metas.append((tuple(t.shape), int(t.dtype), place, t.stop_gradient))
+            metas = tuple(metas)
             host = host_mask(tensors, place_keys=places)
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
