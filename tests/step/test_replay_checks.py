@@ -20,8 +20,9 @@ from paddlefleet.cudagraph.step.host_reads import BindingWatch
 SCALE = 1.0  # a global the step reads (rebound by the tests)
 
 
-def _old_blocker(body, graphs):
-    """StepBody.blocker as it was before ReplayChecks: the per-item walks, for (action, reason)."""
+def _old_blocker(body, graphs, tensors):
+    """StepBody.blocker as it was before ReplayChecks: the per-item walks, for (action, reason);
+    with the adopted inputs asked StaticInputs.moved() (NOTE [ Adopted inputs of a step ])."""
     if graphs.grad_mode != body.slots.mode:
         return Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)"
     changed = BindingWatch.changed(graphs.bindings, body._bindings.snapshot())
@@ -30,6 +31,9 @@ def _old_blocker(body, graphs):
     for p, ptr in graphs.params:
         if p.data_ptr() != ptr:
             return Action.RECAPTURE, f"parameter {p.name} was replaced or moved"
+    name = graphs.static_inputs.moved(tensors)
+    if name is not None:
+        return Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place"
     if graphs.grad_mode == CLOSED:
         for p, ptr in body._between:
             if grad_ptr(p) != ptr:
@@ -71,13 +75,14 @@ class _Replaying:
         self.apply = True  # the key the verdicts are asked for
         assert self.step.stats()["replays"] >= 1, self.step.explain()
 
-    def verdicts(self):
-        """(new, old) verdicts for the next call: (action, reason) or None each."""
+    def verdicts(self, x=None):
+        """(new, old) verdicts for the next call (with ``x``, default the batch tensor of every call
+        so far): (action, reason) or None each."""
         body = self.step._body
-        call = Call((self.x, self.apply), {})
+        call = Call((self.x if x is None else x, self.apply), {})
         entry = self._entry(call)
         new = body.blocker(entry, call)
-        return (None if new is None else (new.action, new.reason)), _old_blocker(body, entry.graphs)
+        return (None if new is None else (new.action, new.reason)), _old_blocker(body, entry.graphs, call.tensors)
 
     def _entry(self, call):
         key = self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
@@ -148,6 +153,20 @@ class ReplayChecksAgreeWithTheWalksTest(unittest.TestCase):
         verdict = self.assertAgree(True)
         self.assertEqual(verdict[0], Action.RECAPTURE)
         self.assertIn(p.name, verdict[1])
+
+    def test_another_tensor_where_the_graph_reads_an_adopted_one(self):
+        self.assertTrue(self.run_.step._entries[next(iter(self.run_.step._entries))].graphs.static_inputs.adopted)
+        other = self.run_.x.clone()  # same values and metadata, other storage
+        new, old = self.run_.verdicts(other)
+        self.assertEqual(new, old)
+        self.assertEqual(new, (Action.RECAPTURE, "input 'x' is another tensor than the one the graph reads in place"))
+
+    def test_a_non_contiguous_view_at_the_adopted_address(self):
+        x = self.run_.x
+        view = x.reshape([6, 4]).transpose([1, 0])  # shape [4, 6] again, strided where Paddle has views
+        new, old = self.run_.verdicts(view)
+        self.assertEqual(new, old)
+        self.assertIsNotNone(new)
 
     def test_a_backward_between_calls(self):
         self.run_.model(self.run_.x).mean().backward()
