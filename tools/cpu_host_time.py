@@ -17,6 +17,12 @@ buffers keep what the capture wrote). What is left per call is the wrapper's wor
 key, checks, copies, the autograd bridge. Times are CPU time of the calling thread
 (``time.thread_time``), so that other processes on a shared machine do not count; they are CPU
 host times, not GPU timings (a GPU host adds the launch cost of each device copy and of the replay).
+
+The whole-step rows are followed by the step's replayed call piece by piece (host_breakdown.StepInternals,
+each piece run alone in a loop), once for a step without a Paddle optimizer (``optimizers=[]``, as
+tools/host_breakdown.py and tools/bench.py time it) and once for a step function closing over the model
+and ``paddle.optimizer.SGD`` on a learning-rate scheduler (the closure check, the learning-rate feed,
+every parameter's address and a grad checked).
 """
 
 import argparse
@@ -36,6 +42,7 @@ from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E40
 from paddlefleet.cudagraph.backends import simulated  # noqa: E402
 from testkit.common import MatMLP, build, host_tensor, normal  # noqa: E402
 from testkit.step_gpu import MatmulStep  # noqa: E402
+from host_breakdown import StepInternals  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_breakdown import Internals, Passthrough  # noqa: E402
@@ -77,12 +84,59 @@ def per_layer_step(args, x, dy, graph):
     return step, layers
 
 
-def whole_step(args, x, dy):
-    train = MatmulStep(build(lambda: MatMLP([args.width] * (args.layers + 1)), 0))
-    graphed = autocudagraph_step(train, optimizers=[], warmup_steps=2, backend="simulate")
-    for _ in range(4):  # 2 warmup steps, capture, first replay
+def sgd_step(model):
+    """A step function as users write one (a closure over the model and its optimizer):
+    ``paddle.optimizer.SGD`` on a scheduler, then grads cleared."""
+    sgd = paddle.optimizer.SGD(paddle.optimizer.lr.StepDecay(1e-3, step_size=10 ** 9), parameters=model.parameters())
+
+    def step(x, dy):
+        y = model(x)
+        y.backward(dy)
+        sgd.step()
+        sgd.clear_grad()
+        return y
+
+    return step, sgd
+
+
+def whole_step(args, x, dy, with_sgd=False):
+    """``graphed``: a whole-step graph replaying its key for ``graphed(x, dy)``."""
+    model = build(lambda: MatMLP([args.width] * (args.layers + 1)), 0)
+    train, sgd = sgd_step(model) if with_sgd else (MatmulStep(model), None)
+    graphed = autocudagraph_step(train, optimizers=[sgd] if with_sgd else [], warmup_steps=2,
+                                 backend="simulate")
+    for _ in range(4 + 16):  # 2 warmup steps, capture, first replay; the replays timed by core/host_cost.py
         graphed(x, dy)
-    return lambda: graphed(x, dy)
+    return graphed
+
+
+def loop_us(fn, n=200, rounds=9):
+    """Median over ``rounds`` of the thread CPU time of ``n`` calls of ``fn``, per call."""
+    samples = []
+    for _ in range(rounds):
+        start = clock()
+        for _ in range(n):
+            fn()
+        samples.append((clock() - start) / n * 1e6)
+    return statistics.median(samples)
+
+
+def step_pieces(graphed, x, dy):
+    """``[(piece, us or "n/a (why)", part)]`` of one replayed call, then the call itself and the
+    lifecycle's own bookkeeping (the call less its parts)."""
+    rows, parts = [], 0.0
+    for name, resolve, part in StepInternals(graphed, (x, dy)).pieces():
+        try:
+            us = loop_us(resolve())
+        except Exception as err:  # noqa: BLE001 - a piece a refactor moved; the others still run
+            rows.append((name, f"n/a ({type(err).__name__}: {err})"[:160], part))
+            continue
+        parts += us if part else 0.0
+        rows.append((name, f"{us:.2f}", part))
+    total = loop_us(lambda: graphed(x, dy))
+    rows.append(("lifecycle bookkeeping (the call less the pieces above)", f"{total - parts:.2f}", True))
+    rows.append(("one replayed call", f"{total:.2f}", False))
+    return rows
 
 
 def median_us(fn, reps):
@@ -151,7 +205,9 @@ def main():
     g, e = statistics.median(g), statistics.median(e)
     collect = cpu_us(gc.collect) / 1e3
     step = whole_step(args, x, dy)
-    w = statistics.median(cpu_us(step) for _ in range(5 * args.steps))
+    w = statistics.median(cpu_us(lambda: step(x, dy)) for _ in range(5 * args.steps))
+    pieces = [(label, step_pieces(whole_step(args, x, dy, with_sgd), x, dy))
+              for label, with_sgd in (("optimizers=[]", False), ("paddle SGD + scheduler", True))]
     n = args.layers
     print(f"CPU host time (thread CPU time, stand-in graph; not a GPU timing), {n} layers x {args.width}, batch {args.batch}")
     print(f"- per-layer step, {n} graphed layers: {g:.0f} us ({g / n:.1f} us per layer call, forward + backward); "
@@ -159,6 +215,11 @@ def main():
     print(f"- start-up of {n} graphed layers (first 3 steps): {startup:.0f} ms; one gc.collect() in this process: "
           f"{collect:.0f} ms")
     print(f"- whole-step graph (autocudagraph_step), one call: {w:.1f} us")
+    print(f"- whole-step graph, one replayed call piece by piece (us; {n} layers, {n} parameters):")
+    print("  | piece | " + " | ".join(label for label, _ in pieces) + " |")
+    print("  |---|" + "---|" * len(pieces))
+    for k, (name, _, _) in enumerate(pieces[0][1]):
+        print(f"  | {name} | " + " | ".join(rows[k][1] for _, rows in pieces) + " |")
     key_line = next(line for line in layers[0].forward.explain().splitlines() if line.strip().startswith("key "))
     print(f"- explain() of the first layer: {key_line.strip()}")
     if args.block != "0":

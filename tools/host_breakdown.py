@@ -23,8 +23,13 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
-``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``. A piece whose name moved reads "n/a (...)" in the
-report, with what was missing, and the other rows still run: update ``Internals`` after a refactor.
+``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
+``Lifecycle._nested``, ``_entries``, ``_latest``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``,
+``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
+``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
+``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A piece whose name moved
+reads "n/a (...)" in the report, with what was missing, and the other rows still run: update
+``Internals`` / ``StepInternals`` after a refactor.
 """
 
 import argparse
@@ -161,6 +166,118 @@ class Internals:
         ]
 
 
+class StepInternals:
+    """The pieces of one replayed call of a whole-step graph (``autocudagraph_step``), in the order
+    the call runs them (NOTE [ Host breakdown internals ]). ``step`` must be replaying its key with
+    ``args``; each resolver returns a callable that runs one piece alone, as the call would."""
+
+    def __init__(self, step, args, kwargs=None):
+        self.step, self.args, self.kwargs = step, tuple(args), dict(kwargs or {})
+
+    def _entry(self):
+        return next(e for e in self.step._entries.values() if e.graphs is not None)
+
+    def _call(self):
+        from paddlefleet.cudagraph.core.call import Call
+
+        return Call, Call(self.args, self.kwargs)
+
+    def nested(self):
+        return self.step._nested
+
+    def flatten(self):
+        make, _ = self._call()
+        return lambda: make(self.args, self.kwargs)
+
+    def stale(self):
+        from paddlefleet.cudagraph.io.stale_outputs import check_fresh
+
+        _, call = self._call()
+        return lambda: check_fresh(call.tensors)
+
+    def key(self):
+        _, call = self._call()
+        return lambda: self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+
+    def entry(self):
+        _, call = self._call()
+        step = self.step
+        entries, key = step._entries, step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+
+        def lookup():
+            if entries.get(key) is not step._latest:
+                entries.move_to_end(key)
+
+        return lookup
+
+    def blocker(self):
+        _, call = self._call()
+        entry, body = self._entry(), self.step._body
+        return lambda: body.blocker(entry, call)
+
+    def bindings(self):
+        checks = self._entry().graphs.checks
+        return checks._bindings_unchanged or (lambda: True)  # None: the capture saw nothing bound
+
+    def params(self):
+        checks = self._entry().graphs.checks
+        return lambda: checks._moved(None, None)
+
+    def between(self):
+        from paddlefleet.cudagraph.step.replay_checks import _grads_between
+
+        body = self.step._body
+        return lambda: _grads_between(body._between)
+
+    def lr_feed(self):
+        feeds = self._entry().graphs.feeds
+        return lambda: [feed.feed() for feed in feeds]
+
+    def returned(self):
+        return self._entry().graphs.returned.for_replay
+
+    def copy_in(self):
+        _, call = self._call()
+        graphs = self._entry().graphs
+        if graphs.in_place:  # every input adopted: the replay copies nothing
+            return lambda: None
+        return lambda: graphs.static_inputs.copy_in(call.tensors)
+
+    def replay(self):
+        return self._entry().graphs.graph.replay
+
+    def hand_out(self):
+        from paddlefleet.cudagraph.io.static_inputs import unflatten
+
+        graphs = self._entry().graphs
+        consts = graphs.returned.for_replay()
+        return lambda: unflatten(graphs.out_spec, graphs.hand_out(), consts)
+
+    def grad_slots(self):
+        return self.step._body._remember_between
+
+    def pieces(self):
+        """(row name, resolver, part of the whole call) for each piece: the parts add up to the call
+        less the lifecycle's own bookkeeping; the others are shares of a part."""
+        return [
+            ("nested-call checks (capture open, whole step running, saved-tensors hooks)", self.nested, True),
+            ("flatten the arguments (Call)", self.flatten, True),
+            ("stale-output check of the arguments", self.stale, True),
+            ("key of the call", self.key, True),
+            ("entry lookup (LRU order)", self.entry, True),
+            ("replay preconditions (StepBody.blocker)", self.blocker, True),
+            ("  of which globals/closure bindings", self.bindings, False),
+            ("  of which parameter addresses", self.params, False),
+            ("  of which grads between calls", self.between, False),
+            ("learning-rate feed (unchanged rates)", self.lr_feed, True),
+            ("Python values of the result (get_lr recomputed)", self.returned, True),
+            ("input copy into the static buffers (none where every input is adopted)", self.copy_in, True),
+            ("graph replay()", self.replay, True),
+            ("output hand-out (a detached copy per output) and result rebuilt", self.hand_out, True),
+            ("grads remembered for the next call's check (simulated replays only)", self.grad_slots, False),
+        ]
+
+
 def timed(fn, reps, sync):
     samples = []
     for _ in range(reps):
@@ -294,6 +411,9 @@ class Breakdown:
             step()
         self.sync()
         self.row(name, "total", lambda: step)
+        for piece, resolve, _ in StepInternals(graphed, (self.x, self.dy)).pieces():
+            who = "Paddle" if "replay()" in piece else "ours (whole step)"
+            self.row(f"  whole step: {piece.strip()}", who, resolve)
 
     def option_rows(self):
         for option in SPEED_OPTIONS:

@@ -22,7 +22,7 @@ def grad_and_amp():
     tracer = _dygraph_tracer()
     if tracer is None:
         return paddle.is_grad_enabled(), None
-    return tracer._has_grad, (getattr(tracer, "_amp_level", None), getattr(tracer, "_amp_dtype", None))
+    return tracer._has_grad, (_enum_int(getattr(tracer, "_amp_level", None)), getattr(tracer, "_amp_dtype", None))
 
 
 def amp_state():
@@ -31,8 +31,17 @@ def amp_state():
     tracer = _dygraph_tracer()
     if tracer is None:
         return None
-    # Raw (hashable) values: str() of the level enum costs ~15 us per call.
-    return (getattr(tracer, "_amp_level", None), getattr(tracer, "_amp_dtype", None))
+    # Raw (hashable) values: str() of the level enum costs ~15 us per call; the enum itself hashes
+    # and compares slowly (NOTE [ Cheap key parts ] in core/keys.py), so the level is its int.
+    return (_enum_int(getattr(tracer, "_amp_level", None)), getattr(tracer, "_amp_dtype", None))
+
+
+def _enum_int(value):
+    """A pybind enum value as its int (injective within its enum), anything else as itself."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _tracker():

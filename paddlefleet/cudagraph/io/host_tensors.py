@@ -28,19 +28,24 @@ __all__ = ["MAX_HOST_KEY_ELEMENTS", "mark_host", "is_marked_host", "host_mask", 
 
 _CUDA_BUILD = paddle.is_compiled_with_cuda()
 
-def host_mask(tensors, on_gpu=None, places=None):
+def host_mask(tensors, on_gpu=None, places=None, place_keys=None):
     """One bool per tensor: is it a host tensor (NOTE [ Host tensors ])? None when none is.
 
     Args:
         tensors: the call's tensors.
         on_gpu: whether the graph runs on a GPU; None to decide from ``tensors`` (any on a GPU).
         places: the tensors' places when the caller has them (``Tensor.place`` costs ~1 us).
+        place_keys: their ``static_inputs.place_key`` values when the caller has them (a GPU
+            place's is its device id, an int: no ``is_gpu_place()`` call per tensor).
     """
     mask = None
     if any_marked():
         mask = [is_marked_host(t) for t in tensors]
     if _CUDA_BUILD:
-        gpu = [p.is_gpu_place() for p in (places if places is not None else [t.place for t in tensors])]
+        if place_keys is not None:
+            gpu = [type(k) is int for k in place_keys]
+        else:
+            gpu = [p.is_gpu_place() for p in (places if places is not None else [t.place for t in tensors])]
         if on_gpu is None:
             on_gpu = any(gpu)
         if on_gpu and not all(gpu):

@@ -9,7 +9,20 @@ step graph ] in step/optimizer_state.py), and grad clears follow the wrapper's g
 [ Grad slots across steps ] in step/grad_slots.py). Warmup steps are eager steps that also record
 what the step does on the host (NOTE [ Host values of a step ] in step/host_reads.py) and whether
 it created state (NOTE [ Persistent state of a step ] in step/rollback.py). The capture runs the
-step on static copies of the batch's tensors and checks it against the last warmup step.
+step on static copies of the batch's tensors (or on the tensors themselves where it adopts them:
+NOTE [ Adopted inputs of a step ]) and checks it against the last warmup step.
+
+NOTE [ Adopted inputs of a step ]
+A batch tensor passed in the last warmup call and again in the capture call (a loader that refills
+one device buffer in place, a benchmark's fixed batch) is adopted as blocks adopt it (NOTE
+[ Adopted inputs ] in io/static_inputs.py): its own storage is the graph's input, so a replay that
+is passed it again copies nothing - on a GPU that is one device copy, and its launch, less per
+tensor per call. Its in-place updates are what the graph reads, as eager reads them, and a step that
+writes its input in place writes the caller's tensor, as eager does. A call that passes another
+tensor there cannot be served by copying into it (that would overwrite the caller's tensor): the
+key is captured again (ReplayChecks, Action.RECAPTURE), and that capture adopts nothing the call
+does not pass again, so a loader that hands out a new tensor per step pays one extra capture, then
+copies as before. The adopted tensor's storage is kept alive while the key holds its graph.
 
 NOTE [ The capture call of a step ]
 On the simulated backend a capture executes the step: that run *is* this call's step (it
@@ -27,6 +40,7 @@ import weakref
 from typing import Any, List, Optional
 
 import paddle
+from paddle import _C_ops
 
 from ..core import state
 from ..core.body import Action, Blocked, Body, Graphs, Replayed
@@ -36,17 +50,20 @@ from ..errors import CaptureError
 from .grad_scaler import live_scalers
 from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
 from ..io.host_tensors import host_mask
-from .host_reads import BindingWatch, OpTrace, describe_trace_difference, short_repr
+from .host_reads import BindingWatch, OpTrace, describe_trace_difference
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, move_beta_pows_to_device,
                               optimizer_params, suppress_lr_fill, unlisted_message, watch_steps)
 from ..io.static_inputs import (StaticInputs, contiguous_outputs, flatten, holds_tensor, leaf_names, nbytes,
                                 strided_copy_works, unflatten)
+from .replay_checks import ReplayChecks, binding_message
 from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import (EXTRA_WARMUPS, NO_WATCH, GradValues, LayerWatch, Rollback, describe_changes, fingerprint,
                        step_params)
 
 __all__ = ["StepBody", "StepGraphs"]
+
+_new = tuple.__new__  # Replayed without its Python-level NamedTuple __new__
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +99,10 @@ class StepGraphs(Graphs):
     moved_beta_pows: int = 0
     returned: Any = None
     live: dict = dataclasses.field(default_factory=dict)
+    checks: Any = None  # ReplayChecks, made last (NOTE [ Step replay checks ] in step/replay_checks.py)
+    feeds: tuple = ()  # the LRFeeds of the optimizers in ``stepped``
+    in_place: bool = False  # every input adopted or a host input: nothing to copy (NOTE [ Adopted inputs of a step ])
+    detached: list = dataclasses.field(default_factory=list)  # static_outputs, detached (hand_out)
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
@@ -91,11 +112,19 @@ class StepGraphs(Graphs):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
         return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
 
+    def hand_out(self):
+        """Detached copies of the static outputs, which the next replay overwrites (the graph's
+        own outputs are detached once, at capture: ``detached``)."""
+        copies = list(map(_C_ops.assign, self.detached))
+        for c in copies:
+            c.stop_gradient = True
+        return copies
+
     def release(self):
         if self.graph is not None:
             self.graph.reset()
         self.graph = self.pool = self.static_inputs = self.pending = None
-        self.static_outputs, self.live = [], {}
+        self.static_outputs, self.detached, self.live = [], [], {}
 
 
 @dataclasses.dataclass
@@ -107,13 +136,6 @@ class _Warm:
     changes: str = ""
     consts: Any = None  # the Python values of its result
     stepped: frozenset = frozenset()  # ids of the optimizers it updated
-
-
-def _hand_out(outputs):
-    copies = [o.detach().clone() for o in outputs]  # detached first: clone records no grad
-    for c in copies:
-        c.stop_gradient = True
-    return copies
 
 
 @contextlib.contextmanager
@@ -272,7 +294,7 @@ class StepBody(Body):
             )
         changed = BindingWatch.changed(warm.bindings, self._bindings.snapshot())
         if changed is not None:
-            raise CaptureError(_binding_message(changed, "the last warmup step and the capture"))
+            raise CaptureError(binding_message(changed, "the last warmup step and the capture"))
         if self._unlisted:
             raise self.unlisted_error(list(self._unlisted.values()))
         if self._stepped_schedulers:
@@ -281,39 +303,16 @@ class StepBody(Body):
             check_supported(opt)
         strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
         with CAPTURE_LOCK:
-            return _StepCapture(self, entry.backend, call, leaf_names(named), warm).run()
+            return _StepCapture(self, entry.backend, call, leaf_names(named), warm, last_inputs).run()
 
     # ------------------------------------------------------------------ replay
     def blocker(self, entry, call):
-        """None when ``call`` can replay ``entry``'s graph now, else a Blocked."""
+        """None when ``call`` can replay ``entry``'s graph now, else a Blocked (NOTE [ Step replay
+        checks ] in step/replay_checks.py)."""
         graphs = entry.graphs
         if self.options.dispatch_key_fn is not None:
             graphs.static_inputs.check(call.tensors)
-        if graphs.grad_mode != self.slots.mode:
-            return Blocked(Action.RECAPTURE, "the step started leaving grads between calls (gradient accumulation)")
-        changed = BindingWatch.changed(graphs.bindings, self._bindings.snapshot())
-        if changed is not None:
-            reason = _binding_message(changed, "the capture and this call")
-            return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
-        for p, ptr in graphs.params:
-            if p.data_ptr() != ptr:
-                return Blocked(Action.RECAPTURE, f"parameter {p.name} was replaced or moved")
-        if graphs.grad_mode == CLOSED:
-            for p, ptr in self._between:
-                if grad_ptr(p) != ptr:
-                    return Blocked(Action.EAGER, "grads changed between calls", (
-                        f"the grad of {p.name} changed between two calls of the step (a backward or a clear outside "
-                        "it). The graph assumes each step starts from cleared grads, so this call runs eagerly. Run "
-                        "backward and clear_grad inside the step function."))
-        else:
-            for p, ptr in graphs.watched:
-                if grad_ptr(p) != ptr:
-                    return Blocked(Action.RECAPTURE_ONCE, f"the grad storage of {p.name} was released or replaced", (
-                        f"the grad of {p.name} was released or replaced between calls (clear_grad(set_to_zero="
-                        "False) or a backward outside the step), so the graph's grad buffers no longer are the "
-                        "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
-                        "inside the step function."))
-        return None
+        return graphs.checks.blocked(self.slots.mode, self._between, call.tensors)
 
     def replay(self, entry, call, copy):
         """Runs ``entry``'s graph for ``call``."""
@@ -322,21 +321,26 @@ class StepBody(Body):
             result, graphs.pending = graphs.pending, None
             self._remember_between()
             return Replayed(result)
-        self._feed(graphs.stepped)
+        for feed in graphs.feeds:  # NOTE [ Feed only what the step updates ] in step/optimizer_state.py
+            feed.feed()
         consts = graphs.returned.for_replay()  # NOTE [ Python values in a step's result ]
-        copied, skipped = graphs.static_inputs.copy_in(call.tensors) if copy else (0, 0)
+        if not copy:
+            copied, skipped = 0, 0
+        elif graphs.in_place:  # the blocker found every adopted input where the graph reads it
+            copied, skipped = 0, len(call.tensors)
+        else:
+            copied, skipped = graphs.static_inputs.copy_in(call.tensors)
         if graphs.trace is None:
+            # A recording replay runs none of the step's Python: the grads are where the blocker
+            # (or, on the capture call, the capture) last saw them, so _between stays as it is.
             graphs.graph.replay()
-        else:  # a simulated replay re-runs the step under the op trace (process-wide patches)
-            with CAPTURE_LOCK:
-                graphs.graph.replay()
-        outputs = _hand_out(graphs.static_outputs)
-        result = unflatten(graphs.out_spec, outputs, consts)
+            return _new(Replayed, (unflatten(graphs.out_spec, graphs.hand_out(), consts), copied, skipped, None))
+        with CAPTURE_LOCK:  # a simulated replay re-runs the step under the op trace (process-wide patches)
+            graphs.graph.replay()
+        result = unflatten(graphs.out_spec, graphs.hand_out(), consts)
         self._remember_between()
         replayed = graphs.live.get("trace")
-        then = None
-        if graphs.trace is not None and replayed is not graphs.trace:
-            then = _simulated_replay_check(graphs, replayed)
+        then = _simulated_replay_check(graphs, replayed) if replayed is not graphs.trace else None
         return Replayed(result, copied, skipped, then)
 
 
@@ -354,16 +358,6 @@ def _simulated_replay_check(graphs, replayed):
         f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
         "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
         "values that change as tensors (or as arguments: they become part of the key)."))
-
-
-def _binding_message(changed, between):
-    name, old, new = changed
-    return (
-        f"autocudagraph_step: the step function reads '{name}', which was rebound between {between} "
-        f"({short_repr(old)} -> {short_repr(new)}). A graph replays what the capture saw, so the new value would "
-        "be ignored. Pass it as an argument (a Python value becomes part of the key; a tensor is copied in), or "
-        "keep it in a tensor updated in place."
-    )
 
 
 def _unlisted_optimizers(body):
@@ -392,8 +386,9 @@ def _unlisted_optimizers_hint(body):
 class _StepCapture:
     """One capture of a step (NOTE [ The capture call of a step ])."""
 
-    def __init__(self, body, backend, call, names, warm):
+    def __init__(self, body, backend, call, names, warm, last_inputs=None):
         self.body = body
+        self.last_inputs = last_inputs or []  # weak references to the last warmup call's tensors
         self.backend = backend
         self.call = call
         self.names = names
@@ -435,7 +430,8 @@ class _StepCapture:
     def _capture(self, graphs, rollback):
         body, call = self.body, self.call
         host = host_mask(call.tensors, on_gpu=self.on_gpu)
-        static = StaticInputs(call.tensors, self.names, host=host)
+        static = StaticInputs(call.tensors, self.names, adopt=_adoptable(call.tensors, self.last_inputs, host),
+                              host=host)
         args, kwargs = call.rebuild(static.buffers)
         live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
         stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
@@ -469,8 +465,11 @@ class _StepCapture:
             guard.check()
         self._check(live, before, watch, graphs)
         graphs.static_inputs = static
+        graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
+        graphs.detached = [o.detach() for o in graphs.static_outputs]
         graphs.stepped = self.warm.stepped
+        graphs.feeds = tuple(feed for feed in body._feeds if id(feed.opt) in graphs.stepped)
         graphs.out_spec = live["spec"][0]
         graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
         graphs.out_consts = graphs.returned.consts
@@ -480,8 +479,9 @@ class _StepCapture:
         graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
         body._after_host_run(live["record"])
         graphs.watched = list(body._between)
+        graphs.checks = ReplayChecks(graphs, body._bindings)
         if self.backend.capture_executes:
-            graphs.pending = unflatten(graphs.out_spec, _hand_out(graphs.static_outputs), graphs.out_consts)
+            graphs.pending = unflatten(graphs.out_spec, graphs.hand_out(), graphs.out_consts)
 
     def _check(self, live, before, watch, graphs):
         body = self.body
@@ -532,6 +532,14 @@ class _StepCapture:
                     f"autocudagraph_step: the step returns a {type(value).__name__} object holding tensors; it would be "
                     "returned as captured, with frozen values. Return tensors in a tuple, list or dict."
                 )
+
+
+def _adoptable(tensors, last_inputs, host):
+    """Per tensor: was it the very same tensor in the last warmup call (NOTE [ Adopted inputs of a
+    step ])? Host inputs are keyed by value and never adopted, nor is a non-contiguous tensor."""
+    if len(last_inputs) != len(tensors):
+        return None
+    return [last_inputs[i]() is t and t.is_contiguous() and not (host and host[i]) for i, t in enumerate(tensors)]
 
 
 def _device_place(optimizers):

@@ -29,6 +29,7 @@ warmup and capture only.
 
 import gc
 import math
+import operator
 import sys
 import types
 
@@ -271,6 +272,47 @@ class BindingWatch:
             if old is not value:
                 return name, old, value
         return None
+
+    def unchanged_since(self, snapshot):
+        """A function of no arguments that returns True only when ``changed(snapshot, snapshot())``
+        would now return None, without building the snapshot: one C-level walk over the globals
+        bound in ``snapshot`` and one over the cells (NOTE [ Step replay checks ] in
+        step/replay_checks.py). False means "look": ``changed`` then says what moved, if anything.
+        None when ``snapshot`` binds nothing (changed() can then find nothing)."""
+        cell_names = [name for name, _ in self._cells]
+        if any(name not in snapshot for name in cell_names):  # a cell empty then: always look
+            return _look
+        if not self._cells and not any(n in snapshot for n in self._names):
+            return None  # nothing bound that could change
+        # Names unbound in ``snapshot`` cannot count as changed (changed() skips them); a global
+        # unbound now reads as its old object (likewise); a cell shadows the global of its name.
+        names = tuple(n for n in self._names if n in snapshot and n not in cell_names)
+        was = tuple(snapshot[n] for n in names)
+        cells = tuple(cell for _, cell in self._cells)
+        cells_were = tuple(snapshot[n] for n in cell_names)
+        get = self._globals.get
+
+        def globals_unchanged():
+            return not any(map(operator.is_not, map(get, names, was), was))
+
+        def cells_unchanged():
+            try:  # an emptied cell raises: look (snapshot() would show the global of its name)
+                return not any(map(operator.is_not, map(_CONTENTS, cells), cells_were))
+            except ValueError:
+                return False
+
+        if not cells:
+            return globals_unchanged
+        if not names:
+            return cells_unchanged
+        return lambda: globals_unchanged() and cells_unchanged()
+
+
+_CONTENTS = operator.attrgetter("cell_contents")
+
+
+def _look():
+    return False
 
 
 def _global_names(code):

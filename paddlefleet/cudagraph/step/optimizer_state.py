@@ -106,9 +106,12 @@ def _numpy_dtype(t):
 def current_lr(opt):
     """``float`` of what Paddle writes into the learning-rate tensor at a step."""
     lr = opt._learning_rate
-    if isinstance(lr, paddle.optimizer.lr.LRScheduler):
+    if isinstance(lr, _LRScheduler):
         return float(lr())
     return float(lr)
+
+
+_LRScheduler = paddle.optimizer.lr.LRScheduler
 
 
 class LRFeed:
@@ -121,6 +124,7 @@ class LRFeed:
         self._dtype = None
         self._written = None
         self._value = None
+        self._seen = None  # the float object whose hex() is _value (one identity test per replay)
 
     def feed(self):
         pending = self.prepare()
@@ -137,24 +141,28 @@ class LRFeed:
             return None
         value = current_lr(self.opt)
         if t is not self._tensor:
-            self._tensor, self._dtype, self._written, self._value = t, _numpy_dtype(t), None, None
+            self._tensor, self._dtype, self._written, self._value, self._seen = t, _numpy_dtype(t), None, None, None
+        elif value is self._seen:  # the very float last found written: its hex() is _value
+            return None
         elif self._value is not None and value.hex() == self._value:  # unchanged: nothing to write
+            self._seen = value
             return None
         bits = np.array(value, dtype=self._dtype)
         if self._written is not None and bits.tobytes() == self._written:
-            self._value = value.hex()
+            self._value, self._seen = value.hex(), value
             return None
-        return paddle.to_tensor(bits, place=paddle.CPUPlace()).reshape(t.shape), value.hex(), bits.tobytes()
+        return paddle.to_tensor(bits, place=paddle.CPUPlace()).reshape(t.shape), value, bits.tobytes()
 
     def commit(self, pending):
-        host, self._value, self._written = pending
+        host, value, self._written = pending
+        self._value, self._seen = value.hex(), value
         with paddle.no_grad():
             self._tensor.copy_(host, False)
 
     def forget(self):
         """Forgets what was written: the next ``feed()`` writes (after a rollback put an older
         value back into the tensor)."""
-        self._tensor = self._written = self._value = None
+        self._tensor = self._written = self._value = self._seen = None
 
 
 class suppress_lr_fill:
