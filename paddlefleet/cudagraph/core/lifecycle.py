@@ -23,7 +23,7 @@ from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, describe_entries, explain, summarize
+from .stats import Counters, Reports
 
 __all__ = ["Lifecycle"]
 
@@ -67,7 +67,7 @@ _IN_FLIGHT = (
     "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
     "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
-class Lifecycle:
+class Lifecycle(Reports):
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
@@ -84,6 +84,7 @@ class Lifecycle:
         self._warned = set()
         self._last_refusal = None
         self._tick = 0
+        self._latest = None  # the entry of the latest call, last in _entries' order
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -104,27 +105,13 @@ class Lifecycle:
     def _options(self, options):
         self._body.options = options
 
-    def stats(self):
-        """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
-        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots``, ``slot_bytes``,
-        ``capture_ms`` (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key
-        label: bytes of its static buffers}``, keys holding graphs): stats.summarize."""
-        return summarize(self.counters, self._entries.values())
-
-    def report(self):
-        """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
-        return describe_entries(self._entries.values())
-
-    def explain(self):
-        """A readable report: every key's phase and counts, and why each eager call ran eagerly."""
-        return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
-
     def reset(self):
         """Drops every graph, pool and static buffer, and zeroes the counters (a slot whose backward
         is pending keeps its graphs until that backward ran: NOTE [ Slots ] in block/slots.py)."""
         for entry in self._entries.values():
             entry.release()
         self._entries.clear()
+        self._latest = None
         self._warned.clear()
         self.counters = Counters()
 
@@ -154,7 +141,9 @@ class Lifecycle:
                 return self._eager(call, self._last_refusal)
         self._tick += 1
         entry.last_used = self._tick
-        self._entries.move_to_end(key)
+        if entry is not self._latest:  # the latest entry is already last: every insertion is moved
+            self._entries.move_to_end(key)
+            self._latest = entry
         if entry.phase is Phase.REPLAY:
             if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
                 return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)

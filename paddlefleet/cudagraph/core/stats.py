@@ -20,7 +20,7 @@ import paddle
 
 from .location import user_stacklevel
 
-__all__ = ["Counters", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
+__all__ = ["Counters", "Reports", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -256,3 +256,23 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         for reason, count in collections.Counter(counters.eager_reasons).most_common():
             lines.append(f"    {count} x {reason}")
     return "\n".join(lines)
+
+
+class Reports:
+    """What a wrapper (core/lifecycle.py Lifecycle) reports about its keys: a mixin over its
+    ``counters``, ``_entries``, ``__name__`` and ``_body.api``."""
+
+    def stats(self):
+        """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
+        ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots``, ``slot_bytes``,
+        ``capture_ms`` (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key
+        label: bytes of its static buffers}``, keys holding graphs): summarize()."""
+        return summarize(self.counters, self._entries.values())
+
+    def report(self):
+        """One dict per key (phase, counts, fallback reason, bytes held, input copies)."""
+        return describe_entries(self._entries.values())
+
+    def explain(self):
+        """A readable report: every key's phase and counts, and why each eager call ran eagerly."""
+        return explain(self.__name__, self.stats(), self._entries.values(), self.counters, api=self._body.api)
