@@ -105,6 +105,37 @@ class AdoptedInputWrittenInPlaceTest(unittest.TestCase):
         self._assert_equal(eager, graphed)
         self.assertEqual(step.stats()["captures"], 0, step.explain())
 
+    def test_an_input_written_in_place_and_passed_anew_each_call_is_refused(self):
+        # A new tensor each call is copied into the graph's own input: a replay would write that copy,
+        # never the caller's tensor. The capture is refused and every call runs eagerly, as eager.
+        def run(graphed):
+            paddle.seed(4)
+            model = paddle.nn.Linear(6, 6)
+            opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+
+            def train_step(x):
+                x.scale_(0.5)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                return loss
+
+            step = autocudagraph_step(train_step, optimizers=[opt], backend="simulate") if graphed else train_step
+            draw, log = np.random.RandomState(3), []
+            for i in range(6):
+                x = paddle.to_tensor(draw.standard_normal((4, 6)).astype("float32"))
+                log.append((step(x).numpy(), x.numpy().copy(), [p.numpy() for p in model.parameters()]))
+            return log, step
+
+        eager, _ = run(graphed=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphed, step = run(graphed=True)
+        self.assertTrue(any("writes its input(s)" in str(w.message) for w in caught), [str(w.message) for w in caught])
+        self._assert_equal(eager, graphed)
+        self.assertEqual(step.stats()["captures"], 0, step.explain())
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -502,9 +502,11 @@ class StaticInputs:
     def name(self, i):
         return self.names[i] if i < len(self.names) else f"tensor #{i}"
 
-    def written(self):
-        """Names of the buffers written in place since they were made (by the function)."""
-        return [self.name(i) for i, (b, v) in enumerate(zip(self.buffers, self._versions)) if b._inplace_version() != v]
+    def written(self, skip=()):
+        """Names of the buffers written in place since they were made (by the function), but those
+        at the indices ``skip``."""
+        return [self.name(i) for i, (b, v) in enumerate(zip(self.buffers, self._versions))
+                if b._inplace_version() != v and i not in skip]
 
     def moved(self, tensors):
         """Name of the first adopted argument for which the call passes another tensor, or None."""

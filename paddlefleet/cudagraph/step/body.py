@@ -464,6 +464,13 @@ class _StepCapture:
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
+        written = static.written(skip=static.adopted)  # an adopted input is the caller's tensor: written as eagerly
+        if written:
+            raise CaptureError(
+                f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
+                "graph writes into its own copy of such an input, so the caller's tensor would not change on replays. "
+                "Return the new value instead, write it after the step, or pass the very same tensor on every call "
+                "(then the graph reads and writes it in place: NOTE [ Adopted inputs of a step ]).")
         graphs.static_inputs = static
         graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
