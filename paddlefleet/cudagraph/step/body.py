@@ -344,6 +344,18 @@ class StepBody(Body):
         return Replayed(result, copied, skipped, then)
 
 
+def _refuse_written_copies(static):
+    """Raises CaptureError where the step wrote an input it copies (an adopted input is the caller's
+    tensor: written as eagerly)."""
+    written = static.written(skip=static.adopted)
+    if written:
+        raise CaptureError(
+            f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
+            "graph writes into its own copy of such an input, so the caller's tensor would not change on replays. "
+            "Return the new value instead, write it after the step, or pass the very same tensor on every call "
+            "(then the graph reads and writes it in place: NOTE [ Adopted inputs of a step ]).")
+
+
 def _simulated_replay_check(graphs, replayed):
     """None when a simulated replay read the host values its capture read (and returned the Python
     values it kept), else a Blocked that moves the key to eager (this call's result, from a re-run
@@ -464,13 +476,7 @@ class _StepCapture:
         if isinstance(guard, state.RngRewindGuard):
             guard.check()
         self._check(live, before, watch, graphs)
-        written = static.written(skip=static.adopted)  # an adopted input is the caller's tensor: written as eagerly
-        if written:
-            raise CaptureError(
-                f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
-                "graph writes into its own copy of such an input, so the caller's tensor would not change on replays. "
-                "Return the new value instead, write it after the step, or pass the very same tensor on every call "
-                "(then the graph reads and writes it in place: NOTE [ Adopted inputs of a step ]).")
+        _refuse_written_copies(static)
         graphs.static_inputs = static
         graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
