@@ -17,9 +17,9 @@ in turn and returning every output (block/capture.py, as any key). Then:
   Layers' training flags. Otherwise the chain breaks there and that call runs alone.
 * backward replays the one backward graph when the run was *regular*: every call came, the last
   output got a grad, no other output got one from outside the chain, no hook or retain_grads() was
-  taken on an output. The other outputs' grad-output buffers hold -0.0, filled once: the captured
-  backward adds each output's seed to what the next member gave it, and ``x + (-0.0)`` is ``x`` bit
-  for bit, so each member's grads equal eager's, which never adds.
+  taken on an output. That graph is captured from the last output alone (the fused function returns
+  the others detached: views, no kernel), so it runs each member's backward kernels as eager does,
+  with nothing added between them: each grad is eager's bit for bit.
 * any other backward *recomputes*: the members that handed out their output replay their own
   forward graphs from the first call's input (the fused graph's static input still holds it) and
   their backward graphs as an unfused chain does (block/chain_bridge.py). Pure members make the
@@ -79,7 +79,9 @@ def build_fused(members, call):
         for member in members:
             h = member.body.run((h,), {})
             outs.append(h)
-        return tuple(outs)
+        # The backward graph takes the last output's grad only (see the NOTE): the others are handed
+        # out detached (views, no kernel) and their grads from outside make a backward irregular.
+        return tuple(o.detach() for o in outs[:-1]) + (outs[-1],)
 
     fused.__name__ = f"chain of {len(members)} calls"
     owners = paddle.nn.LayerList([o for o in (m.body.owner() for m in members) if isinstance(o, paddle.nn.Layer)])
@@ -87,12 +89,9 @@ def build_fused(members, call):
                              lambda topic, message: None, fused.__name__)
     graphs = capture_block(request)
     backward = graphs.backward
-    if backward is None or backward.accumulators is not None or len(graphs.grad_feeds) != len(members):
+    if backward is None or backward.accumulators is not None or graphs.diff_at != (len(members) - 1,):
         graphs.release()
-        raise CudaGraphError("the fused chain has no plain backward graph")
-    with paddle.no_grad():
-        for _, buf in graphs.grad_feeds[:-1]:  # NOTE [ Fused chains ]: x + (-0.0) is x
-            buf.fill_(-0.0)
+        raise CudaGraphError("the fused chain has no plain backward graph from its last output")
     return graphs
 
 
@@ -119,9 +118,7 @@ class FusedFunction(PyLayer):
         run, fused = ctx.run, ctx.fused
         try:
             if run.regular(grads):
-                buffers = [buf for _, buf in fused.grad_feeds]
-                feed = buffers[:-1] + [grads[-1]]  # a buffer fed itself is left as it is (-0.0)
-                plan = replay_backward(fused, feed, ctx.generation, ctx.token)
+                plan = replay_backward(fused, grads, ctx.generation, ctx.token)  # fed the last output's grad
                 out = bridge_grads(fused.backward, plan.hand_out(), len(fused.static_inputs.buffers))
             else:
                 out = run.recompute(grads, fused)
