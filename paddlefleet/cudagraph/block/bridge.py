@@ -26,7 +26,8 @@ from ..grads.accumulate import own_backward
 from ..grads.handles import alias, copy
 from . import partial_grad
 
-__all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_out_outputs", "replay_backward"]
+__all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_out_outputs", "new_token",
+           "replay_backward"]
 
 
 class Token:
@@ -44,6 +45,16 @@ class Token:
         if self.hooked is None:
             self.hooked = {}
         self.hooked[index] = grad
+
+
+def new_token(graphs):
+    """The token of a forward replay of ``graphs`` just made (NOTE [ One forward in flight ])."""
+    graphs.generation += 1
+    token = Token()
+    graphs.inflight = weakref.ref(token)
+    if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+        partial_grad.note_pending(token)
+    return token
 
 
 def hand_out_outputs(graphs):
@@ -71,12 +82,7 @@ class GraphedFunction(PyLayer):
     @staticmethod
     def forward(ctx, graphs, args, *inputs):
         graphs.fwd_graph.replay()
-        graphs.generation += 1
-        token = Token()
-        graphs.inflight = weakref.ref(token)
-        if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
-            partial_grad.note_pending(token)
-        ctx.token = token
+        ctx.token = new_token(graphs)
         ctx.args = args
         ctx.graphs = graphs
         ctx.generation = graphs.generation

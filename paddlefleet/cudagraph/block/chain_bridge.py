@@ -3,7 +3,6 @@ whose forward replays the head's forward graph and makes every member's output, 
 backward replays the backward graphs of the members that handed out their output, last first.
 """
 
-import weakref
 
 import paddle
 from paddle import _C_ops
@@ -11,8 +10,8 @@ from paddle.autograd import PyLayer
 
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
-from . import chain_outputs, partial_grad
-from .bridge import DOUBLE_BACKWARD, Token, replay_backward
+from . import chain_outputs
+from .bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
 __all__ = ["ChainFunction", "member_backwards", "replay_forward"]
 
@@ -59,12 +58,7 @@ def replay_forward(run, j):
     token kept by the run (NOTE [ One forward in flight ] in block/bridge.py)."""
     graphs = run.members[j].graphs
     graphs.fwd_graph.replay()
-    graphs.generation += 1
-    token = Token()
-    graphs.inflight = weakref.ref(token)
-    if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
-        partial_grad.note_pending(token)
-    run.tokens.append(token)
+    run.tokens.append(new_token(graphs))
     run.generations.append(graphs.generation)
 
 

@@ -29,15 +29,13 @@ A fused capture that fails leaves the chain unfused (one warning-free fallback, 
 in ``Chain.fused_refusal``).
 """
 
-import weakref
 
 import paddle
 from paddle.autograd import PyLayer
 
 from ..core.paddle_patches import install_for_process
 from ..errors import CudaGraphError
-from . import partial_grad
-from .bridge import DOUBLE_BACKWARD, Token, bridge_grads, hand_out_outputs, replay_backward
+from .bridge import DOUBLE_BACKWARD, bridge_grads, hand_out_outputs, new_token, replay_backward
 from .capture import CaptureRequest, capture_block
 
 __all__ = ["WRITES", "FusedFunction", "build_fused", "fusable", "install"]
@@ -103,12 +101,8 @@ class FusedFunction(PyLayer):
         if hasattr(ctx, "set_materialize_grads"):
             ctx.set_materialize_grads(False)
         fused.fwd_graph.replay()
-        fused.generation += 1
-        token = Token()
-        fused.inflight = weakref.ref(token)
-        if fused.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
-            partial_grad.note_pending(token)
-        ctx.run, ctx.fused, ctx.args, ctx.token, ctx.generation = run, fused, args, token, fused.generation
+        ctx.token = new_token(fused)
+        ctx.run, ctx.fused, ctx.args, ctx.generation = run, fused, args, fused.generation
         return tuple(hand_out_outputs(fused))
 
     @staticmethod

@@ -246,6 +246,28 @@ class RngRewindGuard:
             )
 
 
+def _patch_random_ops(patches, note):
+    """Replaces every random ``_C_ops`` kernel through ``patches`` so that ``note(name)`` runs before
+    each call (all restored, none left, when one replacement fails)."""
+
+    def patch(name):
+        original = getattr(paddle._C_ops, name)
+
+        def drawing(*args, **kwargs):
+            note(name)
+            return original(*args, **kwargs)
+
+        patches.set(paddle._C_ops, name, drawing)
+
+    try:
+        for name in _RANDOM_OPS:
+            if hasattr(paddle._C_ops, name):
+                patch(name)
+    except BaseException:
+        patches.restore()
+        raise
+
+
 class RandomDraws:
     """Notes whether the block it guards runs a random kernel (``drew``): a graph that draws is
     never replayed ahead of its call (NOTE [ Fused chains ] in block/chain_fused.py)."""
@@ -255,24 +277,11 @@ class RandomDraws:
         self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
 
     def __enter__(self):
-        try:
-            for name in _RANDOM_OPS:
-                if hasattr(paddle._C_ops, name):
-                    self._patch(name)
-        except BaseException:
-            self._patches.restore()
-            raise
+        _patch_random_ops(self._patches, self._note)
         return self
 
-    def _patch(self, name):
-        original = getattr(paddle._C_ops, name)
-        guard = self
-
-        def drawing(*args, **kwargs):
-            guard.drew = True
-            return original(*args, **kwargs)
-
-        self._patches.set(paddle._C_ops, name, drawing)
+    def _note(self, name):
+        self.drew = True
 
     def __exit__(self, exc_type, exc, tb):
         self._patches.restore()
@@ -338,28 +347,15 @@ class RecordingRngGuard:
         if not self.enabled:
             return self
         self._start = None if self.state_indices else _current_seeds()
-        try:
-            for name in _RANDOM_OPS:
-                if hasattr(paddle._C_ops, name):
-                    self._patch(name)
-        except BaseException:
-            self._patches.restore()
-            raise
+        _patch_random_ops(self._patches, self._note)
         return self
 
-    def _patch(self, name):
-        original = getattr(paddle._C_ops, name)
-        guard = self
-
-        def drawing(*args, **kwargs):
-            if guard.problem is None:
-                if name not in _RESEEDED_OPS:
-                    guard.problem = (name, "frozen")
-                elif guard._start is not None and _current_seeds() != guard._start:
-                    guard.problem = (name, "foreign state")
-            return original(*args, **kwargs)
-
-        self._patches.set(paddle._C_ops, name, drawing)
+    def _note(self, name):
+        if self.problem is None:
+            if name not in _RESEEDED_OPS:
+                self.problem = (name, "frozen")
+            elif self._start is not None and _current_seeds() != self._start:
+                self.problem = (name, "foreign state")
 
     def __exit__(self, exc_type, exc, tb):
         self._patches.restore()
