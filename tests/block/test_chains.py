@@ -30,11 +30,8 @@ def chained(model):
 
 def fused(model):
     """Whether the chain from ``model``'s first layer replays fused graphs (NOTE [ Fused chains ])."""
-    from paddlefleet.cudagraph.block.chain import _chains
-
     [entry] = model[0].forward._entries.values()
-    built = _chains.get(entry)
-    return bool(built is not None and built.fused)
+    return bool(entry.chain is not None and entry.chain.fused)
 
 
 class ChainCase(BackendCase):
@@ -423,6 +420,16 @@ class ChainAutogradCases(ChainCase):
         gc.collect()
         self.assertEqual(list(chain_outputs._runs), [])
         self.assertGreater(chained(model)[3], 0)
+
+    def test_a_chained_model_is_freed_when_dropped(self):
+        import weakref
+
+        model = self.run_twins(forward_backward, self.batches())
+        self.assertGreater(chained(model)[3], 0)
+        refs = [weakref.ref(layer) for layer in model]
+        del model
+        gc.collect()
+        self.assertEqual([r() for r in refs], [None] * LAYERS)
 
 
 @for_each_backend

@@ -46,7 +46,6 @@ once for a run of consecutive graphed calls:
 verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several slots do not chain.
 """
 
-import weakref
 
 import paddle
 
@@ -60,8 +59,6 @@ from .chain_run import ChainRun
 from .replay import replay_blocker
 
 __all__ = ["Chain", "Member", "start_chain"]
-
-_chains = weakref.WeakKeyDictionary()  # head entry -> the Chain built from it
 
 
 class Member:
@@ -132,12 +129,12 @@ def start_chain(body, entry, call):
         run.break_at(run.handed, "a new chain started")
     if confirmed(entry) is None or not paddle.is_grad_enabled():
         return None
-    chain = _chains.get(entry)
+    chain = entry.chain  # held by the entry: released with its graphs
     if chain is None or chain.version != chain_links.VERSION[0] or len(chain.members) < 2 or not chain.members[0].current():
-        chain = _chains[entry] = Chain(chain_links.VERSION[0], _members(body, entry, call))
+        chain = entry.chain = Chain(chain_links.VERSION[0], _members(body, entry, call))
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, amp_state(), lambda: _chains.pop(entry, None), chain.fused_for(call)).start()
+    return ChainRun(chain.members, call, amp_state(), chain.forget, chain.fused_for(call)).start()
 
 
 class Chain:
@@ -152,6 +149,10 @@ class Chain:
         self.members = members
         self.fused = None
         self.fused_refusal = None
+
+    def forget(self):
+        """A member no longer fits: the next run builds the chain again."""
+        self.version = None
 
     def fused_for(self, call):
         """The fused graphs a run from ``call`` replays, or None (an unfused run)."""

@@ -41,6 +41,7 @@ class GraphEntry:
             static buffers), None before the first.
         host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
             that cannot pay ] in core/host_cost.py).
+        chain: the chain whose first call this key makes (block/chain.py), or None.
     """
 
     key: Any
@@ -62,6 +63,7 @@ class GraphEntry:
     verified: int = 0
     capture_ms: Optional[float] = None
     host_cost: Optional[HostCost] = None
+    chain: Any = None
 
     def __post_init__(self):
         if self.host_cost is None:
@@ -100,10 +102,12 @@ class GraphEntry:
         self.captures += 1
 
     def release(self):
-        """Drops graphs, pool and static buffers (the entry keeps its counts)."""
+        """Drops graphs, pool and static buffers (the entry keeps its counts), and the chain built
+        from this key with its fused graphs (block/chain.py)."""
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None
+        self.chain = None
 
     def to_recapture(self):
         """Drops the graphs; the next call of this key captures again (no warmup)."""
