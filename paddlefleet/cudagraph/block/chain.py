@@ -12,25 +12,25 @@ once for a run of consecutive graphed calls:
   argument is that very output, unchanged, with every other argument the very same object as
   the previous call's, is a *link* from the previous key to its own. A link seen CONFIRM times
   in a row is used; a chain is the longest run of used links from a key (no key twice).
-* **The head call** of a chain (a replay of its first key) checks every member as a replay of
-  its own would (the key's graphs, parameters, adopted inputs, pending backward; the training
-  flags its key was made with), replays every member's forward graph in order, each reading the
-  previous one's static output, and applies ONE PyLayer whose inputs are the head call's tensors
-  and every member's parameters and whose outputs are every member's output
-  (block/chain_bridge.py). It returns the first output.
+* **The head call** of a chain (a replay of its first key) checks the chain's structure (built
+  once and kept on the head key's entry: each member may join - one output, its first argument
+  needing grad, no parameter shared with another member, no other argument needing grad - and
+  passed a replay's preconditions when the chain was built), replays its own forward graph and
+  applies ONE PyLayer whose inputs are the head call's tensors and every member's parameters and
+  whose outputs are every member's output (block/chain_bridge.py): the head's a copy of its
+  static output, the others empty until their call comes. It returns the first output.
 * **The later calls** are served before their key is made (``BlockBody.shortcut``): member ``j``
-  gets output ``j`` when its first argument is output ``j - 1`` (same object, same inplace
-  version, still stop_gradient=False), its other arguments are the head's (same objects, same
-  inplace versions), grad mode and AMP state are the head's, its Layers' training flags are
-  those its key was made with and no parameter of it changed in place since the head call.
-  Otherwise the chain *breaks* there: that call and the rest run through their own keys as
-  usual, and the link is seen again before it is used again.
-* **Replays ahead of their call** are why members must be pure: a member draws no random
-  numbers (its replay would move the generator at another point than eager), writes no Layer
-  state (running statistics) and takes no argument other than its first that needs grad; a
-  member's graphs are never replayed ahead while a backward of theirs is pending (slots in
-  flight: pipeline schedules). Calls that never come (an early exit) leave their replays unused:
-  nothing reached autograd through them.
+  is served when its first argument is output ``j - 1`` (same object, still stop_gradient=False),
+  its other arguments are the head's (same objects, none needing grad), grad mode and AMP state
+  are the head's, its key still replays the same graphs (none waiting for a backward), its
+  Layers' training flags are those its key was made with and no parameter of it moved. Then its
+  inputs are copied in, its forward graph replays - when the call comes, so that parameters,
+  random numbers and running statistics are read and drawn at eager's moment - and its output is
+  filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
+  their own keys as usual, and the link is seen again before it is used again. Calls that never
+  come (an early exit) leave their outputs unused: nothing reached autograd through them.
+* **Fused chains** replay every member's forward at the head call, in one graph, where that
+  cannot differ from eager (NOTE [ Fused chains ] in block/chain_fused.py).
 * **Backward** (block/chain_bridge.py) replays the backward graphs of the members that handed
   out their output, last first, feeding each the grad of its output: the grad the next member's
   backward gave its first input, plus any grad that reached the output from outside the chain
