@@ -65,8 +65,7 @@ class Member:
     """A key of a chain: its body, entry, the one BlockGraphs it replays, its bridged parameters
     and the Layers (with the training flags) its key was made with."""
 
-    __slots__ = ("body", "entry", "graphs", "params", "layers", "flags", "backend", "bare", "in_buf", "out_buf",
-                 "clone")
+    __slots__ = ("body", "entry", "graphs", "params", "layers", "flags", "bare", "in_buf", "out_buf", "clone")
 
     def __init__(self, body, entry, graphs, flags_):
         self.body = body
@@ -75,7 +74,6 @@ class Member:
         self.params = graphs.backward.bridged
         self.layers = graphs.layers
         self.flags = flags_
-        self.backend = entry.backend
         self.in_buf = graphs.static_inputs.buffers[0]
         self.out_buf = graphs.static_outputs[0]
         self.clone = graphs.clone_outputs

@@ -15,9 +15,6 @@ from .bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
 __all__ = ["ChainFunction", "member_backwards", "replay_forward"]
 
-_EMPTY = getattr(_C_ops, "empty", None) or (lambda shape, dtype, place: paddle.empty(shape, dtype))
-
-
 class ChainFunction(PyLayer):
     """``apply(run, *run.args.args)``: every member's parameters and the head call's tensors (NOTE
     [ paddle.grad through a graphed call ] in block/partial_grad.py). The
@@ -42,12 +39,12 @@ def _replay_forwards(run):
     the others' to be filled when their call comes (ChainRun.hand_out)."""
     outputs = []
     for j, member in enumerate(run.members):
-        static = member.graphs.static_outputs[0]
+        static = member.out_buf
         if j == 0:
             replay_forward(run, 0)
-            outputs.append(copy(static) if member.graphs.clone_outputs else alias(static))
-        elif member.graphs.clone_outputs:
-            outputs.append(_EMPTY(static.shape, static.dtype, static.place))
+            outputs.append(copy(static) if member.clone else alias(static))
+        elif member.clone:
+            outputs.append(_C_ops.empty(static.shape, static.dtype, static.place))
         else:
             outputs.append(alias(static))  # the member's replay writes it when its call comes
     return outputs
@@ -86,6 +83,7 @@ def member_backwards(run, grads):
     head_grads = [None] * len(run.call.tensors)
     param_grads = [[None] * len(m.params) for m in members]
     given = None  # the grad the member after this one gave its first argument (a static buffer)
+    n = len(run.call.tensors)
     try:
         for j in reversed(range(handed)):
             member = members[j]
@@ -95,7 +93,6 @@ def member_backwards(run, grads):
                 continue
             plan = replay_backward(member.graphs, (total,), run.generations[j], run.tokens[j])
             out = plan.hand_out(inputs=j == 0)
-            n = len(run.call.tensors)
             if j == 0:
                 head_grads = list(out[:n])
             else:
