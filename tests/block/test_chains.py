@@ -7,11 +7,12 @@ parameters and grads bit for bit after every step. The stats show whether calls 
 """
 
 import gc
+from unittest import mock
 
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
-from paddlefleet.cudagraph.block import chain_outputs, partial_grad
+from paddlefleet.cudagraph.block import chain_outputs, chain_recompute, partial_grad
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, release_grads
@@ -172,6 +173,58 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
 
         self.run_twins(step, self.batches())
 
+    def test_a_member_called_again_before_an_irregular_backward(self):
+        """A fused run's backward from an intermediate output recomputes its members; the last one
+        was called alone in between (its graphs wait for that call's backward): eagerly recomputed."""
+        def step(model, test, x, dy, z, k):
+            outs, h = [], x
+            for layer in model:
+                h = layer(h)
+                outs.append(h)
+            if k < 5:  # the chain forms (a layer called twice before a backward would take a second slot)
+                h.backward(dy)
+                return test.results(model, x, h)
+            y = model[3](z)
+            outs[2].backward(dy)
+            y.backward(dy)
+            extra = [y.numpy(), z.grad.numpy()]
+            z.clear_gradient(False)
+            return test.results(model, x, outs[2], extra)
+
+        draw = normal(3)
+        batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
+        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
+            model = self.run_twins(step, batches)
+        self.assertTrue(fused(model))
+        self.assertGreater(eager.call_count, 0)
+
+    def test_a_member_reset_before_an_irregular_backward(self):
+        holder = {}
+
+        def step(model, test, x, dy, k):
+            outs, h = [], x
+            for layer in model:
+                h = layer(h)
+                outs.append(h)
+            if k >= 5 and model is holder.get("graphed"):
+                model[1].forward.reset()  # its graphs released while the fused run waits
+            outs[1].backward(dy)
+            return test.results(model, x, outs[1])
+
+        def graph(trainee):
+            holder["graphed"] = trainee.objects["model"]
+            for layer in trainee.objects["model"]:
+                self.graphed(layer)
+            return trainee.step
+
+        def build_twin():
+            model = build(stack, 0)
+            return Trainee(lambda *batch: step(model, self, *batch), {"model": model})
+
+        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
+            differential_run(build_twin, [b + (k,) for k, b in enumerate(self.batches())], graph)
+        self.assertGreater(eager.call_count, 0)
+
     def test_chain_calls_false_replays_every_call_alone(self):
         model = self.run_twins(forward_backward, self.batches(), chain_calls=False)
         self.assertEqual(chained(model), [0] * LAYERS)
@@ -327,6 +380,32 @@ class ChainAutogradCases(ChainCase):
 
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
         self.assertGreater(chained(model)[3], 0)
+
+    def test_hooks_and_retained_grads_when_a_fused_run_is_recomputed_eagerly(self):
+        def step(model, test, x, dy, z, k):
+            kept, outs, h = [], [], x
+            for layer in model:
+                h = layer(h)
+                outs.append(h)
+            if k < 5:  # the chain forms and fuses
+                h.backward(dy)
+                return test.results(model, x, h)
+            outs[1].register_hook(lambda g: g * 2.0)
+            outs[1].register_hook(lambda g: kept.append(g))
+            outs[0].retain_grads()
+            y = model[3](z)  # takes the last member's graphs while the fused run waits
+            paddle.autograd.backward([h, outs[2] * 0.5], [dy, dy])
+            y.backward(dy)
+            extra = [y.numpy(), z.grad.numpy(), outs[0].grad.numpy()] + [g.numpy() for g in kept]
+            z.clear_gradient(False)
+            return test.results(model, x, h, extra)
+
+        draw = normal(3)
+        batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
+        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
+            model = self.run_twins(step, batches)
+        self.assertTrue(fused(model))
+        self.assertGreater(eager.call_count, 0)
 
     def test_retained_grads_of_intermediate_outputs(self):
         def step(model, test, x, dy):

@@ -13,7 +13,7 @@ from ..grads.handles import alias, copy
 from . import chain_outputs
 from .bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
-__all__ = ["ChainFunction", "member_backwards", "replay_forward"]
+__all__ = ["ChainFunction", "add_grads", "member_backwards", "replay_forward"]
 
 class ChainFunction(PyLayer):
     """``apply(run, *run.args.args)``: every member's parameters and the head call's tensors (NOTE
@@ -59,7 +59,7 @@ def replay_forward(run, j):
     run.generations.append(graphs.generation)
 
 
-def _add(a, b):
+def add_grads(a, b):
     """The grad of an output from outside the chain plus the one the next member gave it (two
     terms: the sum is the same in either order, as eager's)."""
     if a is None:
@@ -87,7 +87,7 @@ def member_backwards(run, grads):
     try:
         for j in reversed(range(handed)):
             member = members[j]
-            total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
+            total = chain_outputs.output_grad(run, j, add_grads(grads[j], given), given)
             given = None
             if total is None:  # nothing reached this output: its call's backward does not run (eager)
                 continue

@@ -20,10 +20,10 @@ in turn and returning every output (block/capture.py, as any key). Then:
   taken on an output. That graph is captured from the last output alone (the fused function returns
   the others detached: views, no kernel), so it runs each member's backward kernels as eager does,
   with nothing added between them: each grad is eager's bit for bit.
-* any other backward *recomputes*: the members that handed out their output replay their own
-  forward graphs from the first call's input (the fused graph's static input still holds it) and
-  their backward graphs as an unfused chain does (block/chain_bridge.py). Pure members make the
-  recompute draw and write nothing eager would not.
+* any other backward *recomputes* the members that handed out their output: with their own
+  graphs, or eagerly where another call has taken those since (NOTE [ Recomputing a fused run ]
+  in block/chain_recompute.py). Pure members make the recompute draw and write nothing eager
+  would not.
 
 A fused capture that fails leaves the chain unfused (one warning-free fallback, the reason kept
 in ``Chain.fused_refusal``).
@@ -37,6 +37,7 @@ from ..core.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 from .bridge import DOUBLE_BACKWARD, bridge_grads, hand_out_outputs, new_token, replay_backward
 from .capture import CaptureRequest, capture_block
+from .chain_recompute import recompute
 
 __all__ = ["WRITES", "FusedFunction", "build_fused", "fusable", "install"]
 
@@ -101,7 +102,7 @@ class FusedFunction(PyLayer):
         if hasattr(ctx, "set_materialize_grads"):
             ctx.set_materialize_grads(False)
         fused.fwd_graph.replay()
-        ctx.token = new_token(fused)
+        ctx.token = run.fused_token = new_token(fused)
         ctx.run, ctx.fused, ctx.args, ctx.generation = run, fused, args, fused.generation
         return tuple(hand_out_outputs(fused))
 
@@ -115,7 +116,7 @@ class FusedFunction(PyLayer):
                 plan = replay_backward(fused, grads, ctx.generation, ctx.token)  # fed the last output's grad
                 out = bridge_grads(fused.backward, plan.hand_out(), len(fused.static_inputs.buffers))
             else:
-                out = run.recompute(grads, fused)
+                out = recompute(run, grads, fused)
         finally:
             ctx.token.done = True
         return ctx.args.grads(out)

@@ -7,14 +7,14 @@ import weakref
 import paddle
 
 from ..core.body import Replayed
-from ..core.state import grad_and_amp
-from ..errors import PendingBackwardError, ReplayShapeError
+from ..core.state import amp_snapshot, grad_and_amp
+from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.static_inputs import unflatten
 from . import chain_outputs, partial_grad
 from .capture import capture_second_backward
 from .bridge import bridge_args
-from .chain_bridge import ChainFunction, member_backwards, replay_forward
+from .chain_bridge import ChainFunction, replay_forward
 from .chain_fused import WRITES, FusedFunction
 from .chain_links import current_run, forget_link, remember, set_run
 from .replay_fallback import state_restored_on_refusal
@@ -38,6 +38,7 @@ class ChainRun:
 
     __slots__ = ("members", "call", "amp", "rest", "extras", "handed", "tokens", "generations", "outputs", "refs",
                  "ids", "order", "hooks", "args", "forget", "executes", "fused", "writes", "versions", "given",
+                 "amp_snapshot", "fused_token",
                  "__weakref__")
 
     def __init__(self, members, call, amp, forget, fused=None):
@@ -58,7 +59,7 @@ class ChainRun:
         self.args = None
         self.executes = members[0].entry.backend.capture_executes
         self.fused = fused
-        self.writes = self.versions = self.given = None
+        self.writes = self.versions = self.given = self.amp_snapshot = self.fused_token = None
 
     def start(self):
         """Replays the head's forward (or the fused one), applies the bridge; returns the head
@@ -94,6 +95,7 @@ class ChainRun:
         copied, skipped = fused.static_inputs.copy_in(self.call.tensors)
         self.args = bridge_args(fused, self.call.tensors)
         self.versions = [[p._inplace_version() for p in m.graphs.params.params] for m in self.members]
+        self.amp_snapshot = amp_snapshot()  # NOTE [ Recomputing a fused run ] in block/chain_recompute.py
         outputs = FusedFunction.apply(self, fused, self.args, *self.args.args)
         self.writes = WRITES[0]
         return outputs, copied, skipped
@@ -164,34 +166,17 @@ class ChainRun:
                 return "a parameter was written in place since the first call"
         return None
 
+    def needs_eager_recompute(self):
+        """Whether this fused run waits for its backward and one of its members' graphs was taken
+        since (NOTE [ Recomputing a fused run ] in block/chain_recompute.py)."""
+        token = self.fused_token
+        return (token is not None and not token.done
+                and not all(m.current() for m in self.members[:self.handed]))
+
     def regular(self, grads):
         """Whether a fused run's backward may replay the fused backward graph (see the NOTE)."""
         return (self.handed == len(self.members) and grads[-1] is not None and not self.hooks
                 and all(g is None for g in grads[:-1]))
-
-    def recompute(self, grads, fused):
-        """The backward of a fused run that is not regular: the members that handed out their
-        output replay their own forwards from the first call's input, then their backwards as an
-        unfused chain's; the grads in the fused bridge's order."""
-        first = fused.static_inputs.buffers[0]
-        for j in range(self.handed):
-            member = self.members[j]
-            if not member.current():
-                raise PendingBackwardError(
-                    f"autocudagraph: the backward of a fused chain needs the graphs of its call #{j}, which were "
-                    "dropped or wait for another backward. Run backward before calling those graphed calls again, "
-                    "or pass chain_calls=False.")
-            member.in_buf.copy_(first, False)
-            replay_forward(self, j)
-            first = member.out_buf
-        head, params = member_backwards(self, grads)
-        tail = fused.bridge_tail
-        where = {id(p): i for i, p in enumerate(tail)}
-        out = [None] * len(tail) + head
-        for member, grads_of in zip(self.members, params):
-            for p, g in zip(member.params, grads_of):
-                out[where[id(p)]] = g
-        return out
 
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""

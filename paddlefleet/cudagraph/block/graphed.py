@@ -65,9 +65,11 @@ class BlockBody(Body):
         owner = self.owner()
         return [owner] if isinstance(owner, paddle.nn.Layer) else []
 
-    def run(self, args, kwargs):
-        """The function itself, eagerly."""
-        note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
+    def run(self, args, kwargs, count=True):
+        """The function itself, eagerly; ``count=False``: not a call of the block (a recompute in
+        a backward)."""
+        if count:
+            note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
         if self._owner_ref is None:
             return self.fn(*args, **kwargs)
         return self.fn(self.owner(), *args, **kwargs)

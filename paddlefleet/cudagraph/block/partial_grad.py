@@ -42,7 +42,7 @@ from ..backends import in_own_grad
 from ..core.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 
-__all__ = ["BridgeArgs", "install", "note_pending", "one_slot"]
+__all__ = ["BridgeArgs", "inside_paddle_grad", "install", "note_pending", "one_slot"]
 
 _local = threading.local()  # .requested: ids of the tensors the running paddle.grad asks for
 _pending = weakref.WeakSet()  # tokens of forwards replayed on a backend whose backward re-runs Python
@@ -119,6 +119,11 @@ class BridgeArgs:
         return tuple(grads)
 
 
+def inside_paddle_grad():
+    """True while a paddle.grad runs in this thread (the caller's or the package's own)."""
+    return getattr(_local, "requested", None) is not None
+
+
 def note_pending(token):
     """A forward replayed on a backend whose backward re-runs Python (simulate) waits for ``token``."""
     _pending.add(token)
@@ -130,13 +135,14 @@ def _waiting():
 
 def install(check=None):
     """Wraps ``core.eager.run_partial_grad`` once per process (NOTE [ Paddle patches ] in
-    core/paddle_patches.py); ``check(inputs)`` runs first and may raise."""
+    core/paddle_patches.py); ``check(inputs)`` runs first (not for the package's own) and may raise."""
     partial_grad = core.eager.run_partial_grad
 
     def run_partial_grad(outputs, inputs, *args, **kwargs):
-        if check is not None:
+        own = in_own_grad()
+        if check is not None and not own:
             check(inputs)
-        if not in_own_grad() and _waiting():
+        if not own and _waiting():
             gc.collect()  # forwards only garbage still holds do not count
             if _waiting():
                 raise CudaGraphError(SIMULATED)
