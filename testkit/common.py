@@ -30,6 +30,8 @@ from paddlefleet.cudagraph.backends import cuda_available, pool_sharing_supporte
 from paddlefleet.cudagraph.options import GraphOptions
 
 __all__ = [
+    "RECORD",
+    "Record",
     "GENERATED_MARK",
     "SPEED_OPTIONS",
     "MatLayer",
@@ -94,6 +96,17 @@ def _array_failure(what, actual, expected):
     diff = np.abs(a.astype("float64") - e.astype("float64")) if a.dtype.kind in "fiub" else None
     biggest = f", max |diff| {np.nanmax(diff):.3g}" if diff is not None and diff.size else ""
     return f"{what}: {n} of {a.size} elements differ in their bits{biggest}"
+
+
+class Record:
+    """What the running test compared and pinned, for tools/gpu_check.py's report (via conftest)."""
+
+    def __init__(self):
+        self.compared = 0
+        self.notes = []
+
+
+RECORD = Record()
 
 
 def bitwise_failures(actual, expected, what="value"):

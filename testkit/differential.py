@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import paddle
 
-from .common import bitwise_failures
+from .common import RECORD, bitwise_failures
 
 __all__ = ["StateMismatch", "Trainee", "assert_same_state", "differential_run", "state_of"]
 
@@ -172,6 +172,7 @@ def assert_same_state(graphed, eager, where="state"):
     if failures:
         more = f" ({len(failures) - 1} more differences)" if len(failures) > 1 else ""
         raise StateMismatch(f"{where}: {failures[0]}{more}")
+    RECORD.compared += len(eager)
 
 
 def differential_run(build: Callable[[], Trainee], batches, graph: Callable[[Trainee], Callable[..., Any]],
@@ -190,9 +191,10 @@ def differential_run(build: Callable[[], Trainee], batches, graph: Callable[[Tra
         out_e = eager.step(*args)
         out_g = graphed_step(*args)
         if compare_outputs:
-            _, failures = bitwise_failures(out_g, out_e, f"step {i} output")
+            compared, failures = bitwise_failures(out_g, out_e, f"step {i} output")
             if failures:
                 raise StateMismatch(failures[0] + (f" ({len(failures) - 1} more)" if len(failures) > 1 else ""))
+            RECORD.compared += compared
         assert_same_state(state_of(graphed.objects), state_of(eager.objects), f"after step {i}")
         if after_step is not None:
             after_step(i, eager, graphed)

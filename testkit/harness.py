@@ -19,6 +19,7 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.options import ENV_BACKEND
 from testkit.common import (
+    RECORD,
     assert_bitwise,
     build,
     cuda_skip_reason,
@@ -31,16 +32,6 @@ from testkit.common import device as paddle_device
 
 BACKENDS = ("simulate", "cuda")
 
-
-class Record:
-    """What the running test compared and pinned, for tools/gpu_check.py's report (via conftest)."""
-
-    def __init__(self):
-        self.compared = 0
-        self.notes = []
-
-
-RECORD = Record()
 
 
 @functools.lru_cache(maxsize=None)
