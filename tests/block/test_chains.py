@@ -12,7 +12,7 @@ from unittest import mock
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
-from paddlefleet.cudagraph.block import chain_outputs, chain_recompute, partial_grad
+from paddlefleet.cudagraph.block import chain_fused, chain_outputs, chain_recompute, partial_grad
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, release_grads
@@ -197,6 +197,21 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
             model = self.run_twins(step, batches)
         self.assertTrue(fused(model))
         self.assertGreater(eager.call_count, 0)
+
+    def test_a_hook_removed_before_the_backward_leaves_a_fused_run_regular(self):
+        def step(model, test, x, dy):
+            h = x
+            for i, layer in enumerate(model):
+                h = layer(h)
+                if i == 1:
+                    h.register_hook(lambda g: g * 100.0).remove()
+            h.backward(dy)
+            return test.results(model, x, h)
+
+        with mock.patch.object(chain_fused, "recompute", wraps=chain_fused.recompute) as recomputed:
+            model = self.run_twins(step, self.batches())
+        self.assertTrue(fused(model))
+        self.assertEqual(recomputed.call_count, 0)
 
     def test_a_member_reset_before_an_irregular_backward(self):
         holder = {}

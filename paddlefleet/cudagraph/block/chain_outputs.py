@@ -83,7 +83,10 @@ def _drop_hook(t, hook_id):
     kept = [(i, h) for i, h in hooks if i != hook_id]
     if len(kept) == len(hooks):
         return None
-    run.hooks[j] = kept
+    if kept:
+        run.hooks[j] = kept
+    else:  # no hook left: a fused run's backward may be regular again
+        del run.hooks[j]
     return True
 
 
