@@ -198,6 +198,21 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         self.assertTrue(fused(model))
         self.assertGreater(eager.call_count, 0)
 
+    def test_a_fused_chain_counts_in_its_head_keys_bytes_and_max_bytes(self):
+        model = self.run_twins(forward_backward, self.batches())
+        head = model[0].forward
+        [entry] = head._entries.values()
+        fused_bytes = entry.chain.nbytes()
+        self.assertGreater(fused_bytes, 0)
+        self.assertEqual(head.stats()["static_bytes"], entry.graphs.nbytes() + fused_bytes)
+        self.assertIn(f"heads a fused chain of {LAYERS} calls ({fused_bytes} of its static bytes)", head.explain())
+        budget = head.stats()["static_bytes"] - 1
+        model = self.run_twins(forward_backward, self.batches(), max_bytes=budget)
+        self.assertFalse(fused(model))
+        self.assertIn(f"not fused: its static buffers need {fused_bytes} bytes more", model[0].forward.explain())
+        self.assertLessEqual(model[0].forward.stats()["static_bytes"], budget)
+        self.assertGreater(chained(model)[3], 0)
+
     def test_a_hook_removed_before_the_backward_leaves_a_fused_run_regular(self):
         def step(model, test, x, dy):
             h = x

@@ -152,6 +152,21 @@ class Chain:
         """A member no longer fits: the next run builds the chain again."""
         self.version = None
 
+    def describe(self):
+        """What explain() says of the chain this key heads ("" when it heads none)."""
+        n = len(self.members)
+        if n < 2:
+            return ""
+        if self.fused:
+            return f"heads a fused chain of {n} calls ({self.nbytes()} of its static bytes)"
+        if self.fused_refusal:
+            return f"heads a chain of {n} calls, not fused: {self.fused_refusal}"
+        return f"heads a chain of {n} calls"
+
+    def nbytes(self):
+        """Bytes held by the fused graphs' static buffers (counted in the head key's)."""
+        return self.fused.nbytes() if self.fused else 0
+
     def fused_for(self, call):
         """The fused graphs a run from ``call`` replays, or None (an unfused run)."""
         if self.fused is None:
@@ -161,8 +176,22 @@ class Chain:
                     self.fused = build_fused(self.members, call)
                 except Exception as err:  # contained: the chain runs unfused
                     self.fused_refusal = f"{type(err).__name__}: {err}"
+                self._fit_budget()
         fused = self.fused
         return None if not fused or fused.backward_pending() else fused
+
+
+    def _fit_budget(self):
+        """A fused chain whose bytes would take the head key past its wrapper's max_bytes is
+        released: the chain runs unfused."""
+        head = self.members[0]
+        budget = head.body.options.max_bytes
+        if self.fused and budget is not None and head.entry.nbytes() > budget:
+            need = self.fused.nbytes()
+            self.fused.release()
+            self.fused = False
+            self.fused_refusal = (f"its static buffers need {need} bytes more, and the head key would exceed "
+                                  f"max_bytes={budget}")
 
 
 def _members(body, entry, call):

@@ -74,8 +74,11 @@ class GraphEntry:
         return self.graphs is not None
 
     def nbytes(self):
-        """Bytes held by this key's static buffers (pool internals not included)."""
-        return self.graphs.nbytes() if self.graphs is not None else 0
+        """Bytes held by this key's static buffers (pool internals not included), a fused chain's
+        from this key included (NOTE [ Fused chains ] in block/chain_fused.py)."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.nbytes() + (self.chain.nbytes() if self.chain is not None else 0)
 
     def backward_pending(self):
         """True while a forward replay of this key waits for its backward."""

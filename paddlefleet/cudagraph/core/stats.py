@@ -196,6 +196,7 @@ def describe_entries(entries):
                 "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
                 "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
+                "chain": entry.chain.describe() if entry.chain is not None and entry.graphs is not None else "",
             }
         )
     return rows
@@ -238,6 +239,8 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
             line += f"; {row['host_cost']}"
         if row["grads"]:
             line += f"; {row['grads']}"
+        if row["chain"]:
+            line += f"; {row['chain']}"
         if row["evictions"]:
             line += f"; evicted {row['evictions']} time(s) (max_bytes)"
         if row["verified_replays"]:
