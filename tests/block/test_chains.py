@@ -7,6 +7,7 @@ parameters and grads bit for bit after every step. The stats show whether calls 
 """
 
 import gc
+import weakref
 from unittest import mock
 
 import paddle
@@ -39,6 +40,12 @@ class ChainCase(BackendCase):
     """Builds twins, runs a step function on both, compares them."""
 
     steps = 8
+    graphed_ref = staticmethod(lambda: None)
+
+    @property
+    def graphed_model(self):
+        """The graphed twin of the running run_twins (a step may act on it alone), held weakly."""
+        return self.graphed_ref()
 
     def run_twins(self, step, batches, factory=stack, seed=0, **options):
         """``step(model, test, *batch)`` on an eager and a graphed twin; returns the graphed model."""
@@ -50,12 +57,23 @@ class ChainCase(BackendCase):
 
         def graph(trainee):
             model = made["graphed"] = trainee.objects["model"]
+            self.graphed_ref = weakref.ref(model)
             for layer in model:
                 self.graphed(layer, **options)
             return trainee.step
 
         differential_run(build_twin, batches, graph)
         return made["graphed"]
+
+    def run_recomputed_eagerly(self, step):
+        """run_twins of ``step(model, test, x, dy, z, k)`` (z: another input needing grad, k: the step),
+        checking that a fused run's backward was recomputed eagerly (NOTE [ Recomputing a fused run ])."""
+        draw = normal(3)
+        batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
+        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
+            model = self.run_twins(step, batches)
+        self.assertTrue(fused(model))
+        self.assertGreater(eager.call_count, 0)
 
     def batches(self, n=None, extra=()):
         draw = normal(1)
@@ -191,12 +209,7 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
             z.clear_gradient(False)
             return test.results(model, x, outs[2], extra)
 
-        draw = normal(3)
-        batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
-        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
-            model = self.run_twins(step, batches)
-        self.assertTrue(fused(model))
-        self.assertGreater(eager.call_count, 0)
+        self.run_recomputed_eagerly(step)
 
     def test_a_fused_chain_counts_in_its_head_keys_bytes_and_max_bytes(self):
         model = self.run_twins(forward_backward, self.batches())
@@ -229,30 +242,18 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         self.assertEqual(recomputed.call_count, 0)
 
     def test_a_member_reset_before_an_irregular_backward(self):
-        holder = {}
-
         def step(model, test, x, dy, k):
             outs, h = [], x
             for layer in model:
                 h = layer(h)
                 outs.append(h)
-            if k >= 5 and model is holder.get("graphed"):
+            if k >= 5 and model is test.graphed_model:
                 model[1].forward.reset()  # its graphs released while the fused run waits
             outs[1].backward(dy)
             return test.results(model, x, outs[1])
 
-        def graph(trainee):
-            holder["graphed"] = trainee.objects["model"]
-            for layer in trainee.objects["model"]:
-                self.graphed(layer)
-            return trainee.step
-
-        def build_twin():
-            model = build(stack, 0)
-            return Trainee(lambda *batch: step(model, self, *batch), {"model": model})
-
         with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
-            differential_run(build_twin, [b + (k,) for k, b in enumerate(self.batches())], graph)
+            self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
         self.assertGreater(eager.call_count, 0)
 
     def test_chain_calls_false_replays_every_call_alone(self):
@@ -430,12 +431,7 @@ class ChainAutogradCases(ChainCase):
             z.clear_gradient(False)
             return test.results(model, x, h, extra)
 
-        draw = normal(3)
-        batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
-        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
-            model = self.run_twins(step, batches)
-        self.assertTrue(fused(model))
-        self.assertGreater(eager.call_count, 0)
+        self.run_recomputed_eagerly(step)
 
     def test_retained_grads_of_intermediate_outputs(self):
         def step(model, test, x, dy):
@@ -580,31 +576,19 @@ class ChainGradCases(ChainCase):
         self.assertEqual(counts[2:], [0, 0])
 
     def test_a_member_reset_or_evicted_between_steps(self):
-        holder = {}
-
         def step(model, test, x, dy, k):
-            if k == 4 and model is holder.get("graphed"):
+            if k == 4 and model is test.graphed_model:
                 model[3].forward.reset()  # between steps
             h = model[1](model[0](x))
-            if k == 7 and model is holder.get("graphed"):
+            if k == 7 and model is test.graphed_model:
                 model[2].forward.reset()  # between two calls of a chain
             h = model[3](model[2](h))
             h.backward(dy)
             return test.results(model, x, h)
 
-        def graph(trainee):
-            holder["graphed"] = trainee.objects["model"]
-            for layer in trainee.objects["model"]:
-                self.graphed(layer)
-            return trainee.step
-
-        def build_twin():
-            model = build(stack, 0)
-            return Trainee(lambda *batch: step(model, self, *batch), {"model": model})
-
-        differential_run(build_twin, [b + (k,) for k, b in enumerate(self.batches(12))], graph)
-        self.assertGreater(chained(holder["graphed"])[3], 0)
-        self.assertEqual(holder["graphed"][3].forward.stats()["captures"], 1)  # captured again after its reset
+        model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches(12))])
+        self.assertGreater(chained(model)[3], 0)
+        self.assertEqual(model[3].forward.stats()["captures"], 1)  # captured again after its reset
 
     def test_a_residual_add_between_layers_keeps_calls_alone(self):
         def step(model, test, x, dy):
