@@ -223,6 +223,7 @@ def pipeline_main(args):
     width, layers, batch = (512, 8, 16) if cuda else (32, 4, 8)
     result = bench_pipeline(args.backend, width, layers, batch, args.warmup, args.rounds, args.steps)
     out_dir = args.out_dir or (os.path.join(REPO, "docs", "reports") if cuda else tempfile.mkdtemp(prefix="bench_smoke_"))
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "benchmarks_pipeline.json"), "w") as fh:
         json.dump(dict(result, shape={"width": width, "layers_per_stage": layers, "batch": batch}), fh, indent=1)
     for name, times in result["times"].items():
