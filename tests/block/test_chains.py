@@ -36,6 +36,18 @@ def fused(model):
     return bool(entry.chain is not None and entry.chain.fused)
 
 
+def stacked(model):
+    """Whether that fused chain hands its outputs out as views of one copy (NOTE [ Fused chains ])."""
+    [entry] = model[0].forward._entries.values()
+    return entry.chain.fused.stacked
+
+
+def widths_apart():
+    """Layers whose outputs differ in shape: 8 -> 16 -> 8 -> 16 -> 8."""
+    return paddle.nn.LayerList([MatLayer(*((WIDTH, 2 * WIDTH) if i % 2 == 0 else (2 * WIDTH, WIDTH)))
+                                for i in range(LAYERS)])
+
+
 class ChainCase(BackendCase):
     """Builds twins, runs a step function on both, compares them."""
 
@@ -115,7 +127,7 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
         self.assertIn("chained calls", model[1].forward.explain())
-        self.assertTrue(fused(model))
+        self.assertTrue(fused(model) and stacked(model))
 
     def test_an_early_exit_breaks_the_chain_and_it_resumes(self):
         depths = [4, 4, 4, 2, 4, 1, 4, 4, 3, 4, 4, 4]
@@ -262,6 +274,30 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
 
     def test_outputs_handed_out_as_static_buffers(self):
         model = self.run_twins(forward_backward, self.batches(), clone_outputs=False)
+        self.assertGreater(chained(model)[3], 0)
+
+    def test_handed_out_outputs_keep_their_values_after_later_runs(self):
+        kept = []
+
+        def step(model, test, x, dy):
+            outs, h = [], x
+            for layer in model:
+                h = layer(h)
+                outs.append(h)
+            h.backward(dy)
+            if model is test.graphed_model:
+                kept.append((outs, [o.numpy() for o in outs]))
+            return test.results(model, x, h)
+
+        model = self.run_twins(step, self.batches())
+        self.assertTrue(fused(model) and stacked(model))
+        for k, (outs, values) in enumerate(kept):
+            self.assertBitwise([o.numpy() for o in outs], values, f"outputs of step {k}, read at the end")
+
+    def test_outputs_of_other_shapes_are_handed_out_one_by_one(self):
+        model = self.run_twins(forward_backward, self.batches(), factory=widths_apart)
+        self.assertTrue(fused(model))
+        self.assertFalse(stacked(model))
         self.assertGreater(chained(model)[3], 0)
 
     def test_the_same_layer_twice_in_a_step(self):

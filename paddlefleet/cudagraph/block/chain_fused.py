@@ -10,7 +10,11 @@ the previous output, the chain captures once more, as one block: a function call
 in turn and returning every output (block/capture.py, as any key). Then:
 
 * the chain's first call replays that one forward graph and hands out every output (one PyLayer,
-  FusedFunction); each later call is only checked and handed its output. The forwards ran ahead
+  FusedFunction); each later call is only checked and handed its output. Where the outputs share
+  shape and dtype (layers of one width), the graph also copies them into one stack (device copies
+  inside the graph) and the first call hands out views of ONE copy of that stack: one copy per run
+  instead of one per output, each a fresh tensor no later replay writes (a handed-out output keeps
+  the run's other outputs' memory alive while it lives: they share the copy). The forwards ran ahead
   of their calls, so a call is handed its output only if nothing its forward read changed since:
   its parameters (inplace versions, and no ``set_value`` / ``copy_`` anywhere in the process since
   the first call: WRITES), the previous output (same object, inplace version), grad mode, AMP, its
@@ -31,10 +35,12 @@ in ``Chain.fused_refusal``).
 
 
 import paddle
+from paddle import _C_ops
 from paddle.autograd import PyLayer
 
 from ..core.paddle_patches import install_for_process
 from ..errors import CudaGraphError
+from ..grads.handles import alias, copy
 from .bridge import DOUBLE_BACKWARD, bridge_grads, hand_out_outputs, new_token, replay_backward
 from .capture import CaptureRequest, capture_block
 from .chain_recompute import recompute
@@ -72,6 +78,7 @@ def fusable(members, call):
 def build_fused(members, call):
     """The fused BlockGraphs of ``members`` captured from ``call``, or raises (the chain stays unfused)."""
     head = members[0]
+    stacked = [False]  # whether the capture's outputs stack (same shape and dtype): see the NOTE
 
     def fused(owners, x):  # owners: the members' Layers, so that the capture sees their parameters
         outs, h = [], x
@@ -79,7 +86,13 @@ def build_fused(members, call):
             h = member.body.run((h,), {})
             outs.append(h)
         # The backward graph takes the last output's grad only (see the NOTE): the others are handed
-        # out detached (views, no kernel) and their grads from outside make a backward irregular.
+        # out detached and their grads from outside make a backward irregular.
+        stacked[0] = all(o.shape == h.shape and o.dtype == h.dtype for o in outs)
+        if stacked[0]:
+            stack = _C_ops.empty([len(outs)] + list(h.shape), h.dtype, h.place)
+            for view, out in zip(stack.unbind(0), outs):
+                _C_ops.assign_out_(out.detach(), view)  # device copies, recorded in the graph
+            return stack, outs[-1]
         return tuple(o.detach() for o in outs[:-1]) + (outs[-1],)
 
     fused.__name__ = f"chain of {len(members)} calls"
@@ -88,7 +101,9 @@ def build_fused(members, call):
                              lambda topic, message: None, fused.__name__)
     graphs = capture_block(request)
     backward = graphs.backward
-    if backward is None or backward.accumulators is not None or graphs.diff_at != (len(members) - 1,):
+    graphs.stacked = stacked[0]
+    last = len(graphs.static_outputs) - 1
+    if backward is None or backward.accumulators is not None or graphs.diff_at != (last,):
         graphs.release()
         raise CudaGraphError("the fused chain has no plain backward graph from its last output")
     return graphs
@@ -104,6 +119,9 @@ class FusedFunction(PyLayer):
         fused.fwd_graph.replay()
         ctx.token = run.fused_token = new_token(fused)
         ctx.run, ctx.fused, ctx.args, ctx.generation = run, fused, args, fused.generation
+        if fused.stacked:  # one copy of the stack, one view per output
+            stack = fused.static_outputs[0]
+            return tuple((copy(stack) if fused.clone_outputs else alias(stack)).unbind(0))
         return tuple(hand_out_outputs(fused))
 
     @staticmethod
@@ -113,7 +131,8 @@ class FusedFunction(PyLayer):
         run, fused = ctx.run, ctx.fused
         try:
             if run.regular(grads):
-                plan = replay_backward(fused, grads, ctx.generation, ctx.token)  # fed the last output's grad
+                fed = (None, grads[-1]) if fused.stacked else grads  # the fused graph's outputs
+                plan = replay_backward(fused, fed, ctx.generation, ctx.token)  # fed the last output's grad
                 out = bridge_grads(fused.backward, plan.hand_out(), len(fused.static_inputs.buffers))
             else:
                 out = recompute(run, grads, fused)
