@@ -4,6 +4,8 @@ backward replays the backward graphs of the members that handed out their output
 """
 
 
+import functools
+
 import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
@@ -13,7 +15,7 @@ from ..grads.handles import alias, copy
 from . import chain_outputs
 from .bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
-__all__ = ["ChainFunction", "add_grads", "member_backwards", "replay_forward"]
+__all__ = ["ChainFunction", "member_backwards", "replay_forward"]
 
 class ChainFunction(PyLayer):
     """``apply(run, *run.args.args)``: every member's parameters and the head call's tensors (NOTE
@@ -59,7 +61,7 @@ def replay_forward(run, j):
     run.generations.append(graphs.generation)
 
 
-def add_grads(a, b):
+def _add(a, b):
     """The grad of an output from outside the chain plus the one the next member gave it (two
     terms: the sum is the same in either order, as eager's)."""
     if a is None:
@@ -75,30 +77,37 @@ def _replay_backwards(run, grads):
     return run.args.grads([g for of_member in params for g in of_member] + head)
 
 
-def member_backwards(run, grads):
-    """The backward replays of the members that handed out their output, last first: ``(the head
-    call's tensors' grads, [each member's parameter grads])``."""
+def member_backwards(run, grads, backward_of=None):
+    """The backwards of the members that handed out their output, last first: ``(the head call's
+    tensors' grads, [each member's parameter grads])``. ``backward_of(j, grad)`` runs member ``j``'s
+    backward fed ``grad`` and returns ``(its call's tensors' grads - the head's all, a later member's
+    first -, its parameters' grads)``; by default a replay of the member's backward graph."""
     members, handed = run.members, run.handed
     run.break_at(handed, "backward ran")  # no call is handed an output after its backward
     head_grads = [None] * len(run.call.tensors)
     param_grads = [[None] * len(m.params) for m in members]
-    given = None  # the grad the member after this one gave its first argument (a static buffer)
-    n = len(run.call.tensors)
+    given = None  # the grad the member after this one gave its first argument
+    backward_of = backward_of or functools.partial(_replayed_backward, run)
     try:
         for j in reversed(range(handed)):
-            member = members[j]
-            total = chain_outputs.output_grad(run, j, add_grads(grads[j], given), given)
+            total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
             given = None
             if total is None:  # nothing reached this output: its call's backward does not run (eager)
                 continue
-            plan = replay_backward(member.graphs, (total,), run.generations[j], run.tokens[j])
-            out = plan.hand_out(inputs=j == 0)
+            inputs, param_grads[j] = backward_of(j, total)
             if j == 0:
-                head_grads = list(out[:n])
+                head_grads = inputs
             else:
-                given = plan.input_grad(0)
-            param_grads[j] = list(out[n:])
+                given = inputs[0]
     finally:
         for token in run.tokens:
             token.done = True
     return head_grads, param_grads
+
+
+def _replayed_backward(run, j, grad):
+    """Member ``j``'s backward graph replayed (its input's grad a static buffer)."""
+    plan = replay_backward(run.members[j].graphs, (grad,), run.generations[j], run.tokens[j])
+    out = plan.hand_out(inputs=j == 0)
+    n = len(run.call.tensors)
+    return (list(out[:n]) if j == 0 else [plan.input_grad(0)]), list(out[n:])

@@ -26,8 +26,8 @@ import paddle
 from ..backends import own_grad
 from ..core.state import amp_restored
 from ..errors import CudaGraphError
-from . import chain_outputs, partial_grad
-from .chain_bridge import add_grads, member_backwards, replay_forward
+from . import partial_grad
+from .chain_bridge import member_backwards, replay_forward
 
 __all__ = ["recompute"]
 
@@ -61,7 +61,6 @@ def _replayed(run, grads, fused):
 def _eager(run, grads, fused):
     if partial_grad.inside_paddle_grad():  # refused before Paddle started it (block/chain_outputs.py)
         raise CudaGraphError("autocudagraph: a fused chain's eager recompute inside a paddle.grad")
-    run.break_at(run.handed, "backward ran")
     members = run.members[:run.handed]
     inputs, outputs = [], []
     h = fused.static_inputs.buffers[0]
@@ -72,20 +71,13 @@ def _eager(run, grads, fused):
             h = member.body.run((x,), {}, count=False)
             inputs.append(x)
             outputs.append(h)
-    head, params = [None], [[None] * len(m.params) for m in run.members]
-    given = None
-    for j in reversed(range(len(members))):
-        total = chain_outputs.output_grad(run, j, add_grads(grads[j], given), given)
-        given = None
-        if total is None:  # nothing reached this output: its call's backward does not run (eager)
-            continue
+
+    def backward_of(j, grad):
         with own_grad():
-            got = paddle.grad([outputs[j]], [inputs[j]] + list(members[j].params), [total], allow_unused=True)
-        given = got[0]
-        if j == 0:
-            head = [given]
-        params[j] = list(got[1:])
-    return head, params
+            got = paddle.grad([outputs[j]], [inputs[j]] + list(members[j].params), [grad], allow_unused=True)
+        return [got[0]], list(got[1:])
+
+    return member_backwards(run, grads, backward_of)
 
 
 @contextlib.contextmanager
