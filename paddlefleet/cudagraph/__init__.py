@@ -19,7 +19,7 @@ except ImportError as _err:
 
 from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
-from .block import chain_fused, chain_outputs
+from .block import chain_outputs
 from .api import autocudagraph
 from .backends import is_capturing
 from .step.grad_scaler import GraphGradScaler
@@ -31,7 +31,6 @@ from .step.graphed_step import autocudagraph_step
 hook_registry.install()  # NOTE [ Grad consumers ] in grads/hook_registry.py: hooks registered from now on
 saved_hooks.install()  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
 chain_outputs.install()  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
-chain_fused.install()  # NOTE [ Fused chains ] in block/chain_fused.py: set_value / copy_ counted
 
 __all__ = [
     "__version__",

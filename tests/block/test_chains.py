@@ -8,12 +8,11 @@ parameters and grads bit for bit after every step. The stats show whether calls 
 
 import gc
 import weakref
-from unittest import mock
 
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
-from paddlefleet.cudagraph.block import chain_fused, chain_outputs, chain_recompute, partial_grad
+from paddlefleet.cudagraph.block import chain_outputs, partial_grad
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, release_grads
@@ -28,18 +27,6 @@ def stack(n=LAYERS, layer=None):
 def chained(model):
     """Chained calls of every layer of ``model``."""
     return [layer.forward.stats()["chained_calls"] for layer in model]
-
-
-def fused(model):
-    """Whether the chain from ``model``'s first layer replays fused graphs (NOTE [ Fused chains ])."""
-    [entry] = model[0].forward._entries.values()
-    return bool(entry.chain is not None and entry.chain.fused)
-
-
-def stacked(model):
-    """Whether that fused chain hands its outputs out as views of one copy (NOTE [ Fused chains ])."""
-    [entry] = model[0].forward._entries.values()
-    return entry.chain.fused.stacked
 
 
 def widths_apart():
@@ -77,15 +64,11 @@ class ChainCase(BackendCase):
         differential_run(build_twin, batches, graph)
         return made["graphed"]
 
-    def run_recomputed_eagerly(self, step):
-        """run_twins of ``step(model, test, x, dy, z, k)`` (z: another input needing grad, k: the step),
-        checking that a fused run's backward was recomputed eagerly (NOTE [ Recomputing a fused run ])."""
+    def run_with_another_input(self, step):
+        """run_twins of ``step(model, test, x, dy, z, k)`` (z: another input needing grad, k: the step)."""
         draw = normal(3)
         batches = [b + (self.tensor(draw(BATCH, WIDTH), grad=True), k) for k, b in enumerate(self.batches())]
-        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
-            model = self.run_twins(step, batches)
-        self.assertTrue(fused(model))
-        self.assertGreater(eager.call_count, 0)
+        return self.run_twins(step, batches)
 
     def batches(self, n=None, extra=()):
         draw = normal(1)
@@ -127,7 +110,6 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
         self.assertIn("chained calls", model[1].forward.explain())
-        self.assertTrue(fused(model) and stacked(model))
 
     def test_an_early_exit_breaks_the_chain_and_it_resumes(self):
         depths = [4, 4, 4, 2, 4, 1, 4, 4, 3, 4, 4, 4]
@@ -203,15 +185,14 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
 
         self.run_twins(step, self.batches())
 
-    def test_a_member_called_again_before_an_irregular_backward(self):
-        """A fused run's backward from an intermediate output recomputes its members; the last one
-        was called alone in between (its graphs wait for that call's backward): eagerly recomputed."""
+    def test_a_member_called_again_before_a_backward_from_an_intermediate_output(self):
+        """The last member is called alone between the chain run and its backward."""
         def step(model, test, x, dy, z, k):
             outs, h = [], x
             for layer in model:
                 h = layer(h)
                 outs.append(h)
-            if k < 5:  # the chain forms (a layer called twice before a backward would take a second slot)
+            if k < 5:  # the chain forms
                 h.backward(dy)
                 return test.results(model, x, h)
             y = model[3](z)
@@ -221,24 +202,9 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
             z.clear_gradient(False)
             return test.results(model, x, outs[2], extra)
 
-        self.run_recomputed_eagerly(step)
+        self.run_with_another_input(step)
 
-    def test_a_fused_chain_counts_in_its_head_keys_bytes_and_max_bytes(self):
-        model = self.run_twins(forward_backward, self.batches())
-        head = model[0].forward
-        [entry] = head._entries.values()
-        fused_bytes = entry.chain.nbytes()
-        self.assertGreater(fused_bytes, 0)
-        self.assertEqual(head.stats()["static_bytes"], entry.graphs.nbytes() + fused_bytes)
-        self.assertIn(f"heads a fused chain of {LAYERS} calls ({fused_bytes} of its static bytes)", head.explain())
-        budget = head.stats()["static_bytes"] - 1
-        model = self.run_twins(forward_backward, self.batches(), max_bytes=budget)
-        self.assertFalse(fused(model))
-        self.assertIn(f"not fused: its static buffers need {fused_bytes} bytes more", model[0].forward.explain())
-        self.assertLessEqual(model[0].forward.stats()["static_bytes"], budget)
-        self.assertGreater(chained(model)[3], 0)
-
-    def test_a_hook_removed_before_the_backward_leaves_a_fused_run_regular(self):
+    def test_a_hook_removed_before_the_backward(self):
         def step(model, test, x, dy):
             h = x
             for i, layer in enumerate(model):
@@ -248,25 +214,21 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
             h.backward(dy)
             return test.results(model, x, h)
 
-        with mock.patch.object(chain_fused, "recompute", wraps=chain_fused.recompute) as recomputed:
-            model = self.run_twins(step, self.batches())
-        self.assertTrue(fused(model))
-        self.assertEqual(recomputed.call_count, 0)
+        model = self.run_twins(step, self.batches())
+        self.assertEqual(chained(model)[3], self.steps - 4)  # warmup, capture, two calls that confirm the link
 
-    def test_a_member_reset_before_an_irregular_backward(self):
+    def test_a_member_reset_before_a_backward_from_an_intermediate_output(self):
         def step(model, test, x, dy, k):
             outs, h = [], x
             for layer in model:
                 h = layer(h)
                 outs.append(h)
             if k >= 5 and model is test.graphed_model:
-                model[1].forward.reset()  # its graphs released while the fused run waits
+                model[1].forward.reset()  # its graphs released while the run waits
             outs[1].backward(dy)
             return test.results(model, x, outs[1])
 
-        with mock.patch.object(chain_recompute, "_eager", wraps=chain_recompute._eager) as eager:
-            self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
-        self.assertGreater(eager.call_count, 0)
+        self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
 
     def test_chain_calls_false_replays_every_call_alone(self):
         model = self.run_twins(forward_backward, self.batches(), chain_calls=False)
@@ -290,14 +252,13 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
             return test.results(model, x, h)
 
         model = self.run_twins(step, self.batches())
-        self.assertTrue(fused(model) and stacked(model))
+        self.assertGreater(chained(model)[3], 0)
         for k, (outs, values) in enumerate(kept):
             self.assertBitwise([o.numpy() for o in outs], values, f"outputs of step {k}, read at the end")
 
     def test_outputs_of_other_shapes_are_handed_out_one_by_one(self):
         model = self.run_twins(forward_backward, self.batches(), factory=widths_apart)
-        self.assertTrue(fused(model))
-        self.assertFalse(stacked(model))
+        self.assertGreater(chained(model)[3], 0)
         self.assertGreater(chained(model)[3], 0)
 
     def test_the_same_layer_twice_in_a_step(self):
@@ -448,26 +409,26 @@ class ChainAutogradCases(ChainCase):
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
         self.assertGreater(chained(model)[3], 0)
 
-    def test_hooks_and_retained_grads_when_a_fused_run_is_recomputed_eagerly(self):
+    def test_hooks_and_retained_grads_with_a_member_called_again_before_the_backward(self):
         def step(model, test, x, dy, z, k):
             kept, outs, h = [], [], x
             for layer in model:
                 h = layer(h)
                 outs.append(h)
-            if k < 5:  # the chain forms and fuses
+            if k < 5:  # the chain forms
                 h.backward(dy)
                 return test.results(model, x, h)
             outs[1].register_hook(lambda g: g * 2.0)
             outs[1].register_hook(lambda g: kept.append(g))
             outs[0].retain_grads()
-            y = model[3](z)  # takes the last member's graphs while the fused run waits
+            y = model[3](z)  # the last member alone while the run waits
             paddle.autograd.backward([h, outs[2] * 0.5], [dy, dy])
             y.backward(dy)
             extra = [y.numpy(), z.grad.numpy(), outs[0].grad.numpy()] + [g.numpy() for g in kept]
             z.clear_gradient(False)
             return test.results(model, x, h, extra)
 
-        self.run_recomputed_eagerly(step)
+        self.run_with_another_input(step)
 
     def test_retained_grads_of_intermediate_outputs(self):
         def step(model, test, x, dy):
@@ -514,7 +475,6 @@ class ChainAutogradCases(ChainCase):
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())],
                                factory=lambda: stack(layer=Block))
         self.assertGreater(chained(model)[3], 0)
-        self.assertFalse(fused(model))  # a draw ahead of its call would move the generator early
 
     def test_batch_norm_statistics_move_once_per_call(self):
         def step(model, test, x, dy, depth):
@@ -524,7 +484,6 @@ class ChainAutogradCases(ChainCase):
         model = self.run_twins(step, [b + (d,) for b, d in zip(self.batches(), depths)],
                                factory=lambda: stack(layer=lambda: paddle.nn.BatchNorm1D(WIDTH)))
         self.assertGreater(chained(model)[3], 0)
-        self.assertFalse(fused(model))  # running statistics written ahead of a call that may not come
 
     def test_a_training_flag_changed_between_calls(self):
         def step(model, test, x, dy, k):

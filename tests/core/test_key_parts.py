@@ -50,27 +50,6 @@ class CheapKeyPartsTest(unittest.TestCase):
         self.assertTrue(all(isinstance(s[0], int) for s in seen), seen)
 
 
-    def test_an_amp_snapshot_is_put_back_and_taken_away_whole(self):
-        from paddlefleet.cudagraph.core import state
-        from tests.grads.test_training import gpu_amp_state
-
-        tracer = paddle.base.framework._dygraph_tracer()
-        with gpu_amp_state("O1", "bfloat16"):
-            tracer._set_amp_op_list({"relu"}, {"exp"})
-            try:
-                snapshot = state.amp_snapshot()
-            finally:
-                tracer._set_amp_op_list(set(), set())
-        outside = (tracer._amp_level, tracer._amp_dtype, tracer._get_amp_op_list())
-        with state.amp_restored(snapshot):
-            self.assertEqual((tracer._amp_level, tracer._amp_dtype), (paddle.base.core.AmpLevel.O1, "bfloat16"))
-            self.assertEqual(tracer._get_amp_op_list(), ({"relu"}, {"exp"}))
-        self.assertEqual((tracer._amp_level, tracer._amp_dtype, tracer._get_amp_op_list()), outside)
-        with self.assertRaises(KeyError), state.amp_restored(snapshot):  # restored on an exception too
-            raise KeyError("x")
-        self.assertEqual((tracer._amp_level, tracer._amp_dtype, tracer._get_amp_op_list()), outside)
-
-
 class _Place:
     """A stand-in place: a GPU (device id), the CPU, or another kind (pinned memory)."""
 

@@ -185,9 +185,8 @@ class _BlockCapture:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
             # NOTE [ Random kernels under a recording capture ] in core/state.py.
             rng_guard = state.RecordingRngGuard(enabled=not backend.capture_executes)
-            with LayerRecorder(snapshot, watch) as recorder, rng_guard, state.RandomDraws() as draws:
+            with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
-            graphs.pure = not draws.drew
             watch.check()
             rng_guard.check()
             _refuse_objects_holding_tensors(live["spec"][1])
@@ -202,9 +201,6 @@ class _BlockCapture:
                 graphs.handed_out = StaleOutputs()
             graphs.layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
             graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
-            # Layer state (buffers, running statistics) a forward may write, even where no inplace
-            # version shows it (batch_norm writes its statistics through its outputs): not pure.
-            graphs.pure = graphs.pure and not any(state.written_in_place(layer) for layer in graphs.layers)
             self._backward(graphs, live, grad_enabled)
             graphs.settle()  # NOTE [ Replay work decided at capture ] in block/replay.py
             # Keeps the capture-time outputs and their autograd graph (the saved activations) alive
@@ -267,9 +263,8 @@ class _BlockCapture:
         # NOTE [ Recompute under CUDA graphs ] in core/state.py: only a recording capture needs it.
         guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
         try:
-            with guard, state.RandomDraws() as draws:
+            with guard:
                 results = list(bwd.graph.capture(body, self.opts.capture_hooks))
-            graphs.pure = graphs.pure and not draws.drew
         except Exception as err:
             # Our own refusals (a host sync, say) would fail the same way with backward().
             if self.by_grad and not isinstance(err, CudaGraphError):

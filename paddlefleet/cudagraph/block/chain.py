@@ -29,8 +29,6 @@ once for a run of consecutive graphed calls:
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
   their own keys as usual, and the link is seen again before it is used again. Calls that never
   come (an early exit) leave their outputs unused: nothing reached autograd through them.
-* **Fused chains** replay every member's forward at the head call, in one graph, where that
-  cannot differ from eager (NOTE [ Fused chains ] in block/chain_fused.py).
 * **Backward** (block/chain_bridge.py) replays the backward graphs of the members that handed
   out their output, last first, feeding each the grad of its output: the grad the next member's
   backward gave its first input, plus any grad that reached the output from outside the chain
@@ -53,7 +51,6 @@ from ..core.entry import Phase
 from ..core.state import amp_state
 from ..io.static_inputs import unflatten
 from . import chain_links
-from .chain_fused import build_fused, fusable
 from .chain_links import confirmed, current_run, flags
 from .chain_run import ChainRun
 from .replay import replay_blocker
@@ -132,21 +129,17 @@ def start_chain(body, entry, call):
         chain = entry.chain = Chain(chain_links.VERSION[0], _members(body, entry, call))
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, amp_state(), chain.forget, chain.fused_for(call)).start()
+    return ChainRun(chain.members, call, amp_state(), chain.forget).start()
 
 
 class Chain:
-    """The members confirmed links lead to from one head (checked again at each call), and their
-    fused graphs (NOTE [ Fused chains ] in block/chain_fused.py): None before they were tried,
-    False where the chain is not fused."""
+    """The members confirmed links lead to from one head (checked again at each call)."""
 
-    __slots__ = ("version", "members", "fused", "fused_refusal", "__weakref__")
+    __slots__ = ("version", "members", "__weakref__")
 
     def __init__(self, version, members):
         self.version = version
         self.members = members
-        self.fused = None
-        self.fused_refusal = None
 
     def forget(self):
         """A member no longer fits: the next run builds the chain again."""
@@ -155,43 +148,7 @@ class Chain:
     def describe(self):
         """What explain() says of the chain this key heads ("" when it heads none)."""
         n = len(self.members)
-        if n < 2:
-            return ""
-        if self.fused:
-            return f"heads a fused chain of {n} calls ({self.nbytes()} of its static bytes)"
-        if self.fused_refusal:
-            return f"heads a chain of {n} calls, not fused: {self.fused_refusal}"
-        return f"heads a chain of {n} calls"
-
-    def nbytes(self):
-        """Bytes held by the fused graphs' static buffers (counted in the head key's)."""
-        return self.fused.nbytes() if self.fused else 0
-
-    def fused_for(self, call):
-        """The fused graphs a run from ``call`` replays, or None (an unfused run)."""
-        if self.fused is None:
-            self.fused = False
-            if fusable(self.members, call):
-                try:
-                    self.fused = build_fused(self.members, call)
-                except Exception as err:  # contained: the chain runs unfused
-                    self.fused_refusal = f"{type(err).__name__}: {err}"
-                self._fit_budget()
-        fused = self.fused
-        return None if not fused or fused.backward_pending() else fused
-
-
-    def _fit_budget(self):
-        """A fused chain whose bytes would take the head key past its wrapper's max_bytes is
-        released: the chain runs unfused."""
-        head = self.members[0]
-        budget = head.body.options.max_bytes
-        if self.fused and budget is not None and head.entry.nbytes() > budget:
-            need = self.fused.nbytes()
-            self.fused.release()
-            self.fused = False
-            self.fused_refusal = (f"its static buffers need {need} bytes more, and the head key would exceed "
-                                  f"max_bytes={budget}")
+        return f"heads a chain of {n} calls" if n >= 2 else ""
 
 
 def _members(body, entry, call):

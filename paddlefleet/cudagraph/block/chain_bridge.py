@@ -4,8 +4,6 @@ backward replays the backward graphs of the members that handed out their output
 """
 
 
-import functools
-
 import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
@@ -77,24 +75,21 @@ def _replay_backwards(run, grads):
     return run.args.grads([g for of_member in params for g in of_member] + head)
 
 
-def member_backwards(run, grads, backward_of=None):
+def member_backwards(run, grads):
     """The backwards of the members that handed out their output, last first: ``(the head call's
-    tensors' grads, [each member's parameter grads])``. ``backward_of(j, grad)`` runs member ``j``'s
-    backward fed ``grad`` and returns ``(its call's tensors' grads - the head's all, a later member's
-    first -, its parameters' grads)``; by default a replay of the member's backward graph."""
+    tensors' grads, [each member's parameter grads])``."""
     members, handed = run.members, run.handed
     run.break_at(handed, "backward ran")  # no call is handed an output after its backward
     head_grads = [None] * len(run.call.tensors)
     param_grads = [[None] * len(m.params) for m in members]
     given = None  # the grad the member after this one gave its first argument
-    backward_of = backward_of or functools.partial(_replayed_backward, run)
     try:
         for j in reversed(range(handed)):
             total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
             given = None
             if total is None:  # nothing reached this output: its call's backward does not run (eager)
                 continue
-            inputs, param_grads[j] = backward_of(j, total)
+            inputs, param_grads[j] = _replayed_backward(run, j, total)
             if j == 0:
                 head_grads = inputs
             else:

@@ -85,7 +85,7 @@ def _drop_hook(t, hook_id):
         return None
     if kept:
         run.hooks[j] = kept
-    else:  # no hook left: a fused run's backward may be regular again
+    else:
         del run.hooks[j]
     return True
 
@@ -112,16 +112,7 @@ def install():
 
 def _refuse_partial_grad(inputs):
     """paddle.grad is refused, before Paddle starts it, with respect to an output the next call of
-    its chain consumed, and while a fused run whose backward would be recomputed eagerly waits
-    (NOTE [ Recomputing a fused run ] in block/chain_recompute.py)."""
-    for run in list(_runs):
-        if run.needs_eager_recompute():
-            raise CudaGraphError(
-                "autocudagraph: paddle.grad while the backward of a fused chain of graphed calls (NOTE [ Fused "
-                "chains ] in block/chain_fused.py) waits and a call has taken the graphs of one of its members "
-                "since: if this paddle.grad reaches that chain, its grads need a paddle.grad inside this one, "
-                "which Paddle cannot run. Pass chain_calls=False to autocudagraph for these calls, or run this "
-                "paddle.grad before calling them again.")
+    its chain consumed."""
     for t in inputs or ():
         found = _find(t) if isinstance(t, paddle.Tensor) else None
         if found is not None and found[1] < found[0].handed - 1:

@@ -7,15 +7,13 @@ import weakref
 import paddle
 
 from ..core.body import Replayed
-from ..core.state import amp_snapshot, grad_and_amp
+from ..core.state import grad_and_amp
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.static_inputs import unflatten
 from . import chain_outputs, partial_grad
 from .capture import capture_second_backward
-from .bridge import bridge_args
 from .chain_bridge import ChainFunction, replay_forward
-from .chain_fused import WRITES, FusedFunction
 from .chain_links import current_run, forget_link, remember, set_run
 from .replay_fallback import state_restored_on_refusal
 
@@ -32,16 +30,12 @@ class ChainRun:
         call: the head call (its Call).
         amp: the AMP state at the head call.
         forget: drops the head's cached members (a member no longer fits).
-        fused: the chain's fused graphs this run replays, or None (NOTE [ Fused chains ] in
-            block/chain_fused.py).
     """
 
     __slots__ = ("members", "call", "amp", "rest", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "fused", "writes", "versions", "given",
-                 "amp_snapshot", "fused_token",
-                 "__weakref__")
+                 "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
 
-    def __init__(self, members, call, amp, forget, fused=None):
+    def __init__(self, members, call, amp, forget):
         self.members = members
         self.call = call
         self.amp = amp
@@ -58,15 +52,12 @@ class ChainRun:
         self.hooks = {}  # output index -> [(hook id, hook)]; hook None: retain_grads()
         self.args = None
         self.executes = members[0].entry.backend.capture_executes
-        self.fused = fused
-        self.writes = self.versions = self.given = self.amp_snapshot = self.fused_token = None
 
     def start(self):
-        """Replays the head's forward (or the fused one), applies the bridge; returns the head
-        call's Replayed."""
+        """Replays the head's forward, applies the bridge; returns the head call's Replayed."""
         note_call()
         try:
-            outputs, copied, skipped = self._fused_start() if self.fused is not None else self._start()
+            outputs, copied, skipped = self._start()
         except BaseException:
             self.break_at(0, "the head's replay failed")
             raise
@@ -88,18 +79,6 @@ class ChainRun:
         self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
         return ChainFunction.apply(self, *self.args.args), copied, skipped
 
-    def _fused_start(self):
-        """NOTE [ Fused chains ] in block/chain_fused.py: every forward now, what they read noted."""
-        fused = self.fused
-        self._second_set(fused)
-        copied, skipped = fused.static_inputs.copy_in(self.call.tensors)
-        self.args = bridge_args(fused, self.call.tensors)
-        self.versions = [[p._inplace_version() for p in m.graphs.params.params] for m in self.members]
-        self.amp_snapshot = amp_snapshot()  # NOTE [ Recomputing a fused run ] in block/chain_recompute.py
-        outputs = FusedFunction.apply(self, fused, self.args, *self.args.args)
-        self.writes = WRITES[0]
-        return outputs, copied, skipped
-
     @staticmethod
     def _second_set(graphs):
         if graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py
@@ -108,7 +87,6 @@ class ChainRun:
     def _give(self, j):
         out = self.outputs[j]
         self.handed = j + 1
-        self.given = out._inplace_version()
         member = self.members[j]
         if self.handed == len(self.members):  # a call after the chain may be given its output
             remember(member.entry, out, self.call.args, self.call.kwargs)
@@ -132,15 +110,7 @@ class ChainRun:
         if why is not None:
             self.break_at(j, why)
             return None
-        member = self.members[j]
-        if self.fused is not None:
-            why = self._changed_since_first(j)
-            if why is not None:
-                self.break_at(j, why)
-                return None
-            note_call()
-            return member.entry, Replayed(self._give(j), 0, 0)
-        graphs = member.graphs
+        graphs = self.members[j].graphs
         self._second_set(graphs)
         note_call()
         try:
@@ -152,31 +122,7 @@ class ChainRun:
         except ReplayShapeError:  # the call runs alone, which falls back
             self.break_at(j, "its replay changed an output's shape")
             return None
-        return member.entry, Replayed(self._give(j), copied, skipped)
-
-    def _changed_since_first(self, j):
-        """Why member ``j``'s forward, run at the first call of a fused run, may differ from what
-        this call would compute now, or None (NOTE [ Fused chains ] in block/chain_fused.py)."""
-        if WRITES[0] != self.writes:
-            return "a tensor was written (set_value, copy_) since the first call"
-        if self.outputs[j - 1]._inplace_version() != self.given:
-            return "the previous output was written in place"
-        for p, version in zip(self.members[j].graphs.params.params, self.versions[j]):
-            if p._inplace_version() != version:
-                return "a parameter was written in place since the first call"
-        return None
-
-    def needs_eager_recompute(self):
-        """Whether this fused run waits for its backward and one of its members' graphs was taken
-        since (NOTE [ Recomputing a fused run ] in block/chain_recompute.py)."""
-        token = self.fused_token
-        return (token is not None and not token.done
-                and not all(m.current() for m in self.members[:self.handed]))
-
-    def regular(self, grads):
-        """Whether a fused run's backward may replay the fused backward graph (see the NOTE)."""
-        return (self.handed == len(self.members) and grads[-1] is not None and not self.hooks
-                and all(g is None for g in grads[:-1]))
+        return self.members[j].entry, Replayed(self._give(j), copied, skipped)
 
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""

@@ -77,11 +77,6 @@ class BlockGraphs(Graphs):
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
         chain: why the key never joins a chain ("" when it may), decided once (block/chain.py).
-        pure: the capture drew no random numbers and its Layers hold no state a forward may write
-            (buffers, running statistics): its forward may run ahead of its call (NOTE [ Fused
-            chains ] in block/chain_fused.py).
-        stacked: a fused chain's graphs whose first output stacks every member's output (NOTE
-            [ Fused chains ]).
         bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
     """
@@ -105,8 +100,6 @@ class BlockGraphs(Graphs):
     generation: int = 0
     inflight: Any = None
     chain: Any = None
-    pure: bool = False
-    stacked: bool = False
     bridge_tail: tuple = ()
     diff_at: tuple = ()
     non_diff_at: tuple = ()

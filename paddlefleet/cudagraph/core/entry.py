@@ -74,11 +74,10 @@ class GraphEntry:
         return self.graphs is not None
 
     def nbytes(self):
-        """Bytes held by this key's static buffers (pool internals not included), a fused chain's
-        from this key included (NOTE [ Fused chains ] in block/chain_fused.py)."""
+        """Bytes held by this key's static buffers (pool internals not included)."""
         if self.graphs is None:
             return 0
-        return self.graphs.nbytes() + (self.chain.nbytes() if self.chain is not None else 0)
+        return self.graphs.nbytes()
 
     def backward_pending(self):
         """True while a forward replay of this key waits for its backward."""
@@ -106,7 +105,7 @@ class GraphEntry:
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts), and the chain built
-        from this key with its fused graphs (block/chain.py)."""
+        from this key (block/chain.py)."""
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None

@@ -10,7 +10,7 @@ import paddle
 
 from .paddle_patches import Patches
 
-__all__ = ["amp_state", "amp_snapshot", "amp_restored", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
+__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
            "RngRewindGuard", "RecordingRngGuard", "generator_state_indices"]
 
 
@@ -34,41 +34,6 @@ def amp_state():
     # Raw (hashable) values: str() of the level enum costs ~15 us per call; the enum itself hashes
     # and compares slowly (NOTE [ Cheap key parts ] in core/keys.py), so the level is its int.
     return (_enum_int(getattr(tracer, "_amp_level", None)), getattr(tracer, "_amp_dtype", None))
-
-
-def amp_snapshot():
-    """The tracer's whole autocast state, to run code again under it (amp_restored): level and
-    dtype, and the op lists and promotion where autocast is on. None without a tracer."""
-    tracer = _dygraph_tracer()
-    if tracer is None:
-        return None
-    level = tracer._amp_level
-    lists = tracer._get_amp_op_list() if _enum_int(level) else None
-    return level, tracer._amp_dtype, lists, getattr(tracer, "_use_promote", None)
-
-
-@contextlib.contextmanager
-def amp_restored(snapshot):
-    """Runs the block under the autocast state ``snapshot`` (amp_snapshot) and restores the tracer's."""
-    tracer = _dygraph_tracer()
-    if snapshot is None or tracer is None:
-        yield
-        return
-    saved = (tracer._amp_level, tracer._amp_dtype, tracer._get_amp_op_list(), getattr(tracer, "_use_promote", None))
-
-    def put(state):
-        level, dtype, lists, promote = state
-        tracer._amp_level, tracer._amp_dtype = level, dtype
-        if lists is not None:
-            tracer._set_amp_op_list(*lists)
-        if promote is not None:
-            tracer._use_promote = promote
-
-    try:
-        put(snapshot)
-        yield
-    finally:
-        put(saved)
 
 
 def _enum_int(value):
@@ -301,26 +266,6 @@ def _patch_random_ops(patches, note):
     except BaseException:
         patches.restore()
         raise
-
-
-class RandomDraws:
-    """Notes whether the block it guards runs a random kernel (``drew``): a graph that draws is
-    never replayed ahead of its call (NOTE [ Fused chains ] in block/chain_fused.py)."""
-
-    def __init__(self):
-        self.drew = False
-        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
-
-    def __enter__(self):
-        _patch_random_ops(self._patches, self._note)
-        return self
-
-    def _note(self, name):
-        self.drew = True
-
-    def __exit__(self, exc_type, exc, tb):
-        self._patches.restore()
-        return False
 
 
 # The random kernels whose seed and offset Paddle patches before every replay but the first
