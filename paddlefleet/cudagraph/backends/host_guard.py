@@ -20,6 +20,21 @@ io/host_tensors.py); ``host_reads`` (simulated backend) hands the captured value
 A tensor created on the host inside the function (``paddle.to_tensor(a, place="cpu")``) is a
 host tensor; copying it to the device is refused like any host-to-device copy.
 
+NOTE [ Python scalars during capture ]
+``paddle.to_tensor(<Python bool, int or float>)`` is everywhere in model code, often hidden in a
+Paddle helper (``paddle.where(mask, 0.0, finfo.min)`` calls it on Paddle 3.x). Eager Paddle converts
+the scalar on the host and copies it to the device, a copy a capture refuses. Inside a capture it
+becomes a device fill instead (``_C_ops.full``, the op Paddle 3.x itself uses for a float or int
+scalar on a GPU): the host conversion runs as eager runs it (``_to_tensor_non_static`` with the
+CPU place, pure host work: default dtype, ``dtype=``, bfloat16 rounding of this Paddle), and the
+fill writes that value, so the result has eager's bits, dtype, shape ([]), place and
+stop_gradient. The value is a kernel argument: a replay writes the capture-time value, as for
+every Python scalar a graphed function uses (``x * 0.5``). Python lists, numpy arrays and numpy
+scalars stay refused: they are data. The fill happens in ``_to_tensor_non_static``, below the
+public ``paddle.to_tensor``, so the whole-step op trace (step/host_reads.py) records the user's
+call with the user's arguments at warmup and at capture alike; where this Paddle lacks that
+function, scalars stay refused.
+
 The patches are installed only inside ``host_guard()`` and always restored on exit; they check
 calls of the capturing thread only (captures are thread-local: another thread's reads are its own).
 """
@@ -82,6 +97,10 @@ def _grad_assignment_error():
     )
 
 
+#: Python types whose to_tensor becomes a device fill during capture (NOTE [ Python scalars during capture ]).
+_SCALARS = (bool, int, float)
+
+
 def _what(value):
     """``a numpy array``, ``a list``, ``a Python float``: what a host value is, for messages."""
     if type(value).__module__ == "numpy":
@@ -133,6 +152,8 @@ class _Guard:
         self.patches = Patches()
         self.depth = 0  # > 0 inside an allowed call: what it calls in turn is its own business
         self.thread = threading.get_ident()  # the capturing thread (captures are thread-local)
+        self.fills_scalars = False  # _to_tensor_non_static is patched: scalars become device fills
+        self.scalar_call = False  # inside paddle.to_tensor(<Python scalar>) on the device
 
     def patch(self, owner, name, make):
         if not hasattr(owner, name):
@@ -208,12 +229,32 @@ class _Guard:
                     raise _copy_error("paddle.to_tensor() of a host tensor")
                 if on_host and not source_host:
                     raise _read_error("paddle.to_tensor(device tensor, place=cpu)")
+            elif type(data) in _SCALARS and not on_host and guard.fills_scalars:
+                # Not through allowed(): the patched _to_tensor_non_static below must see the call.
+                guard.scalar_call = True
+                try:
+                    return original(data, *args, **kwargs)
+                finally:
+                    guard.scalar_call = False
             elif not on_host:
                 raise _copy_error(f"paddle.to_tensor() of {_what(data)}")
             out = guard.allowed(original, data, *args, **kwargs)
             return mark_host(out) if on_host else out
 
         return to_tensor
+
+    def scalar_fill(self, original):
+        """``_to_tensor_non_static`` of a Python scalar for the device: a fill with the value eager
+        would copy (NOTE [ Python scalars during capture ])."""
+        guard = self
+
+        def to_tensor_non_static(data, dtype=None, place=None, stop_gradient=True):
+            if not guard.scalar_call or type(data) not in _SCALARS:
+                return original(data, dtype, place, stop_gradient)
+            guard.scalar_call = False  # one fill per to_tensor call
+            return guard.allowed(_device_fill, original, data, dtype, place, stop_gradient)
+
+        return to_tensor_non_static
 
     def assign(self, original):
         guard = self
@@ -269,6 +310,29 @@ class _Guard:
         return make
 
 
+def _fill_value(host):
+    """The Python value of a 0-D host tensor, exact in a double (float16/bfloat16 widen exactly)."""
+    if host.dtype in (paddle.float16, paddle.bfloat16):
+        return float(host.astype("float32").numpy())
+    if host.dtype in (paddle.float32, paddle.float64):
+        return float(host.numpy())
+    if host.dtype == paddle.bool:
+        return bool(host.numpy())
+    return int(host.numpy())
+
+
+_FILLABLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+
+
+def _device_fill(original, data, dtype, place, stop_gradient):
+    host = original(data, dtype, paddle.CPUPlace(), True)  # eager's conversion, on the host
+    if str(host.dtype).replace("paddle.", "").lower() not in _FILLABLE:
+        raise _copy_error(f"paddle.to_tensor() of {_what(data)} as {host.dtype}")
+    out = paddle._C_ops.full(list(host.shape), _fill_value(host), host.dtype, place)
+    out.stop_gradient = stop_gradient
+    return out
+
+
 @contextlib.contextmanager
 def host_guard(is_host, host_reads=None):
     """Refuses host reads, host-to-device copies and device syncs with a CaptureError until the
@@ -290,6 +354,10 @@ def host_guard(is_host, host_reads=None):
             if module is not None:
                 guard.patch(module, "to_tensor", guard.to_tensor)
                 guard.patch(module, "assign", guard.assign)
+        creation = getattr(paddle.tensor, "creation", None)
+        if creation is not None and hasattr(creation, "_to_tensor_non_static"):
+            guard.patch(creation, "_to_tensor_non_static", guard.scalar_fill)
+            guard.fills_scalars = True
         guard.patch(paddle.device, "synchronize", guard.sync("paddle.device.synchronize()"))
         cuda_mod = getattr(paddle.device, "cuda", None)
         if cuda_mod is not None:
