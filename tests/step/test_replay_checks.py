@@ -6,6 +6,7 @@ the new check and the walk it replaced (kept below as the oracle, as the code wa
 verdict: they must agree, change by change.
 """
 
+import threading
 import unittest
 
 import numpy as np
@@ -15,7 +16,7 @@ from paddlefleet.cudagraph import autocudagraph_step
 from paddlefleet.cudagraph.core.body import Action
 from paddlefleet.cudagraph.core.call import Call
 from paddlefleet.cudagraph.step.grad_slots import CLOSED, grad_ptr
-from paddlefleet.cudagraph.step.host_reads import BindingWatch
+from paddlefleet.cudagraph.step.host_reads import BindingWatch, OpTrace
 
 SCALE = 1.0  # a global the step reads (rebound by the tests)
 
@@ -214,3 +215,16 @@ class BindingWatchFastCheckTest(unittest.TestCase):
 
     def test_nothing_bound_needs_no_check(self):
         self.assertIsNone(BindingWatch(lambda x: x).unchanged_since({}))
+
+
+class OpTraceThreadTest(unittest.TestCase):
+    """Only the step's thread is traced: a DataLoader's prefetch thread collating the next batch
+    (paddle.to_tensor of a list) while the step runs made a replay's trace differ from the capture's."""
+
+    def test_ops_of_another_thread_are_not_recorded(self):
+        with OpTrace() as trace:
+            worker = threading.Thread(target=lambda: (paddle.to_tensor([1, 2]), paddle.ones([2]) + 1))
+            worker.start()
+            worker.join()
+            paddle.to_tensor(2.0)
+        self.assertEqual([op[0] for op in trace.ops], ["paddle.to_tensor"])

@@ -20,6 +20,10 @@ repeats the capture-time choice. Two checks make that visible instead of silent:
   global) is refused at capture and sends later calls to eager; it costs a few dictionary
   reads per call, so it runs before every replay on every backend.
 
+Only the thread that runs the step is traced: another thread's ops (a DataLoader's prefetch thread
+collating the next batch with ``paddle.to_tensor``) are not part of the step, and a capture is
+thread-local (NOTE [ Host access during capture ] in backends/host_guard.py).
+
 Limits: ops reached without Python (custom C++ operators, the DataParallel reducer) are not
 traced; a value that changes only every N steps is caught at capture only if it changed
 between the last warmup step and the capture (the simulated backend catches it on the replay
@@ -29,6 +33,7 @@ warmup and capture only.
 
 import gc
 import math
+import threading
 import operator
 import sys
 import types
@@ -125,12 +130,13 @@ class OpTrace:
         self._where = where
         self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
         self._depth = 0
+        self._thread = threading.get_ident()  # the step's thread: other threads' ops are theirs
 
     def _wrap(self, label, original):
         trace = self
 
         def traced(*args, **kwargs):
-            if trace._depth:  # an op called by an op (a Python-level Paddle API): one record
+            if trace._depth or threading.get_ident() != trace._thread:  # an op called by an op: one record
                 return original(*args, **kwargs)
             hosts = _Hosts(trace._on_gpu)
             trace.ops.append((label, _norm(args, hosts), _norm(kwargs, hosts) if kwargs else ()))
