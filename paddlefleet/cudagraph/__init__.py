@@ -27,7 +27,7 @@ from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBac
 from .options import GraphOptions
 from .step.graphed_step import autocudagraph_step
 
-# The patches installed for the whole process (NOTE [ Paddle patches ] in core/paddle_patches.py):
+# The patches installed for the whole process (NOTE [ Paddle patches ] in backends/paddle_patches.py):
 hook_registry.install()  # NOTE [ Grad consumers ] in grads/hook_registry.py: hooks registered from now on
 saved_hooks.install()  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
 chain_outputs.install()  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py

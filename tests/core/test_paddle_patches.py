@@ -1,10 +1,10 @@
-"""core/paddle_patches.py: every patch is put back exactly, in order, whatever happens."""
+"""backends/paddle_patches.py: every patch is put back exactly, in order, whatever happens."""
 
 import unittest
 
 import paddle
 
-from paddlefleet.cudagraph.core.paddle_patches import Patches, patched
+from paddlefleet.cudagraph.backends.paddle_patches import Patches, patched
 
 
 class _Base:

@@ -44,7 +44,7 @@ import threading
 
 import paddle
 
-from ..core.paddle_patches import Patches
+from .paddle_patches import Patches
 from ..errors import CaptureError
 from .host_marks import mark_host
 
@@ -167,7 +167,7 @@ class _Guard:
                 return current(*args, **kwargs)
             return checked(*args, **kwargs)
 
-        self.patches.set(owner, name, entry)  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        self.patches.set(owner, name, entry)  # NOTE [ Paddle patches ] in backends/paddle_patches.py
 
     def allowed(self, original, *args, **kwargs):
         """Runs an allowed call; the patched calls it makes (to_tensor's own _copy_to) pass."""

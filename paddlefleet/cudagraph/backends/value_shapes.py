@@ -36,7 +36,7 @@ import contextlib
 import paddle
 
 from ..errors import CaptureError, ReplayShapeError
-from ..core.paddle_patches import Patches
+from .paddle_patches import Patches
 
 __all__ = ["refuse_value_shapes", "check_replay_shapes", "VALUE_SHAPED_OPS"]
 
@@ -130,7 +130,7 @@ def refuse_value_shapes(is_host):
     """Makes the calls of NOTE [ Shapes from tensor values ] raise CaptureError until the block
     exits; ``is_host(t)`` tells a host tensor, whose calls are allowed."""
     ops = paddle._C_ops
-    patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
+    patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
     try:
         for name in VALUE_SHAPED_OPS:
             if hasattr(ops, name):

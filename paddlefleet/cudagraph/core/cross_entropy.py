@@ -58,7 +58,7 @@ import paddle
 from paddle import _C_ops
 
 from ..backends.base import own_grad, register_device_decisions
-from .paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 
 __all__ = ["device_decisions", "needed"]
 

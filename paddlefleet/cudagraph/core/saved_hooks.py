@@ -33,7 +33,7 @@ import threading
 
 from paddle.base import core
 
-from .paddle_patches import install_for_process
+from ..backends.paddle_patches import install_for_process
 
 __all__ = ["active", "REASON", "warning"]
 
@@ -71,7 +71,7 @@ def _wrap(name, registered):
 
     tracked._paddlefleet_saved_hooks = True
     tracked.__wrapped__ = original
-    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in core/paddle_patches.py
+    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in backends/paddle_patches.py
 
 
 def install():

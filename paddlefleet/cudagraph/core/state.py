@@ -8,7 +8,7 @@ import contextlib
 
 import paddle
 
-from .paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 
 __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch",
            "RngRewindGuard", "RecordingRngGuard", "generator_state_indices"]
@@ -190,7 +190,7 @@ class RngRewindGuard:
     def __init__(self):
         self.rewound = False
         self.random_after_rewind = None
-        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
 
     def __enter__(self):
         guard = self
@@ -321,7 +321,7 @@ class RecordingRngGuard:
         self.state_indices = generator_state_indices() if state_indices is None else state_indices
         self.problem = None
         self._start = None
-        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
 
     def __enter__(self):
         if not self.enabled:

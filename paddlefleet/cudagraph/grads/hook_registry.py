@@ -28,7 +28,7 @@ import weakref
 
 import paddle
 
-from ..core.paddle_patches import install_for_process
+from ..backends.paddle_patches import install_for_process
 from .handles import routed
 
 __all__ = ["install", "may_keep", "generation", "describe", "set_taker"]

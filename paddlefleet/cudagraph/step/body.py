@@ -44,7 +44,7 @@ from paddle import _C_ops
 
 from ..core import state
 from ..core.body import Action, Blocked, Body, Graphs, Replayed
-from ..core.paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 from ..backends import function_errors, whole_step
 from ..errors import CaptureError
 from .grad_scaler import live_scalers
@@ -142,7 +142,7 @@ class _Warm:
 def _refuse_paddle_scaler():
     """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
-    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+    with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
         for cls in classes:
             for name in ("step", "minimize", "update"):
                 original = cls.__dict__.get(name)

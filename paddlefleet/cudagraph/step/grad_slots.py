@@ -37,7 +37,7 @@ import contextlib
 import paddle
 
 from ..backends.base import is_capturing
-from ..core.paddle_patches import patched
+from ..backends.paddle_patches import patched
 from ..errors import CaptureError
 from .optimizer_state import optimizer_params
 
@@ -121,7 +121,7 @@ class GradSlots:
                     grad.zero_()
             return None
 
-        # NOTE [ Paddle patches ] in core/paddle_patches.py
+        # NOTE [ Paddle patches ] in backends/paddle_patches.py
         with patched((paddle.Tensor, "backward", backward), (paddle.autograd, "backward", backward_fn),
                      (paddle.Tensor, "clear_gradient", clear)):
             yield record

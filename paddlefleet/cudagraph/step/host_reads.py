@@ -43,7 +43,7 @@ import paddle
 
 from ..backends.host_marks import is_marked_host
 from ..core.location import _is_library
-from ..core.paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 
 __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
@@ -128,7 +128,7 @@ class OpTrace:
         self.host_ops = []
         self._on_gpu = on_gpu
         self._where = where
-        self._patches = Patches()  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
         self._depth = 0
         self._thread = threading.get_ident()  # the step's thread: other threads' ops are theirs
 

@@ -42,7 +42,7 @@ import numpy as np
 import paddle
 
 from ..backends.host_marks import is_marked_host, mark_host
-from ..core.paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 from ..errors import CaptureError
 
 __all__ = [

@@ -36,7 +36,7 @@ import types
 
 import paddle
 
-from ..core.paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 
 __all__ = ["Reachable", "reachable", "InPlaceWrites"]
 

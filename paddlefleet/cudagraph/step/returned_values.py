@@ -23,7 +23,7 @@ a kept value differs from the capture's (a GPU would have returned the capture's
 
 import paddle
 
-from ..core.paddle_patches import Patches
+from ..backends.paddle_patches import Patches
 from ..errors import CaptureError
 from ..io.static_inputs import const_names, flatten
 
