@@ -1,4 +1,4 @@
-"""NOTE [ Adopted inputs of a step ] (step/body.py): a batch tensor passed in the last warmup call
+"""NOTE [ Adopted inputs of a step ] (step/capture.py): a batch tensor passed in the last warmup call
 and again in the capture call is the graph's input itself, so replays passed it again copy
 nothing; another tensor there captures the key again once; a step that writes its input in place
 writes the caller's tensor, as eager does, and a refused capture takes that write back.

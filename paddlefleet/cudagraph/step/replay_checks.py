@@ -5,7 +5,7 @@ A step's graph reads and writes fixed addresses and freezes what its Python read
 replay StepBody.blocker asks: did the grad-slot mode change, was a global or closure variable of
 the step function rebound, was a parameter the optimizers update replaced or moved, did the
 call pass another tensor where the graph reads an adopted one in place (NOTE [ Adopted inputs of
-a step ] in step/body.py), did the grads change between calls (closed mode: a backward or clear
+a step ] in step/capture.py), did the grads change between calls (closed mode: a backward or clear
 outside the step), or was the grad storage the graph adds into released (persistent mode)? These
 answers cost host time on every call, and a replayed step should cost little more than the graph
 launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
@@ -79,7 +79,7 @@ class ReplayChecks:
         return None
 
     def _adopted_moved(self, _, tensors):
-        # NOTE [ Adopted inputs of a step ] in step/body.py; StaticInputs.moved's test, all at once
+        # NOTE [ Adopted inputs of a step ] in step/capture.py; StaticInputs.moved's test, all at once
         picked = tensors if self._every_input_adopted else [tensors[i] for i in self._adopted]
         if list(map(_data_ptr, picked)) == self._adopted_ptrs and all(map(_is_contiguous, picked)):
             return None

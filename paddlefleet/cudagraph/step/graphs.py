@@ -1,0 +1,75 @@
+"""What one capture of a whole step made: ``StepGraphs``, the step's graph, its static buffers and what
+a replay checks and feeds. Made by step/capture.py, read by step/body.py and step/replay_checks.py.
+"""
+
+import dataclasses
+from typing import Any, List, Optional
+
+from paddle import _C_ops
+
+from ..core.body import Graphs
+from .grad_slots import CLOSED
+from ..io.static_inputs import nbytes
+
+__all__ = ["StepGraphs"]
+
+
+@dataclasses.dataclass(eq=False)
+class StepGraphs(Graphs):
+    """What one capture of a step made.
+
+    Attributes:
+        graph, pool, backend: the step's graph.
+        static_inputs, static_outputs, out_spec, out_consts: the batch buffers and the results.
+        grad_mode: the grad-slot mode at capture; watched: ``[(param, grad address)]`` checked
+            before replays (in persistent mode: the grad storage the graph adds into).
+        params: ``[(param, address)]`` the graph updates in place.
+        bindings: the step function's globals/closure at capture; trace: the capture's ops.
+        pending: the capture call's result when the capture executed the step (simulate).
+        live: what the capture run made and the graph keeps reading.
+    """
+
+    backend: Any
+    pool: Any = None
+    graph: Any = None
+    static_inputs: Any = None
+    static_outputs: List[Any] = dataclasses.field(default_factory=list)
+    out_spec: Any = None
+    out_consts: Optional[list] = None
+    layers: list = dataclasses.field(default_factory=list)
+    grad_mode: str = CLOSED
+    watched: list = dataclasses.field(default_factory=list)
+    params: list = dataclasses.field(default_factory=list)
+    bindings: dict = dataclasses.field(default_factory=dict)
+    trace: Any = None
+    pending: Any = None
+    stepped: frozenset = frozenset()  # ids of the optimizers the step updates (their rates are fed)
+    moved_beta_pows: int = 0
+    returned: Any = None
+    live: dict = dataclasses.field(default_factory=dict)
+    checks: Any = None  # ReplayChecks, made last (NOTE [ Step replay checks ] in step/replay_checks.py)
+    feeds: tuple = ()  # the LRFeeds of the optimizers in ``stepped``
+    in_place: bool = False  # every input adopted or a host input: nothing to copy (NOTE [ Adopted inputs of a step ])
+    detached: list = dataclasses.field(default_factory=list)  # static_outputs, detached (hand_out)
+
+    def describe(self):
+        moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
+        return f"whole step, grad slots {self.grad_mode}{moved}"
+
+    def nbytes(self):
+        total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
+        return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
+
+    def hand_out(self):
+        """Detached copies of the static outputs, which the next replay overwrites (the graph's
+        own outputs are detached once, at capture: ``detached``)."""
+        copies = list(map(_C_ops.assign, self.detached))
+        for c in copies:
+            c.stop_gradient = True
+        return copies
+
+    def release(self):
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.pool = self.static_inputs = self.pending = None
+        self.static_outputs, self.detached, self.live = [], [], {}
