@@ -247,7 +247,7 @@ class StepInternals:
         return self._entry().graphs.graph.replay
 
     def hand_out(self):
-        from paddlefleet.cudagraph.io.static_inputs import unflatten
+        from paddlefleet.cudagraph.io.nested import unflatten
 
         graphs = self._entry().graphs
         consts = graphs.returned.for_replay()

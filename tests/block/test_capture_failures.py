@@ -7,7 +7,7 @@ open shows on a GPU).
 The cases are matmul-only (NOTE [ Kernel-less GPUs ] in testkit/common.py): tools/gpu_check.py runs
 them on a real GPU. A case whose eager run needs more of Paddle's kernels says so and is skipped, with
 that reason, on a GPU whose Paddle lacks them. Numpy arguments (NOTE [ Numpy arguments ] in
-io/static_inputs.py) are tested at the end.
+io/nested.py) are tested at the end.
 """
 
 import contextlib
@@ -697,7 +697,7 @@ class GradAssignment(MatmulOnlyCase):
 
 
 class NumpyArguments(MatmulOnlyCase):
-    """NOTE [ Numpy arguments ] in io/static_inputs.py: an array argument keys the graph by value."""
+    """NOTE [ Numpy arguments ] in io/nested.py: an array argument keys the graph by value."""
 
     @staticmethod
     def branchy(x, w, flag):

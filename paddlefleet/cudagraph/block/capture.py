@@ -41,8 +41,8 @@ from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
 from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
-from ..io.static_inputs import (StaticInputs, check_rebuild, contiguous_outputs, flatten, holds_tensor, leaf_names,
-                                strided_copy_works)
+from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
+from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -84,7 +84,7 @@ class CaptureRequest:
 def capture_block(request):
     """Captures one key of a block (a CaptureRequest) and returns its BlockGraphs; raises when it
     cannot."""
-    for name, value in request.named:  # NOTE [ Containers keep their type ] in io/static_inputs.py
+    for name, value in request.named:  # NOTE [ Containers keep their type ] in io/nested.py
         check_rebuild(value, f"argument {name}")
     strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
@@ -172,7 +172,7 @@ class _BlockCapture:
             with paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
-            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/static_inputs.py
+            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)

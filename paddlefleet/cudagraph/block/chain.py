@@ -49,7 +49,7 @@ import paddle
 
 from ..core.entry import Phase
 from ..core.state import amp_state
-from ..io.static_inputs import unflatten
+from ..io.nested import unflatten
 from . import chain_links
 from .chain_links import confirmed, current_run, flags
 from .chain_run import ChainRun

@@ -10,7 +10,7 @@ from ..core.body import Replayed
 from ..core.state import grad_and_amp
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
-from ..io.static_inputs import unflatten
+from ..io.nested import unflatten
 from . import chain_outputs, partial_grad
 from .capture import capture_second_backward
 from .chain_bridge import ChainFunction, replay_forward

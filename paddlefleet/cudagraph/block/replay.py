@@ -27,7 +27,7 @@ from ..errors import InputMismatchError
 from ..grads.handles import route_hooks
 from ..core.body import Action, Blocked
 from ..core.location import user_call_site
-from ..io.static_inputs import unflatten
+from ..io.nested import unflatten
 
 __all__ = ["replay_blocker", "run_graphs"]
 

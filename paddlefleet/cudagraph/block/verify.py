@@ -34,7 +34,7 @@ from ..backends import own_grad
 from ..core import state
 from ..grads.accumulate import own_backward
 from ..grads.handles import GradSwap, copy, merge_leaf_grads
-from ..io.static_inputs import flatten
+from ..io.nested import flatten
 
 __all__ = ["verified_run"]
 

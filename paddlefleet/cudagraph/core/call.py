@@ -2,7 +2,7 @@
 
 import paddle
 
-from ..io.static_inputs import flatten, unflatten
+from ..io.nested import flatten, unflatten
 
 __all__ = ["Call"]
 

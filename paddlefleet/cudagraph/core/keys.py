@@ -26,7 +26,8 @@ from . import state
 from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
 from ..options import call_key_fn
-from ..io.static_inputs import leaf_names, place_key
+from ..io.nested import leaf_names
+from ..io.static_inputs import place_key
 from .stats import describe_call
 
 __all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature", "rekeyed"]
@@ -110,7 +111,7 @@ class KeyMaker:
         if host is not None:
             check_host_inputs(call.tensors, host, leaf_names(named))
         if key[0] != "user":
-            check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/static_inputs.py
+            check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/nested.py
         host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
         return describe_call(named, host_tensors, key.arguments if key.user else None)
 

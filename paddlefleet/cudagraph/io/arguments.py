@@ -1,7 +1,7 @@
 """Argument objects a graph cannot follow: key/value caches.
 
 NOTE [ Argument objects ]
-flatten() (io/static_inputs.py) turns tensors, lists, tuples and dicts into static inputs; any other
+flatten() (io/nested.py) turns tensors, lists, tuples and dicts into static inputs; any other
 argument is a constant of the key (by identity for an object). A key/value cache
 (``past_key_values=DynamicCache(...)``, recognised by the ``update`` + ``get_seq_length`` protocol
 of PaddleFormers and Hugging Face) is filled by the call: its ``update`` appends this step's keys

@@ -21,7 +21,8 @@ import paddle
 
 from ..backends.host_marks import any_marked, is_marked_host, mark_host
 from ..errors import CudaGraphError
-from .static_inputs import MAX_HOST_KEY_ELEMENTS, numel
+from .nested import MAX_HOST_KEY_ELEMENTS
+from .static_inputs import numel
 
 __all__ = ["MAX_HOST_KEY_ELEMENTS", "mark_host", "is_marked_host", "host_mask", "host_key", "check_host_inputs",
            "check_host_arrays"]
@@ -79,7 +80,7 @@ def check_host_inputs(tensors, mask, names):
 
 def check_host_arrays(named):
     """Raises CudaGraphError for a numpy array argument too large to be keyed by value (NOTE [ Numpy
-    arguments ] in io/static_inputs.py); ``named``: the call's ``[(argument name, value)]``."""
+    arguments ] in io/nested.py); ``named``: the call's ``[(argument name, value)]``."""
     for name, value in named:
         _check_array(name, value)
 

@@ -30,7 +30,8 @@ from .host_reads import BindingWatch, OpTrace, describe_trace_difference
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)
-from ..io.static_inputs import flatten, leaf_names, strided_copy_works, unflatten
+from ..io.nested import flatten, leaf_names, unflatten
+from ..io.static_inputs import strided_copy_works
 from .replay_checks import binding_message
 from .rollback import EXTRA_WARMUPS, NO_WATCH, LayerWatch, describe_changes, fingerprint
 

@@ -39,7 +39,8 @@ from ..io.host_tensors import host_mask
 from .host_reads import OpTrace, describe_trace_difference
 from ..core.layers import LayerRecorder
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
-from ..io.static_inputs import StaticInputs, contiguous_outputs, flatten, holds_tensor, unflatten
+from ..io.nested import flatten, holds_tensor, unflatten
+from ..io.static_inputs import StaticInputs, contiguous_outputs
 from .replay_checks import ReplayChecks
 from .returned_values import ReturnedValues, tag_learning_rates
 from .rollback import NO_WATCH, GradValues, LayerWatch, Rollback, describe_changes, fingerprint, step_params

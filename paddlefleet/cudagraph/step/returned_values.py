@@ -25,7 +25,7 @@ import paddle
 
 from ..backends.paddle_patches import Patches
 from ..errors import CaptureError
-from ..io.static_inputs import const_names, flatten
+from ..io.nested import const_names, flatten
 
 __all__ = ["tag_learning_rates", "ReturnedValues"]
 
