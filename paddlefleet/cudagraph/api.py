@@ -167,6 +167,7 @@ def _wrap(target, options):
         # An instance attribute: Layer.__call__ finds it before the class's forward, hooks still
         # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
         object.__setattr__(target, "forward", wrapper)
+        _attach_reports(target, wrapper)
         return target
     if isinstance(target, type):
         _refuse_class(target)
@@ -185,6 +186,19 @@ def _wrap(target, options):
     if _defined_in_a_class_body(target):
         return _GraphedMethod(target, options)
     return GraphedCallable(target, options)
+
+
+#: What a Layer graphed in place answers itself, each the same as ``layer.forward.<name>()``.
+REPORTS = ("stats", "explain", "report", "reset")
+
+
+def _attach_reports(layer, wrapper):
+    """Gives a Layer graphed in place ``stats()``, ``explain()``, ``report()`` and ``reset()``: its
+    forward wrapper's, as instance attributes. A name the Layer's class already defines (a model's own
+    ``reset()``, a sublayer named ``stats``) is left as it is; ``layer.forward.<name>()`` always works."""
+    for name in REPORTS:
+        if not hasattr(layer, name):  # a class method, sublayer, parameter or buffer of that name wins
+            object.__setattr__(layer, name, getattr(wrapper, name))
 
 
 def _refuse_class(cls):
@@ -247,8 +261,9 @@ def autocudagraph(target=None, **options):
             check_stale_outputs, max_inflight, chain_calls).
 
     Returns:
-        The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer, or
-        a decorator when ``target`` is omitted.
+        The wrapped callable (with ``stats()``, ``explain()``, ``reset()``), the same Layer (with
+        the same three, unless its class defines one of those names; ``layer.forward`` has them
+        all), or a decorator when ``target`` is omitted.
 
     Raises:
         TypeError, ValueError: at decoration time, for a bad option.

@@ -228,6 +228,33 @@ class TestLayers(BackendCase):
         s = model.forward.stats()
         self.assertEqual((s["captures"], s["replays"]), (1, 3))
 
+    def test_layer_graphed_in_place_answers_stats_explain_report_and_reset(self):
+        model = self.graphed(FFN(), warmup_steps=1)
+        for _ in range(4):
+            model(paddle.randn([4, 8])).sum().backward()
+        self.assertEqual(model.stats(), model.forward.stats())
+        self.assertEqual((model.stats()["captures"], model.stats()["replays"]), (1, 2))
+        self.assertEqual(model.explain(), model.forward.explain())
+        self.assertIn("autocudagraph(FFN.forward): 1 key(s), 1 holding graphs", model.explain())
+        self.assertEqual(len(model.report()), 1)
+        model.reset()
+        self.assertEqual((model.forward.stats()["keys"], model.forward.stats()["captures"]), (0, 0))
+        self.assertEqual(list(model.state_dict()), list(FFN().state_dict()))
+
+    def test_a_layers_own_reset_and_a_sublayer_named_stats_are_kept(self):
+        class Own(FFN):
+            def reset(self):
+                return "the model's own"
+
+        model = Own()
+        model.add_sublayer("stats", paddle.nn.Linear(2, 2))
+        self.graphed(model, warmup_steps=1)
+        self.assertEqual(model.reset(), "the model's own")
+        self.assertIsInstance(model.stats, paddle.nn.Linear)
+        self.assertIn("autocudagraph(Own.forward)", model.explain())  # the names nobody else holds
+        model(paddle.randn([4, 8]))
+        self.assertEqual(model.forward.stats()["warmup_calls"], 1)
+
     def test_deepcopy_of_a_graphed_layer_computes_with_its_own_parameters(self):
         # NOTE [ Copies of a graphed Layer ]: the copy's wrapper is bound to the copy.
         import copy
@@ -271,6 +298,7 @@ class TestLayers(BackendCase):
         expected = model(x)
         copy_ = pickle.loads(pickle.dumps(model))
         self.assertIs(copy_.forward._body.owner(), copy_)
+        self.assertIs(copy_.stats.__self__, copy_.forward)  # the copy reports its own wrapper
         self.assertEqual(copy_.forward.options, model.forward.options)
         with copy_.forward.counters.expect(captures=1, replays=0):  # the graphs were not copied
             self.assertBitwise(copy_(x), expected)

@@ -125,6 +125,7 @@ class ReadmeSnippetsTest(unittest.TestCase):
         out = self.run_snippet(readme_snippets()[0])
         self.assertIn("'captures': 1, 'replays': 2", out)  # block: 1 warmup, 1 capture, 2 replays
         self.assertIn("replay on simulate; 2 warmup, 1 capture(s), 1 replays", out)  # ffn.forward
+        self.assertIn("autocudagraph(Linear.forward): 1 key(s), 1 holding graphs", out)  # layer.explain()
 
     def test_whole_step_snippet_graphs_and_replays(self):
         out = self.run_snippet(readme_snippets()[1])

@@ -42,6 +42,8 @@ class BlockBody(Body):
         self.options = options
         self._owner_ref = weakref.ref(owner) if owner is not None else None
         self.name = getattr(fn, "__name__", type(fn).__name__)
+        if owner is not None:  # "FFN.forward": the class of the instance (or the class) it is bound to
+            self.name = f"{owner.__name__ if isinstance(owner, type) else type(owner).__name__}.{self.name}"
 
     @property
     def bound(self):
