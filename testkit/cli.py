@@ -5,7 +5,11 @@ import sys
 
 import paddle
 
-__all__ = ["NO_GPU_EXIT", "no_gpu_reason", "require_gpu", "sized", "sized_help"]
+__all__ = ["BACKEND_HELP", "NO_GPU_EXIT", "no_gpu_reason", "require_gpu", "sized", "sized_help"]
+
+#: --help of every tool's --backend.
+BACKEND_HELP = ("cuda (default): run on this machine's GPU (exits 2 where there is none); simulate: a CPU smoke run "
+                "on the simulated backend, with small defaults (its timings are not GPU timings)")
 
 #: Exit code of a tool asked for the cuda backend where there is no GPU.
 NO_GPU_EXIT = 2

@@ -140,7 +140,9 @@ def paddle_worker(args):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description="autocudagraph benchmark, throughput and latency")
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda",
+                        help="cuda (default): time on this machine's GPU (exits 2 where there is none); simulate: a "
+                             "CPU smoke run on the simulated backend, few steps (its timings are not GPU timings)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: --backend simulate --quick, output under the temp dir")
     parser.add_argument("--out-dir", help="where benchmarks.md/.json/.png go (default docs/; a smoke run: a new temp dir)")
     parser.add_argument("--quick", action="store_true", help="few steps: check that everything runs")
@@ -150,8 +152,10 @@ def parse(argv=None):
     parser.add_argument("--configs", help="comma-separated config names (default all)")
     parser.add_argument("--pipeline", action="store_true",
                         help="the pipeline row only: 2 stages x 4 micro-batches (GPipe), slots against eager")
-    parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--torch-timeout", type=int, default=300)
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the torch rows (make_graphed_callables and raw torch graphs); they are marked skipped")
+    parser.add_argument("--torch-timeout", type=int, default=300,
+                        help="seconds for the torch child process before its rows are given up (default 300)")
     parser.add_argument("--config-timeout", type=int, default=300, help="seconds for one config's Paddle child")
     for hidden in ("--paddle-worker", "--torch-worker"):
         parser.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)

@@ -185,10 +185,11 @@ def block_rows(spec, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", type=int, default=32, help="graphed layers of the per-layer model (default 32)")
+    parser.add_argument("--width", type=int, default=32, help="width of each layer's matmul (default 32)")
+    parser.add_argument("--batch", type=int, default=4, help="rows of the input (default 4)")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="timed steps per runner; the medians are taken over them (default 60)")
     parser.add_argument("--block", default="16x512x16", help="LAYERSxWIDTHxBATCH of the timed block, or 0 for none")
     args = parser.parse_args()
     paddle.set_device("cpu")

@@ -52,7 +52,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from testkit.cli import require_gpu  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 from testkit.common import (  # noqa: E402
     MatMLP,
     bitwise_failures,
@@ -582,7 +582,7 @@ def header(backend):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda", help=BACKEND_HELP)
     parser.add_argument("--cases", default="all", help=f"comma-separated, from: {', '.join(CASES)}")
     parser.add_argument("--one-job", action="store_true", help="all cases in one launch (faster, less isolated; "
                         "always so with --backend simulate, the smoke run)")

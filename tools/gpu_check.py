@@ -37,7 +37,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from testkit.cli import require_gpu  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
@@ -171,7 +171,7 @@ def render(head, rows, notes):
 
 def main():
     parser = argparse.ArgumentParser(description="autocudagraph end-to-end check: the suite's gpu_safe cases")
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda", help=BACKEND_HELP)
     parser.add_argument("--out", help="write the report here (markdown; text above its generated-text mark is kept)")
     parser.add_argument("-k", "--cases", help="pytest -k expression: run only matching cases")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest child")

@@ -52,7 +52,7 @@ from paddle.autograd import PyLayer  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu, sized, sized_help  # noqa: E402
 from testkit.common import (  # noqa: E402
     SPEED_OPTIONS,
     MatMLP,
@@ -478,7 +478,7 @@ def profile(step, steps, path, what="graphed steps"):
 
 def parse():
     parser = argparse.ArgumentParser(description="host time of the pieces of a graphed step")
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda", help=BACKEND_HELP)
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: simulate, 4 x 32, 20 reps, output under the temp dir")
     for name, text in (("layers", "matmul layers"), ("width", "layer width"), ("batch", "batch size"),
                        ("reps", "timed repetitions per piece")):

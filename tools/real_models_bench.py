@@ -23,7 +23,7 @@ import paddle
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu, sized, sized_help  # noqa: E402
 from tests.integration.test_real_models import (  # noqa: E402
     graph_all,
     paddleformers_skip_reason,
@@ -83,7 +83,7 @@ SMOKE_MODELS = ("resnet18", "mobilenet_v2", "llama")
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda", help=BACKEND_HELP)
     for name, text in (("steps", "training steps per run (at least 4)"), ("batch", "batch size"),
                        ("size", "image side")):
         parser.add_argument(f"--{name}", type=int, help=sized_help(text, *SIZES[name]))

@@ -43,7 +43,7 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker  # noqa
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.core import state  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
-from testkit.cli import require_gpu  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 
 STATE = "rng_gpu_check"
 BACKEND = "cuda"
@@ -177,7 +177,7 @@ def kernels_run():
 def main():
     global BACKEND
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda")
+    parser.add_argument("--backend", choices=("cuda", "simulate"), default="cuda", help=BACKEND_HELP)
     BACKEND = parser.parse_args().backend
     require_gpu("tools/rng_gpu_check.py", BACKEND)
     os.environ.pop(ENV_BACKEND, None)

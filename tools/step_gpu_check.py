@@ -37,7 +37,7 @@ import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 
 import paddle  # noqa: E402
 
 from testkit.step_gpu import refused_capture_check, whole_step_check  # noqa: E402
-from testkit.cli import require_gpu, sized, sized_help  # noqa: E402
+from testkit.cli import BACKEND_HELP, require_gpu, sized, sized_help  # noqa: E402
 from testkit.common import device  # noqa: E402
 
 #: (full size on a GPU, smoke size with --backend simulate)
@@ -46,7 +46,7 @@ SIZES = {"width": (512, 32), "layers": (16, 4), "batch": (16, 8), "steps": (20, 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="cuda", choices=("cuda", "simulate"))
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "simulate"), help=BACKEND_HELP)
     for name, text in (("width", "MLP width"), ("layers", "matmul layers"), ("batch", "batch size"),
                        ("steps", "steps compared with eager"), ("timed_steps", "steps per timing")):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=sized_help(text, *SIZES[name]))

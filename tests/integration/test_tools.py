@@ -3,6 +3,7 @@ breaks one fails here, not on the next GPU run. Each runs as a script, as on a G
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -101,6 +102,42 @@ def test_every_tool_shows_its_smoke_defaults_in_help():
         assert rc == 0 and "--backend" in log, (tool, log[-2000:])
         if tool in SIZED:  # e.g. "(default 512; 32 with --backend simulate)"
             assert "--backend simulate)" in " ".join(log.split()), (tool, log)
+
+
+#: Every script under tools/ a user may run: the tools, the CPU tools and the probes.
+SCRIPTS = sorted(os.path.relpath(os.path.join(d, n), os.path.join(REPO, "tools"))
+                 for d, _, names in os.walk(os.path.join(REPO, "tools")) if os.path.basename(d) != "benchmark"
+                 for n in names if n.endswith(".py"))
+
+
+def options_without_help(text):
+    """The options and arguments an argparse --help lists with no description."""
+    lines, missing, listing = text.splitlines(), [], False
+    for i, line in enumerate(lines):
+        if re.match(r"^\S.*:$", line):  # a section: "options:", "positional arguments:", ...
+            listing = line.startswith(("options", "optional arguments", "positional arguments"))
+            continue
+        m = re.match(r"^  (\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if not listing or m is None or m.group(2):
+            continue
+        following = lines[i + 1] if i + 1 < len(lines) else ""
+        if not re.match(r"^ {4,}\S", following):  # a description on the next line, further indented
+            missing.append(m.group(1))
+    return missing
+
+
+def test_options_without_help_are_found():
+    text = "usage: x\n\noptions:\n  -h, --help  show this\n  --bare\n  --long-name-here LONG_NAME_HERE\n" \
+           "                   described below\n  --other N\n"
+    assert options_without_help(text) == ["--bare", "--other N"]
+
+
+def test_every_tool_and_probe_answers_help_with_every_option_described():
+    assert "probes/interleaved_pipeline_probe.py" in SCRIPTS and "cpu_host_time.py" in SCRIPTS, SCRIPTS
+    results = run_tools_at_once([(script, "--help") for script in SCRIPTS])
+    for (script, _), (log, rc) in results.items():
+        assert rc == 0 and "Traceback" not in log and "usage:" in log, (script, rc, log[-2000:])
+        assert options_without_help(log) == [], (script, options_without_help(log), log)
 
 
 def test_step_gpu_check_smoke_defaults_are_small():

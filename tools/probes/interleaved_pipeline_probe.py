@@ -3,7 +3,7 @@ eager, then with every block graphed (slots, simulated backend), compared bit fo
 
     python -m paddle.distributed.launch --nproc_per_node 4 tools/probes/interleaved_pipeline_probe.py 4
 
-The argument is pp_degree (>= 3: Fleet asserts ``num_stages > 2`` for virtual stages); two chunks per
+The argument is pp_degree (the number of ranks launched) (>= 3: Fleet asserts ``num_stages > 2`` for virtual stages); two chunks per
 stage, 2 * pp_degree micro-batches. Each rank prints ``MODEL``, ``SAME_LOSS ... SAME_PARAMS ...`` and one
 ``BLOCK`` line per graphed block. Measured on Paddle 3.3.1 (CPU build): the *eager* run already times
 out in gloo's p2p (3 ranks: ``isend`` in ``send_forward_recv_forward``; 4 ranks: ``send_meta`` /
@@ -11,6 +11,7 @@ out in gloo's p2p (3 ranks: ``isend`` in ``send_forward_recv_forward``; 4 ranks:
 A one-off probe kept as the record of that measurement; exit code 0 when the ranks finished.
 """
 
+import argparse
 import os
 import sys
 
@@ -25,8 +26,24 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests", "dist_scripts")]
 import pipeline_worker as worker  # noqa: E402  (the Block and the CPU set-up of the two-rank test)
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 
-P = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-V, M = 2, 2 * P
+V = 2  # chunks per stage
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     epilog="launch: python -m paddle.distributed.launch --nproc_per_node P "
+                                            "tools/probes/interleaved_pipeline_probe.py P")
+    parser.add_argument("pp_degree", nargs="?", type=int, default=3,
+                        help="pipeline stages, one per launched rank (default 3; at least 3: Fleet asserts "
+                             "num_stages > 2 for virtual stages)")
+    args = parser.parse_args(argv)
+    if args.pp_degree < 3:
+        parser.error(f"pp_degree must be at least 3 (got {args.pp_degree}): Fleet's interleaved schedule asserts "
+                     "num_stages > 2")
+    return args
+
+
+P = M = None  # set by main(): pp_degree and its 2 * pp_degree micro-batches
 
 
 def train(graphed):
@@ -51,6 +68,9 @@ def train(graphed):
 
 
 def main():
+    global P, M
+    P = parse().pp_degree
+    M = 2 * P
     if not hasattr(dist.ParallelEnv(), "_device_id"):  # NOTE [ Fleet pipeline parallel on the CPU ]
         dist.ParallelEnv._device_id = 0
     strategy = fleet.DistributedStrategy()
