@@ -54,9 +54,12 @@ class InstallUninstallTest(unittest.TestCase):
     """Slow-ish (a venv, ~15 s); needs pip to fetch `wheel` (setuptools < 70 cannot build a wheel
     without it)."""
 
+    #: The fresh venv's own view: a PYTHONPATH that names a checkout would find that checkout's package first.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
     def pip(self, *args, check=True):
         proc = subprocess.run([self.python, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                              text=True, timeout=300, cwd=self.tmp)
+                              text=True, timeout=300, cwd=self.tmp, env=self.env)
         if check:
             self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
         return proc
@@ -65,7 +68,8 @@ class InstallUninstallTest(unittest.TestCase):
         code = ("import importlib.util as u, json; s = u.find_spec('paddlefleet'); "
                 "c = u.find_spec('paddlefleet.cudagraph') if s else None; "
                 "print(json.dumps([s is not None, c.origin if c else None]))")
-        proc = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=60, cwd=self.tmp)
+        proc = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=60, cwd=self.tmp,
+                              env=self.env)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         return proc.stdout.strip()
 
