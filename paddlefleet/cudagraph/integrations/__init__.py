@@ -1,0 +1,1 @@
+"""Ready-made set-ups for training frameworks built on Paddle (PaddleFormers' Trainer)."""
