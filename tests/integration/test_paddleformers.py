@@ -19,7 +19,7 @@ from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.differential import Trainee, assert_same_state, differential_run, state_of
 from testkit.harness import BackendCase, for_each_backend
 
-from .test_real_models import paddleformers_skip_reason, tiny_llama, token_batches, train_lm
+from testkit.real_models import Rows, paddleformers_skip_reason, tiny_llama, token_batches, train_lm
 
 
 def _seeded(step, seeds):
@@ -91,18 +91,6 @@ class LlamaWholeTest(_NeedsPaddleFormers):
 
 
 # ---------------------------------------------------------------------------- Trainer
-class _Rows(paddle.io.Dataset):
-    def __init__(self, n=32, seq=8):
-        rs = np.random.RandomState(0)
-        self.rows = [rs.randint(0, 64, (seq,)).astype("int64") for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _run_trainer(trainer_cls, steps=6, accumulation=1, **kwargs):
     """Trains a tiny LLaMA with ``trainer_cls``; returns the trainer, the state after every optimizer step
     and the logged losses."""
@@ -122,7 +110,7 @@ def _run_trainer(trainer_cls, steps=6, accumulation=1, **kwargs):
     paddle.seed(5)
     model = tiny_llama(attention_dropout=0.1)
     with tempfile.TemporaryDirectory() as out:
-        trainer = trainer_cls(model=model, args=TrainingArguments(output_dir=out, **args), train_dataset=_Rows(),
+        trainer = trainer_cls(model=model, args=TrainingArguments(output_dir=out, **args), train_dataset=Rows(),
                               callbacks=[Snapshot()], **kwargs)
         # The Trainer calls paddle.device.synchronize() before scaling accumulated grads, which raises on a
         # CPU ("device should be gpu, xpu, ..."): both the plain and the graphed Trainer run without it here.

@@ -18,17 +18,10 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph
 
 from testkit.harness import BackendCase, for_each_backend, twin_layers
-
-
-def state_of(model):
-    """Every parameter and buffer (BatchNorm statistics included), as numpy, by name."""
-    return {k: v.numpy() for k, v in model.state_dict().items()}
-
-
-def graph_all(layers, backend, **options):
-    for layer in layers:
-        autocudagraph(layer, backend=backend, **options)
-    return layers
+from testkit.real_models import (  # noqa: F401  (tools/real_models_bench.py imports them from here)
+    TINY_LLAMA, graph_all, image_batches, paddleformers_skip_reason, stages, state_of, tiny_llama, token_batches,
+    train_lm, train_vision, vision_model,
+)
 
 
 def expect_each(layers, **counts):
@@ -41,47 +34,6 @@ def expect_each(layers, **counts):
 
 
 # ---------------------------------------------------------------------------- PaddleFormers
-def paddleformers_skip_reason():
-    try:
-        import paddleformers.transformers  # noqa: F401
-        from paddleformers.transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
-    except Exception as err:  # not installed, or it does not import with this Paddle
-        return (f"PaddleFormers does not import here ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
-                "install requirements-real-models.txt (docs/guides/recipes.md records the last run)")
-    return None
-
-
-TINY_LLAMA = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, fuse_rms_norm=False, use_cache=False,
-)
-
-
-def tiny_llama(**overrides):
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**dict(TINY_LLAMA, **overrides)))
-
-
-def token_batches(n, seed=0, shape=(2, 8), vocab=64):
-    rs = np.random.RandomState(seed)
-    return [paddle.to_tensor(rs.randint(0, vocab, shape), dtype="int64") for _ in range(n)]
-
-
-def train_lm(model, batches, seed=11, **call):
-    """AdamW steps on random token ids; the loss of each step, then every parameter."""
-    paddle.seed(seed)
-    opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters())
-    losses = []
-    for ids in batches:
-        loss = model(ids, labels=ids, **call)[0]
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(loss.numpy())
-    return losses, state_of(model)
-
-
 @for_each_backend
 class PaddleFormersLlamaTest(BackendCase):
     def setUp(self):
@@ -228,45 +180,6 @@ class PaddleFormersQwen2Test(BackendCase):
 
 
 # ---------------------------------------------------------------------------- vision
-def vision_model(name):
-    factory = getattr(paddle.vision.models, name)
-    return factory(num_classes=10)
-
-
-def stages(name, model):
-    """The residual stages a user graphs: ResNet's layer1..layer4, MobileNetV2's inverted residuals."""
-    if name.startswith("resnet"):
-        return [model.layer1, model.layer2, model.layer3, model.layer4]
-    return [block for block in model.features if type(block).__name__ == "InvertedResidual"]
-
-
-def train_vision(model, images, labels, seed=3, eval_images=()):
-    paddle.seed(seed)
-    opt = paddle.optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters())
-    losses = []
-    model.train()
-    for x, y in zip(images, labels):
-        loss = paddle.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(loss.numpy())
-    model.eval()
-    with paddle.no_grad():
-        evals = [model(x).numpy() for x in eval_images]
-    return losses, evals, state_of(model)
-
-
-def image_batches(n, seed=0, size=32, batch=4):
-    # Batch 4, not 2: two identical eager trainings of mobilenet_v2 with batch 2 at 32x32 already
-    # differ from their second step on, in one process, on Paddle 2.6.2 and 3.3.1 (CPU);
-    # docs/guides/recipes.md has the measurement.
-    rs = np.random.RandomState(seed)
-    xs = [paddle.to_tensor(rs.randn(batch, 3, size, size).astype("float32")) for _ in range(n)]
-    ys = [paddle.to_tensor(rs.randint(0, 10, (batch, 1)), dtype="int64") for _ in range(n)]
-    return xs, ys
-
-
 def deterministic_cudnn(case):
     """On a GPU, cuDNN may pick convolution algorithms whose results vary run to run; the eager
     run and the graphed run must each be reproducible to be compared bit for bit."""
