@@ -66,8 +66,9 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
 
 
 # ----------------------------------------------------------------------------- every tool on a CPU
-#: Tools that time host work on a CPU by design (no --backend): not asked for a GPU below.
-CPU_TOOLS = ["cpu_host_time.py"]
+#: Tools that run on a CPU by design (no --backend): not asked for a GPU below. cpu_host_time.py times
+#: host work; real_models_report.py writes docs/reports/real_models.md on the simulated backend.
+CPU_TOOLS = ["cpu_host_time.py", "real_models_report.py"]
 TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
 SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
          "bench.py": "--steps"}

@@ -103,6 +103,8 @@ class CudaGraphTrainerMixin:
         self._cudagraph_step = None
         self._cudagraph_updated = False  # the last graphed micro-batch ran the optimizer update
         self._cudagraph_refusal = None
+        self._cudagraph_model = None
+        self._cudagraph_model_warned = False
         if cudagraph == "layers":
             layers = (cudagraph_layers or decoder_layers)(self.model)
             if not layers:
@@ -112,9 +114,10 @@ class CudaGraphTrainerMixin:
             self.cudagraph_wrappers = [autocudagraph(layer, **options).forward for layer in layers]
 
     # ------------------------------------------------------------------ the whole step
-    def _graphed_training_step(self):
+    def _graphed_training_step(self, model):
         if self._cudagraph_step is None:
-            model, trainer = self.model, self
+            trainer = self
+            self._cudagraph_model = model  # the Trainer's model, or its wrapper (DataParallel)
             accumulation = self.args.gradient_accumulation_steps
 
             def train_step(inputs, apply):
@@ -133,8 +136,7 @@ class CudaGraphTrainerMixin:
                     trainer.optimizer.clear_grad()
                 return loss.detach()
 
-            options = {k: v for k, v in self.cudagraph_options.items() if k in _STEP_OPTIONS}
-            self._cudagraph_step = autocudagraph_step(train_step, optimizers=[self.optimizer], **options)
+            self._cudagraph_step = autocudagraph_step(train_step, optimizers=[self.optimizer], **self.cudagraph_options)
             self.cudagraph_wrappers = [self._cudagraph_step]
         return self._cudagraph_step
 
@@ -145,11 +147,17 @@ class CudaGraphTrainerMixin:
             self._cudagraph_refusal = _step_refusal(self) or ""
             if self._cudagraph_refusal:
                 _log("warning", f"autocudagraph: the Trainer's steps run eagerly: {self._cudagraph_refusal}")
-        if self._cudagraph_refusal or model is not self.model:
+        if self._cudagraph_refusal:
+            return super().training_step(model, inputs, step_control=step_control)
+        if self._cudagraph_step is not None and model is not self._cudagraph_model:
+            if not self._cudagraph_model_warned:
+                self._cudagraph_model_warned = True
+                _log("warning", "autocudagraph: training_step got another model object than the graphed step was "
+                                "built for; those steps run eagerly")
             return super().training_step(model, inputs, step_control=step_control)
         apply = (step_control + 1) % self.args.gradient_accumulation_steps == 0
         model.train()
-        loss = self._graphed_training_step()(self._prepare_inputs(inputs), apply)
+        loss = self._graphed_training_step(model)(self._prepare_inputs(inputs), apply)
         self._cudagraph_updated = apply
         return loss
 
@@ -182,9 +190,6 @@ class CudaGraphTrainerMixin:
         if self._cudagraph_refusal:
             return f"autocudagraph: the Trainer's steps ran eagerly: {self._cudagraph_refusal}"
         return "\n".join(wrapper.explain() for wrapper in self.cudagraph_wrappers)
-
-
-_STEP_OPTIONS = ("warmup_steps", "max_graphs", "backend", "dispatch_key_fn", "capture_hooks")
 
 
 def _log(level, message):
