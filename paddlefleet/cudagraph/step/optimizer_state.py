@@ -37,6 +37,7 @@ of the same name before the capture; eager steps afterwards use the device copy 
 """
 
 import copy
+import warnings
 
 import numpy as np
 import paddle
@@ -47,6 +48,7 @@ from ..errors import CaptureError
 
 __all__ = [
     "inner_optimizer",
+    "load_scheduler_state",
     "optimizer_params",
     "state_tensors",
     "LRFeed",
@@ -338,7 +340,16 @@ class SchedulerWatch:
 
     def restore(self):
         for sched, _, saved in self._schedulers.values():
-            sched.set_state_dict(copy.deepcopy(saved))
+            load_scheduler_state(sched, saved)
+
+
+def load_scheduler_state(sched, saved):
+    """Puts back a scheduler's own ``state_dict()`` taken before a capture. Paddle warns of "unused
+    values" for a scheduler whose state_dict holds more than its keys (LinearWarmup's nests the wrapped
+    scheduler's): this is the scheduler's own state, so that one warning is not passed on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There are some unused values in state_dict")
+        sched.set_state_dict(copy.deepcopy(saved))
 
     @staticmethod
     def message(stepped):

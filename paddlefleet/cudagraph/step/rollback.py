@@ -28,7 +28,7 @@ import paddle
 
 from ..core import state
 from .grad_slots import grad_ptr
-from .optimizer_state import optimizer_params, state_tensors
+from .optimizer_state import load_scheduler_state, optimizer_params, state_tensors
 from .reachable import InPlaceWrites, reachable
 
 __all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "GradValues", "LayerWatch", "Rollback", "step_params"]
@@ -158,7 +158,7 @@ class Rollback:
                     t.copy_(saved, False)
         self._grads.restore()
         for sched, saved in self._schedulers:
-            sched.set_state_dict(copy.deepcopy(saved))
+            load_scheduler_state(sched, saved)
         for scaler, py_state in self._scaler_states:
             scaler.set_python_state(py_state)
         self.buffers.restore()
