@@ -8,6 +8,12 @@ package) is not shadowed and PaddleFormers' probe for it stays False (docs/guide
 
 __version__ = "0.1.0"
 
+import logging as _logging
+
+# The package logger "paddlefleet.cudagraph" starts at WARNING; setLevel(logging.INFO) shows one line per
+# capture (README.md, section "Logging").
+_logging.getLogger(__name__).setLevel(_logging.WARNING)
+
 try:
     import paddle  # noqa: F401
 except ImportError as _err:

@@ -219,6 +219,8 @@ class Lifecycle(Reports):
             return self._eager(call, "capture failed")
         entry.captured(graphs, self._options.verify_replays)
         entry.capture_ms = (time.perf_counter() - start) * 1e3
+        logger.info("%s(%s): captured key %s in %.1f ms on %s", self._body.api, self.__name__, entry.label,
+                    entry.capture_ms, entry.backend.name)
         self.counters.captures += 1
         # The training flags of Layers a capture found join every key (keys still in warmup too).
         self._entries = rekeyed(self._entries, self._keys.track(graphs.layers))
@@ -255,9 +257,12 @@ class Lifecycle(Reports):
         last_inputs = entry.last_inputs
         entry.remember_inputs(call.tensors)
         named = self._keys.named_arguments(call.args, call.kwargs)
+        start = time.perf_counter()
         refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
         if refused is not None:
             return self._eager(call, refused)
+        logger.info("%s(%s): captured another slot of key %s in %.1f ms on %s", self._body.api, self.__name__,
+                    entry.label, (time.perf_counter() - start) * 1e3, entry.backend.name)
         entry.slot_added()
         self.counters.captures += 1
         self.counters.slot_captures += 1
