@@ -1,12 +1,17 @@
 """What a user reads: the package logger (one INFO line per capture, off by default) and explain()."""
 
 import logging
+import os
 import re
 import unittest
+from unittest import mock
 
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
+from paddlefleet.cudagraph.core.keys import Key, StateKey
+from paddlefleet.cudagraph.core.stats import distinct_labels
+from paddlefleet.cudagraph.options import ENV_BACKEND
 
 LOGGER = "paddlefleet.cudagraph"
 
@@ -54,6 +59,76 @@ class LoggerTest(unittest.TestCase):
         finally:
             logging.getLogger(LOGGER).removeHandler(handler)
         self.assertEqual((layer.stats()["captures"], handler.records), (1, []))
+
+
+def _key_lines(text):
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("key ")]
+
+
+class ExplainTest(unittest.TestCase):
+    def test_keys_that_differ_in_grad_mode_or_training_say_what_differs(self):
+        layer = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate", warmup_steps=1)
+        x = paddle.randn([2, 4])
+        for _ in range(3):
+            layer(x).sum().backward()
+            with paddle.no_grad():
+                layer(x)
+        layer.eval()
+        for _ in range(3):
+            layer(x)
+        lines = _key_lines(layer.explain())
+        labels = [line.split(": replay on simulate")[0] for line in lines]
+        self.assertEqual(labels, ["key (input: float32[2, 4])", "key (input: float32[2, 4]) [no_grad]",
+                                  "key (input: float32[2, 4]) [eval]"], lines)
+
+    def test_keys_alike_in_everything_shown_are_numbered(self):
+        state = StateKey(True, None, (True,))
+        rows = [{"label": "(x: float32[2])", "key": Key(False, (i,), state)} for i in range(3)]
+        self.assertEqual(distinct_labels(rows), ["(x: float32[2])", "(x: float32[2]) #2", "(x: float32[2]) #3"])
+        amp = [{"label": "(x)", "key": Key(False, (), StateKey(True, level, ()))} for level in ((0, None), (1, "float16"))]
+        self.assertEqual(distinct_labels(amp), ["(x) [no amp]", "(x) [amp level 1, float16]"])
+
+    def test_words_a_user_knows_and_a_rounded_capture_time(self):
+        layer = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate", warmup_steps=1)
+        for _ in range(3):
+            layer(paddle.randn([2, 4])).sum().backward()
+        text = layer.explain()
+        self.assertIn("parameter grads handed to Paddle with clone_param_grads='auto': 0 copied when handed out", text)
+        self.assertNotIn("adopted", text)
+        self.assertRegex(text, r"captured in \d+\.\d{1,2} ms;")
+        [ms] = layer.stats()["capture_ms"].values()
+        self.assertEqual(ms, round(ms, 2))
+
+    def test_a_block_inside_a_whole_step_says_why_it_ran_eagerly_and_the_step_speaks_plainly(self):
+        model = paddle.nn.Sequential(paddle.nn.Linear(4, 4))
+        autocudagraph(model[0], backend="simulate")
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+
+        @autocudagraph_step(optimizers=[opt], backend="simulate")
+        def step(x):
+            loss = model(x).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            return loss
+
+        for _ in range(3):
+            step(paddle.randn([2, 4]))
+        self.assertIn("eager calls: 3\n    3 x called inside autocudagraph_step: the whole step's graph holds its work",
+                      model[0].explain())
+        self.assertIn("whole step, grads cleared inside the step (each call starts without grads)", step.explain())
+        self.assertNotIn("grad slots", step.explain())
+
+    def test_an_eager_backend_set_by_the_environment_names_the_variable(self):
+        layer = autocudagraph(paddle.nn.Linear(4, 4))
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "eager"}):
+            layer(paddle.randn([2, 4]))
+        self.assertIn(f"1 x backend is eager: the environment sets {ENV_BACKEND}=eager", layer.explain())
+        plain = autocudagraph(paddle.nn.Linear(4, 4), backend="eager")
+        with mock.patch.dict(os.environ, {}, clear=False):
+            os.environ.pop(ENV_BACKEND, None)
+            plain(paddle.randn([2, 4]))
+        self.assertIn("1 x backend is eager (backend='eager')", plain.explain())
 
 
 class _Recorder(logging.Handler):

@@ -564,7 +564,7 @@ class GradSlotsTest(unittest.TestCase):
             opt.clear_grad(set_to_zero=False)  # released between calls: the graphs' grad buffers are gone
             for i in range(8, 12):
                 step(data[i], i % 2 == 1)
-        self.assertIn("grad slots persistent", step.explain())
+        self.assertIn("grads kept between calls (accumulation", step.explain())
         self.assertGreaterEqual(step.stats()["recaptures"], 1, step.explain())
 
 

@@ -51,7 +51,8 @@ def resolve_backend(option, tensors):
 
     The environment variable PADDLEFLEET_CUDAGRAPH_BACKEND overrides ``option``.
     """
-    name = os.environ.get(ENV_BACKEND) or option
+    from_env = os.environ.get(ENV_BACKEND)
+    name = from_env or option
     if name is not None and name not in BACKEND_NAMES:
         raise CudaGraphError(
             f"autocudagraph: {ENV_BACKEND}={name!r} is not a backend. An unknown name would silently run "
@@ -60,7 +61,9 @@ def resolve_backend(option, tensors):
     if name == "simulate":
         return _SIMULATED, "simulate"
     if name == "eager":
-        return None, "backend is eager"
+        if from_env:
+            return None, f"backend is eager: the environment sets {ENV_BACKEND}=eager"
+        return None, "backend is eager (backend='eager')"
     place = _gpu_place(tensors)
     if name == "cuda":
         if not cuda_available():

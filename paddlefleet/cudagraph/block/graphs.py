@@ -147,8 +147,7 @@ class BlockGraphs(Graphs):
         plans = self.plans()
         copies = sum(p.copies for p in plans)
         rescues = sum(p.rescues for p in plans)
-        return (f"grads handed out with clone_param_grads={self.backward.grad_plan.policy!r}: {copies} copied, "
-                f"{rescues} moved out of adopted buffers, {len(plans)} buffer set(s)")
+        return hand_out_text(self.backward.grad_plan.policy, copies, rescues, len(plans))
 
     def grad_copies(self):
         """Device copies of parameter grads made so far (handed out as copies, or moved out when
@@ -177,3 +176,11 @@ class BlockGraphs(Graphs):
         self.inflight = None
         self.handed_out = None
         self.bridge_tail = self.grad_feeds = ()  # grad_feeds holds the grad-output buffers
+
+
+def hand_out_text(policy, copies, rescues, sets, slots=1):
+    """explain()'s words for how a key handed its parameter grads to Paddle (NOTE [ Grad hand-out ] in grads/hand_out_plan.py)."""
+    where = f" in {slots} slots" if slots > 1 else ""
+    return (f"parameter grads handed to Paddle with clone_param_grads={policy!r}: {copies} copied when handed out, "
+            f"{rescues} copied before a replay would overwrite a grad still held, {sets} set(s) of grad "
+            f"buffers{where}")

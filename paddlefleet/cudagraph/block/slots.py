@@ -30,6 +30,7 @@ the slot serving the latest call for anything else (``entry.graphs.static_inputs
 """
 
 from ..core.body import Action, Blocked
+from .graphs import hand_out_text
 
 __all__ = ["Slots"]
 
@@ -113,9 +114,7 @@ class Slots:
         if len(self.all) > 1 and first is not None and first.grad_plan is not None and first.accumulators is None:
             copies = sum(p.copies for p in self.plans())
             rescues = sum(p.rescues for p in self.plans())
-            text = (f"grads handed out with clone_param_grads={first.grad_plan.policy!r}: {copies} copied, "
-                    f"{rescues} moved out of adopted buffers, {len(self.plans())} buffer set(s) in "
-                    f"{len(self.all)} slots")
+            text = hand_out_text(first.grad_plan.policy, copies, rescues, len(self.plans()), len(self.all))
         return text
 
     def release(self):

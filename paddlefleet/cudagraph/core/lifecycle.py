@@ -67,6 +67,10 @@ _IN_FLIGHT = (
     "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
     "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
+#: Why a graphed call made inside autocudagraph_step runs eagerly (explain() of both says it).
+WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
+
+
 class Lifecycle(Reports):
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
@@ -162,10 +166,10 @@ class Lifecycle(Reports):
 
     def _nested(self):
         """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
+        if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
+            return WHOLE_STEP
         if capture_open():
             return "called inside another capture"
-        if in_whole_step():  # the step's own graph captures it
-            return "called inside a whole-step graph"
         if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py
             self._warn_once("saved_hooks", saved_hooks.warning())
             return saved_hooks.REASON

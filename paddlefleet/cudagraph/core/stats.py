@@ -20,7 +20,7 @@ import paddle
 
 from .location import user_stacklevel
 
-__all__ = ["Counters", "Reports", "describe_entries", "describe_call", "explain", "slot_stats", "summarize"]
+__all__ = ["Counters", "Reports", "describe_entries", "describe_call", "distinct_labels", "explain", "slot_stats", "summarize"]
 
 _FIELDS = (
     "captures",
@@ -159,7 +159,7 @@ def summarize(counters, entries):
     out["static_bytes"] = sum(e.nbytes() for e in entries)
     # Device copies of parameter grads by the keys holding graphs now (NOTE [ Grad hand-out ]).
     out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
-    out["capture_ms"] = {e.label: e.capture_ms for e in entries if e.capture_ms is not None}
+    out["capture_ms"] = {e.label: round(e.capture_ms, 2) for e in entries if e.capture_ms is not None}
     out["key_bytes"] = {e.label: e.nbytes() for e in entries if e.has_graphs}
     out.update(slot_stats(entries))
     return out
@@ -192,7 +192,7 @@ def describe_entries(entries):
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
                 "verified_replays": entry.verified,
-                "capture_ms": entry.capture_ms,
+                "capture_ms": round(entry.capture_ms, 2) if entry.capture_ms is not None else None,
                 "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
                 "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
@@ -223,9 +223,10 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
     backends = {e.backend.describe() for e in entries if e.backend is not None}
     if backends:
         lines.append(f"  backend: {'; '.join(sorted(backends))}")
-    for row in describe_entries(entries):
+    rows = describe_entries(entries)
+    for row, label in zip(rows, distinct_labels(rows)):
         line = (
-            f"  key {row['label'] or repr(row['key'])[:80]}: {row['phase']} on {row['backend']}; "
+            f"  key {label}: {row['phase']} on {row['backend']}; "
             f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays; "
             f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
@@ -234,7 +235,7 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
             sizes = sorted(set(row["slot_bytes"]))
             line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
         if row["capture_ms"] is not None:
-            line += f"; captured in {row['capture_ms']:.1f} ms"
+            line += f"; captured in {row['capture_ms']:.{1 if row['capture_ms'] >= 10 else 2}f} ms"
         if row["host_cost"]:
             line += f"; {row['host_cost']}"
         if row["grads"]:
@@ -259,6 +260,40 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         for reason, count in collections.Counter(counters.eager_reasons).most_common():
             lines.append(f"    {count} x {reason}")
     return "\n".join(lines)
+
+
+def distinct_labels(rows):
+    """explain()'s label of each key: its arguments, then where keys read alike, what else tells them apart
+    (``[no_grad]``, ``[eval]``, ``[some Layers in eval]``, ``[amp ...]``), then ``#2``, ``#3``."""
+    labels = [row["label"] or repr(row["key"])[:80] for row in rows]
+    groups = collections.defaultdict(list)
+    for i, label in enumerate(labels):
+        groups[label].append(i)
+    for label, members in groups.items():
+        if len(members) < 2:
+            continue
+        states = [getattr(rows[i]["key"], "state", None) for i in members]
+        tagged = [label + "".join(_state_tags(state, states)) for state in states]
+        seen = collections.Counter()
+        for i, text in zip(members, tagged):
+            seen[text] += 1
+            labels[i] = text if seen[text] == 1 else f"{text} #{seen[text]}"
+    return labels
+
+
+def _state_tags(state, states):
+    """What of a key's grad mode, training flags and AMP state differs from other keys of its label."""
+    if state is None or any(s is None for s in states):
+        return []
+    tags = []
+    if len({s.grad_enabled for s in states}) > 1 and not state.grad_enabled:
+        tags.append(" [no_grad]")
+    if len({s.training for s in states}) > 1 and not all(state.training):
+        tags.append(" [eval]" if not any(state.training) else " [some Layers in eval]")
+    if len({s.amp for s in states}) > 1:
+        level, dtype = state.amp if isinstance(state.amp, tuple) else (state.amp, None)
+        tags.append(f" [amp level {level}, {dtype}]" if level else " [no amp]")
+    return tags
 
 
 class Reports:

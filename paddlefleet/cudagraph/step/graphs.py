@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 from paddle import _C_ops
 
 from ..core.body import Graphs
-from .grad_slots import CLOSED
+from .grad_slots import CLOSED, PERSISTENT
 from ..io.static_inputs import nbytes
 
 __all__ = ["StepGraphs"]
@@ -54,7 +54,9 @@ class StepGraphs(Graphs):
 
     def describe(self):
         moved = f"; {self.moved_beta_pows} beta power(s) moved to the device" if self.moved_beta_pows else ""
-        return f"whole step, grad slots {self.grad_mode}{moved}"
+        grads = ("grads kept between calls (accumulation: clear_grad zero-fills them in place)"
+                 if self.grad_mode == PERSISTENT else "grads cleared inside the step (each call starts without grads)")
+        return f"whole step, {grads}{moved}"
 
     def nbytes(self):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
