@@ -22,6 +22,8 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear, get_rng_state_tracker
+from paddle.distributed.fleet.utils import recompute
+from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
 from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
@@ -149,6 +151,52 @@ def fleet_dp(model):
     if not isinstance(dp, paddle.DataParallel):
         raise AssertionError(f"fleet.distributed_model returned {type(dp).__name__}, expected DataParallel")
     return dp, fleet.distributed_optimizer(paddle.optimizer.AdamW(1e-2, parameters=dp.parameters()))
+
+
+class RecomputedNet(Net):
+    """Net whose blocks run under Paddle's default (reentrant) recompute."""
+
+    def forward(self, x, skip=()):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = recompute(block, x)
+        return self.head(self.norm(x))
+
+
+def train_dp_recompute(make_model):
+    """The recipe of docs/guides/distributed.md for data parallel with reentrant recompute: forward and
+    backward under ``no_sync()``, then one ``fused_allreduce_gradients`` before the update (without them,
+    recompute's inner backward fires the reducer's hooks a second time: "has been ready before")."""
+    paddle.seed(1234 + RANK)
+    model = make_model()
+    dp = paddle.DataParallel(model)
+    opt = paddle.optimizer.AdamW(1e-2, parameters=dp.parameters())
+    losses, step_grads = [], []
+    for step in range(STEPS):
+        x = paddle.to_tensor(rank_data(10 * step, [4, 8]))
+        x.stop_gradient = False  # reentrant recompute needs an input that requires grad
+        target = paddle.to_tensor(rank_data(100 + 10 * step, [4, 1]))
+        with dp.no_sync():
+            loss = paddle.nn.functional.mse_loss(dp(x), target)
+            loss.backward()
+        fused_allreduce_gradients(list(dp.parameters()), None)
+        losses.append(loss.numpy())
+        step_grads.append(grads(model))
+        opt.step()
+        opt.clear_grad()
+    return {"losses": losses, "grads": step_grads, "params": params(model)}, model
+
+
+def case_dp_reentrant_recompute():
+    eager, _ = train_dp_recompute(lambda: RecomputedNet())
+    graphed, model = train_dp_recompute(lambda: RecomputedNet(graph_blocks=True))
+    compare_runs(eager, graphed)
+    stats = graph_stats(model)
+    # Per block and step: recompute's forward under no_grad, then its backward re-run with grads: two keys.
+    got = [(s["keys"], s["captures"], s["replays"], s["eager_calls"]) for s in stats]
+    if got != [(2, 2, 2 * STEPS - 4, 0)] * len(stats):
+        raise AssertionError(f"(keys, captures, replays, eager calls) per graphed block {got}: {stats}")
+    return summary(graphed)
 
 
 def graph_stats(model):
@@ -414,6 +462,7 @@ CASES = [
     case_dp_refuses_accumulation_in_graph,
     case_dp_fleet_decorated_method_with_dropout,
     case_dp_unused_block,
+    case_dp_reentrant_recompute,
     case_all_reduce_in_graphed_function,
     case_all_reduce_no_grad_in_place,
     case_tensor_parallel_layers,

@@ -32,6 +32,7 @@ CASES = (
     "dp_refuses_accumulation_in_graph",
     "dp_fleet_decorated_method_with_dropout",
     "dp_unused_block",
+    "dp_reentrant_recompute",
     "all_reduce_in_graphed_function",
     "all_reduce_no_grad_in_place",
     "tensor_parallel_layers",
@@ -144,6 +145,10 @@ class TestFleetTwoProcesses(TwoRankJob):
 
     def test_data_parallel_find_unused_parameters_with_a_skipped_graphed_block(self):
         self._check_data_parallel("dp_unused_block")
+
+    def test_data_parallel_with_reentrant_recompute_the_documented_recipe(self):
+        # no_sync() around forward and backward, then fused_allreduce_gradients (docs/guides/distributed.md).
+        self._check_data_parallel("dp_reentrant_recompute")
 
     def test_all_reduce_inside_a_graphed_function_with_grads(self):
         r0, r1 = self.case("all_reduce_in_graphed_function")

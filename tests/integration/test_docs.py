@@ -91,6 +91,15 @@ class DocsTest(unittest.TestCase):
                     missing.append(f"{doc}: `{ref}` (no such module)")
         self.assertEqual(missing, [])
 
+    def test_user_guides_read_without_the_sources(self):
+        # The README and docs/guides say what a user needs; the design notes of the sources (NOTE blocks) are
+        # for docs/design.
+        user_docs = [doc for doc in DOCS if doc == "README.md" or doc.startswith(os.path.join("docs", "guides"))]
+        self.assertGreater(len(user_docs), 5, user_docs)
+        found = [f"{doc}:{read(doc)[:m.start()].count(chr(10)) + 1}: {m.group(0)!r}" for doc in user_docs
+                 for m in re.finditer(r"\bNOTE\b.{0,40}", read(doc))]
+        self.assertEqual(found, [])
+
     def test_no_internal_history_in_the_text(self):
         code = [os.path.relpath(os.path.join(d, n), REPO) for top in ("paddlefleet", "testkit", "tools", "tests")
                 for d, _, names in os.walk(os.path.join(REPO, top)) for n in names if n.endswith(".py")]

@@ -82,6 +82,20 @@ class PaddleFormersLlamaTest(BackendCase):
         # recompute's forward runs under no_grad and its backward re-runs with grad: two keys a layer.
         expect_each(layers, captures=2, replays=16, warmup_calls=2)
 
+    def test_the_configs_default_use_cache_does_not_reach_the_layers_through_causal_lm(self):
+        # LlamaConfig defaults to use_cache=True; LlamaForCausalLM.forward's own use_cache=False wins.
+        from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+        paddle.seed(5)
+        config = {k: v for k, v in TINY_LLAMA.items() if k != "use_cache"}
+        eager, graphed = LlamaForCausalLM(LlamaConfig(**config)), LlamaForCausalLM(LlamaConfig(**config))
+        self.assertIs(eager.config.use_cache, True)
+        graphed.set_state_dict(eager.state_dict())
+        layers = graph_all(list(graphed.model.layers), self.backend, warmup_steps=1)
+        batches = token_batches(6, seed=4)
+        self.assertBitwise(train_lm(graphed, batches), train_lm(eager, batches))
+        expect_each(layers, captures=1, replays=4, warmup_calls=1, eager_calls=0)
+
     def test_use_cache_runs_eagerly_naming_past_key_values(self):
         eager, graphed = self._twins()
         layers = graph_all(list(graphed.model.layers), self.backend, warmup_steps=1)
