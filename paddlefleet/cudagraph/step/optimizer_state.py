@@ -342,15 +342,6 @@ class SchedulerWatch:
         for sched, _, saved in self._schedulers.values():
             load_scheduler_state(sched, saved)
 
-
-def load_scheduler_state(sched, saved):
-    """Puts back a scheduler's own ``state_dict()`` taken before a capture. Paddle warns of "unused
-    values" for a scheduler whose state_dict holds more than its keys (LinearWarmup's nests the wrapped
-    scheduler's): this is the scheduler's own state, so that one warning is not passed on."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="There are some unused values in state_dict")
-        sched.set_state_dict(copy.deepcopy(saved))
-
     @staticmethod
     def message(stepped):
         names = ", ".join(type(s).__name__ for s in stepped)
@@ -359,3 +350,12 @@ def load_scheduler_state(sched, saved):
             "does not run the step's Python, so on a GPU the scheduler, and the rate, would stop at the capture. "
             "Call sched.step() after the graphed step, outside the step function."
         )
+
+
+def load_scheduler_state(sched, saved):
+    """Puts back a scheduler's own ``state_dict()`` taken before a capture. Paddle warns of "unused
+    values" for a scheduler whose state_dict holds more than its keys (LinearWarmup's nests the wrapped
+    scheduler's): this is the scheduler's own state, so that one warning is not passed on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There are some unused values in state_dict")
+        sched.set_state_dict(copy.deepcopy(saved))
