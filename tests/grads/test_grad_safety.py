@@ -323,7 +323,7 @@ class AccumulateInGraphSafetyTest(BackendCase):
         self.assertEqual([f.stats()["captures"] for f in (first, second, own)], [2, 1, 1])
         self.assertEqual([f.stats()["eager_calls"] for f in (first, second, own)], [0, 0, 0])
         for shared in (first, second):  # their only parameter is shared: it goes through autograd
-            self.assertIn("grads handed out with clone_param_grads", shared.explain())
+            self.assertIn("parameter grads handed to Paddle with clone_param_grads", shared.explain())
         self.assertIn("grads of 1 parameter(s) accumulated in the graph", own.explain())
 
     @parameterized.expand([(f"{where}_micro{m}_warmup{w}_{'zero' if z else 'free'}", factory, m, w, z)
@@ -339,7 +339,7 @@ class AccumulateInGraphSafetyTest(BackendCase):
         expected = (2, 1, 0) if factory is TiedHead else (1, 0, 0)
         self.assertEqual((stats["captures"], stats["recaptures"], stats["eager_calls"]), expected,
                          graphed[0].forward.explain())
-        self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
+        self.assertIn("parameter grads handed to Paddle with clone_param_grads", graphed[0].forward.explain())
 
     @parameterized.expand([("slots", 4), ("one_in_flight", 1)])
     def test_one_block_called_twice_in_one_pass_sums_as_eager(self, _, max_inflight):
@@ -351,7 +351,7 @@ class AccumulateInGraphSafetyTest(BackendCase):
             differential_run(_accumulating_trainee(OneBlockTwice, 2, True), _micro_batches(4, 2), graph)
         stats = graphed[0].forward.stats()
         self.assertEqual(stats["recaptures"], 1, graphed[0].forward.explain())
-        self.assertIn("grads handed out with clone_param_grads", graphed[0].forward.explain())
+        self.assertIn("parameter grads handed to Paddle with clone_param_grads", graphed[0].forward.explain())
 
 
 def _micro_step_trainee(set_to_zero):
