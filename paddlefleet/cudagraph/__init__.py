@@ -27,16 +27,19 @@ from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy regis
 from .grads import hook_registry
 from .block import chain_outputs
 from .api import autocudagraph
-from .backends import is_capturing
+from .backends import is_capturing, paddle_patches
 from .step.grad_scaler import GraphGradScaler
 from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBackwardError, StaleOutputError
 from .options import GraphOptions
 from .step.graphed_step import autocudagraph_step
 
-# The patches installed for the whole process (NOTE [ Paddle patches ] in backends/paddle_patches.py):
-hook_registry.install()  # NOTE [ Grad consumers ] in grads/hook_registry.py: hooks registered from now on
-saved_hooks.install()  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
-chain_outputs.install()  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
+# The patches that stay for the rest of the process, installed by the first wrapper, not by this import
+# (NOTE [ Paddle patches ] in backends/paddle_patches.py):
+paddle_patches.on_first_wrapper(
+    hook_registry.install,  # NOTE [ Grad consumers ] in grads/hook_registry.py
+    saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
+    chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
+)
 
 __all__ = [
     "__version__",

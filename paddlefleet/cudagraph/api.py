@@ -6,6 +6,7 @@ import weakref
 
 import paddle
 
+from .backends.paddle_patches import install_process_patches
 from .block.graphed import GraphedCallable
 from .options import GraphOptions, check_option_names
 
@@ -275,6 +276,7 @@ def autocudagraph(target=None, **options):
     """
     check_option_names("autocudagraph", options, [f.name for f in dataclasses.fields(GraphOptions)])
     opts = GraphOptions(**options)
+    install_process_patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py: a method's wrappers come later
     if target is None:
         return lambda t: _wrap(t, opts)
     return _wrap(target, opts)

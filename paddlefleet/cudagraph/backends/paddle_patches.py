@@ -7,18 +7,29 @@ backward and grad clears of a whole step. For those, the package replaces Paddle
 for a while, always through ``Patches`` (or ``patched``): it remembers what the owner itself
 held, and ``restore()``, in a ``finally`` or a context manager's exit, puts each back in
 reverse order (deleting again what the owner only inherited), so nested patches of one
-attribute unwind in order and an exception never leaves one installed. A few patches are
-installed for the whole process, once, when the package is imported (``install_for_process``;
-paddlefleet/cudagraph/__init__.py calls their install functions). The list, with where each
-lives, is in docs/design/architecture.md ("Paddle patches"); this module imports nothing from the
-package, so every layer (backends included) may use it.
+attribute unwind in order and an exception never leaves one installed.
+
+A few patches stay for the rest of the process (``install_for_process``). Importing the package
+installs none of them: paddlefleet/cudagraph/__init__.py only names their install functions
+(``on_first_wrapper``), and the first wrapper (``autocudagraph()``, ``autocudagraph_step()``, any
+Lifecycle) runs them, once (``install_process_patches``). A process that imports the package and
+graphs nothing runs Paddle's own methods; a wrapper is made before its first call, so every capture
+and replay runs with them installed. What each must see from before its install is its own NOTE's
+concern (NOTE [ Grad consumers ], NOTE [ Saved-tensors hooks ]). The list, with where each lives, is
+in docs/design/architecture.md ("Paddle patches"); this module imports nothing from the package, so
+every layer (backends included) may use it.
 """
 
 import contextlib
+import threading
 
-__all__ = ["Patches", "patched", "install_for_process"]
+__all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "install_process_patches",
+           "process_patches_installed"]
 
 _MISSING = object()
+# The install functions of the process-wide patches, in order, and whether they ran.
+_PROCESS = {"installs": [], "installed": False}
+_PROCESS_LOCK = threading.Lock()
 
 
 class Patches:
@@ -65,3 +76,32 @@ def patched(*replacements):
 def install_for_process(owner, name, replacement):
     """Replaces ``owner.name`` for the rest of the process (an install function's patch)."""
     setattr(owner, name, replacement)
+
+
+def on_first_wrapper(*installs):
+    """Names install functions that ``install_process_patches()`` runs, in order, at the first wrapper
+    (the package's import calls this; it replaces nothing). An install added after the first wrapper
+    runs at once."""
+    with _PROCESS_LOCK:
+        _PROCESS["installs"].extend(installs)
+        if not _PROCESS["installed"]:
+            return
+    for install in installs:
+        install()
+
+
+def install_process_patches():
+    """Runs the process-wide patches' install functions once (every wrapper calls this when made)."""
+    if _PROCESS["installed"]:
+        return
+    with _PROCESS_LOCK:
+        if _PROCESS["installed"]:
+            return
+        for install in _PROCESS["installs"]:
+            install()
+        _PROCESS["installed"] = True
+
+
+def process_patches_installed():
+    """Whether the first wrapper installed the process-wide patches."""
+    return _PROCESS["installed"]

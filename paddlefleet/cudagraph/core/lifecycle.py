@@ -15,6 +15,7 @@ import warnings
 from ..io import arguments
 from . import saved_hooks
 from ..backends import capture_open, in_whole_step, is_own_error, resolve_backend
+from ..backends.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
 from .call import Call
@@ -83,6 +84,7 @@ class Lifecycle(Reports):
     __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
 
     def __init__(self, body, fn):
+        install_process_patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py: the first wrapper
         self._body = body
         self._entries = collections.OrderedDict()
         self._warned = set()

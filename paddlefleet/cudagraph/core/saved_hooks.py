@@ -25,8 +25,10 @@ reason in ``explain()``), in the forward and in recompute's re-run alike, which 
 Paddle keeps one pair of hooks per process and has no getter (``core.eager`` offers only
 ``register_saved_tensors_hooks`` and ``reset_saved_tensors_hooks``; ``saved_tensors_hooks`` calls
 the first on enter and the second on exit, also when nested). ``install()`` wraps those two functions
-when the package is imported and mirrors that state. Hooks registered before ``paddlefleet.cudagraph`` was
-imported are not seen.
+when the first wrapper is made (NOTE [ Paddle patches ] in backends/paddle_patches.py) and mirrors that
+state from then on. Hooks registered before that are not seen: make the first wrapper outside any
+``saved_tensors_hooks`` block (wrappers are made when the model is set up, before training runs a
+recompute, which is where these hooks are registered).
 """
 
 import threading

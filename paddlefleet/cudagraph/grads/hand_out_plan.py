@@ -95,6 +95,8 @@ class GradPlan:
                               if slots[n + i] is not None)
         fixed = self.policy != "auto"
         self._fixed = self._decide([bool(self.policy)] * len(self.params)) if fixed else None
+        if not fixed:  # asks Paddle about hooks the registry never saw now, at capture (NOTE [ Grad consumers ])
+            self._decided()
 
     def _decide(self, copies):
         """``(copies, copies per hand-out, how each stack is handed out)`` for per-parameter copy flags."""

@@ -1,0 +1,105 @@
+"""NOTE [ Paddle patches ] (backends/paddle_patches.py): importing paddlefleet.cudagraph replaces
+nothing of Paddle; the first wrapper installs the process-wide patches, and only those."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The attributes the first wrapper replaces for the rest of the process (docs/design/architecture.md,
+# "Paddle patches", the rows in force "from the first wrapper").
+PROCESS_PATCHES = sorted([
+    "Tensor._register_grad_hook", "Tensor._remove_grad_hook", "Tensor.retain_grads",
+    "core.eager.register_saved_tensors_hooks", "core.eager.reset_saved_tensors_hooks", "core.eager.run_partial_grad",
+])
+
+SCRIPT = textwrap.dedent(
+    """
+    import inspect, json, sys
+    import paddle
+    from paddle.base import core
+    import paddle.nn.functional as F
+
+    # Every class and module the package patches at some point (NOTE [ Paddle patches ]).
+    OWNERS = {
+        "Tensor": paddle.Tensor, "core.eager": core.eager, "PyLayer": paddle.autograd.PyLayer,
+        "paddle": paddle, "paddle.autograd": paddle.autograd, "Layer": paddle.nn.Layer, "F": F,
+        "F.loss": getattr(F, "loss", F), "_C_ops": paddle._C_ops, "Optimizer": paddle.optimizer.Optimizer,
+        "GradScaler": paddle.amp.GradScaler, "paddle.device": paddle.device, "paddle.device.cuda": paddle.device.cuda,
+    }
+
+    def snapshot():
+        return {f"{owner}.{name}": value for owner, obj in OWNERS.items() for name, value in list(vars(obj).items())}
+
+    def changed(before, after):
+        keys = set(before) | set(after)
+        return sorted(k for k in keys if k not in before or k not in after or before[k] is not after[k])
+
+    before = snapshot()
+    def resolve(name):
+        owner, _, attr = name.rpartition(".")
+        return inspect.getattr_static(OWNERS[owner], attr)
+
+    named = {name: resolve(name) for name in ("Tensor.copy_", "Tensor.set_value", "Tensor.retain_grads",
+                                              "Tensor._register_grad_hook", "Tensor._remove_grad_hook",
+                                              "PyLayer.apply", "core.eager.run_partial_grad")}
+    import paddlefleet.cudagraph as cg
+    from paddlefleet.cudagraph.backends import paddle_patches
+    after_import = snapshot()
+    report = {
+        "import": changed(before, after_import),
+        "named_after_import": sorted(n for n, v in named.items() if resolve(n) is not v),
+        "installed_after_import": paddle_patches.process_patches_installed(),
+    }
+    how = sys.argv[1]
+    if how == "function":
+        cg.autocudagraph(lambda x: x * 2, backend="simulate")
+    elif how == "step":
+        cg.autocudagraph_step(lambda x: x * 2, optimizers=[], backend="simulate")
+    elif how == "method":
+        class Net(paddle.nn.Layer):
+            @cg.autocudagraph(backend="simulate")
+            def forward(self, x):
+                return x * 2
+    report["wrapper"] = changed(after_import, snapshot())
+    report["installed_after_wrapper"] = paddle_patches.process_patches_installed()
+    cg.autocudagraph(lambda x: x + 1, backend="simulate")
+    report["second_wrapper"] = changed(after_import, snapshot())
+    print(json.dumps(report))
+    """
+)
+
+
+class ProcessPatchesTest(unittest.TestCase):
+    def run_script(self, how):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, env=env,
+                             timeout=300, cwd=ROOT)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def check(self, how):
+        report = self.run_script(how)
+        self.assertEqual(report["import"], [], "importing the package replaced these Paddle attributes")
+        self.assertEqual(report["named_after_import"], [])
+        self.assertFalse(report["installed_after_import"])
+        self.assertEqual(report["wrapper"], PROCESS_PATCHES, "the first wrapper installs exactly these")
+        self.assertTrue(report["installed_after_wrapper"])
+        self.assertEqual(report["second_wrapper"], PROCESS_PATCHES, "a second wrapper installs nothing again")
+
+    def test_import_replaces_nothing_and_the_first_function_wrapper_installs_the_patches(self):
+        self.check("function")
+
+    def test_the_first_step_wrapper_installs_them(self):
+        self.check("step")
+
+    def test_a_graphed_method_installs_them_when_its_class_is_defined(self):
+        self.check("method")
+
+
+if __name__ == "__main__":
+    unittest.main()
