@@ -1,15 +1,19 @@
 """The package's shape, measured from its source (no import, no Paddle): size limits, folders,
-no test kit inside, no import cycles, backends that import nothing above them, and every Paddle
-patch through backends/paddle_patches.py."""
+no test kit inside, no import cycles, backends that import nothing above them, every Paddle
+patch through backends/paddle_patches.py, and every module-level mutable object listed in
+docs/design/architecture.md ("Module-level state")."""
 
 import ast
 import pathlib
+import re
 import unittest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "paddlefleet" / "cudagraph"
 NAME = "paddlefleet.cudagraph"
+MAX_MODULE_LINES = 450
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
+ARCHITECTURE = PACKAGE.parents[1] / "docs" / "design" / "architecture.md"
 TEST_KIT_IMPORTS = {"unittest", "pytest", "parameterized", "testkit"}
 PATCHES = f"{NAME}.backends.paddle_patches"
 
@@ -48,6 +52,60 @@ def _imports(name, path, tree, modules):
     return found
 
 
+# Calls whose result never changes (or is a logger): a module-level name bound to anything else is
+# module state (NOTE-free rule: a new kind of immutable value is added here, with its reason).
+IMMUTABLE_CALLS = {"frozenset", "tuple", "object", "getattr", "hasattr", "isinstance", "attrgetter", "itemgetter",
+                   "getLogger", "MappingProxyType", "namedtuple", "TypeVar", "str", "int", "float", "bool", "bytes",
+                   "is_compiled_with_cuda", "compile"}
+MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+
+
+def _module_level(tree):
+    """Top-level statements, with those inside top-level if/try blocks."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, (ast.If, ast.Try)):
+            stack[:0] = node.body + node.orelse + node.__dict__.get("finalbody", []) + [
+                s for h in node.__dict__.get("handlers", []) for s in h.body]
+        else:
+            yield node
+
+
+def _is_mutable(value):
+    if isinstance(value, ast.Call):
+        func = value.func
+        return (func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)) not in IMMUTABLE_CALLS
+    return isinstance(value, MUTABLE_LITERALS)
+
+
+def module_state(modules):
+    """``{(module path relative to the package, name)}`` of every module-level mutable object: a
+    container literal, a call that may return a mutable object (any but IMMUTABLE_CALLS), or a name
+    a function rebinds with ``global``."""
+    found = set()
+    for path, tree in modules.values():
+        rel = path.relative_to(PACKAGE).as_posix()
+        for node in _module_level(tree):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            if _is_mutable(value):
+                found.update((rel, t.id) for t in targets if isinstance(t, ast.Name) and t.id != "__all__")
+        found.update((rel, name) for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names)
+    return found
+
+
+def listed_state(text):
+    """``{(module, name)}`` of the rows of the "Module-level state" section of architecture.md."""
+    section = text.split("## Module-level state", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+\.py)` \| ([^|]+) \|", section, re.M)
+    return {(module, name) for module, names in rows for name in re.findall(r"`(\w+)`", names)}
+
+
 class StructureTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -67,6 +125,33 @@ class StructureTest(unittest.TestCase):
                 if lines > limit:
                     over.append(f"{path.relative_to(PACKAGE)}: {node.name} has {lines} lines (limit {limit})")
         self.assertEqual(over, [], "split these:\n" + "\n".join(over))
+
+    def test_no_module_over_the_size_limit(self):
+        over = [f"{path.relative_to(PACKAGE)}: {n} lines" for path, _ in self.modules.values()
+                if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+        self.assertEqual(over, [], f"split these by concern (limit {MAX_MODULE_LINES} lines):\n" + "\n".join(over))
+
+    def test_module_level_state_is_listed_in_the_design_doc(self):
+        found = module_state(self.modules)
+        listed = listed_state(ARCHITECTURE.read_text())
+        self.assertGreater(len(found), 0)
+        missing = sorted(f"{m}: {n}" for m, n in found - listed)
+        gone = sorted(f"{m}: {n}" for m, n in listed - found)
+        self.assertEqual(missing, [], "module-level mutable objects missing from docs/design/architecture.md, "
+                                      "section 'Module-level state' (add a row: module, object, what it holds "
+                                      "and who writes it; or make the object immutable)")
+        self.assertEqual(gone, [], "rows of 'Module-level state' in docs/design/architecture.md whose object "
+                                   "no longer exists (or is no longer mutable): remove them")
+
+    def test_the_state_scan_finds_each_kind_of_mutable_object(self):
+        tree = ast.parse("import threading, weakref, types\n"
+                         "A = {}\nB = [0]\nC = weakref.WeakSet()\nD = threading.local()\nE = object()\n"
+                         "F = types.MappingProxyType({})\nG = frozenset()\nH = 3\n__all__ = []\n"
+                         "try:\n    I = set()\nexcept ImportError:\n    I = None\n"
+                         "def f():\n    global J\n    J = 1\n")
+        found = module_state({"m": (PACKAGE / "m.py", tree)})
+        self.assertEqual(found, {("m.py", n) for n in ("A", "B", "C", "D", "I", "J")})
+
 
     def test_folders_carry_the_architecture(self):
         subpackages = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()]

@@ -14,6 +14,7 @@ DeprecationWarning (it clashed with Phase.FALLBACK, which is one of those reason
 import collections
 import contextlib
 import dataclasses
+import types
 import warnings
 
 import paddle
@@ -38,7 +39,7 @@ _FIELDS = (
 )
 
 
-_OLD_NAMES = {"fallbacks": "eager_calls"}
+_OLD_NAMES = types.MappingProxyType({"fallbacks": "eager_calls"})
 
 
 def _renamed(name):
