@@ -19,12 +19,13 @@ first replay) of a model graphed layer by layer, to PATH.startup.
 
 NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
-``Internals`` below and nowhere else: ``GraphedCallable._entries`` (the key's entry),
-``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable._body.blocker``,
+``Internals`` below and nowhere else: ``GraphedCallable.entry()`` (a read-only view of the key's entry),
+``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable.body().blocker``,
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
-``Lifecycle._nested``, ``_entries``, ``_latest``, ``_keys``, ``_body`` (StepBody: ``blocker``, ``_between``,
+``Lifecycle._nested``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
+view of the StepBody: ``blocker``, ``_between``,
 ``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
 ``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
 ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A piece whose name moved
@@ -33,6 +34,7 @@ reads "n/a (...)" in the report, with what was missing, and the other rows still
 """
 
 import argparse
+import collections
 import cProfile
 import io
 import os
@@ -97,7 +99,7 @@ class Internals:
         self.wrapper, self.x = wrapper, x
 
     def _entry(self):
-        return next(iter(self.wrapper._entries.values()))
+        return self.wrapper.entry()
 
     def _call(self):
         from paddlefleet.cudagraph.core.call import Call
@@ -117,7 +119,7 @@ class Internals:
 
     def blocker(self):
         _, call = self._call()
-        entry, body = self._entry(), self.wrapper._body
+        entry, body = self._entry(), self.wrapper.body()
         return lambda: body.blocker(entry, call)
 
     def copy_in(self):
@@ -175,7 +177,7 @@ class StepInternals:
         self.step, self.args, self.kwargs = step, tuple(args), dict(kwargs or {})
 
     def _entry(self):
-        return next(e for e in self.step._entries.values() if e.graphs is not None)
+        return next(e for e in self.step.entries().values() if e.graphs is not None)
 
     def _call(self):
         from paddlefleet.cudagraph.core.call import Call
@@ -202,17 +204,19 @@ class StepInternals:
     def entry(self):
         _, call = self._call()
         step = self.step
-        entries, key = step._entries, step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
+        # The lifecycle's lookup on a copy of its ordered entries (the wrapper's own are not handed out).
+        entries = collections.OrderedDict(step.entries())
+        key, latest = step._keys.key(call.args, call.kwargs, call.tensors, call.spec), next(reversed(entries.values()))
 
         def lookup():
-            if entries.get(key) is not step._latest:
+            if entries.get(key) is not latest:
                 entries.move_to_end(key)
 
         return lookup
 
     def blocker(self):
         _, call = self._call()
-        entry, body = self._entry(), self.step._body
+        entry, body = self._entry(), self.step.body()
         return lambda: body.blocker(entry, call)
 
     def bindings(self):
@@ -226,7 +230,7 @@ class StepInternals:
     def between(self):
         from paddlefleet.cudagraph.step.replay_checks import _grads_between
 
-        body = self.step._body
+        body = self.step.body()
         return lambda: _grads_between(body._between)
 
     def lr_feed(self):
@@ -254,7 +258,7 @@ class StepInternals:
         return lambda: unflatten(graphs.out_spec, graphs.hand_out(), consts)
 
     def grad_slots(self):
-        return self.step._body._remember_between
+        return self.step.body()._remember_between
 
     def pieces(self):
         """(row name, resolver, part of the whole call) for each piece: the parts add up to the call

@@ -86,7 +86,7 @@ class TestGraphedCallsThatCannotPay(unittest.TestCase):
         self.assertIn("chained through one bridge", texts[0])
         for layer in model:
             self.assertIn("host us per forward call: eager", layer.forward.explain())
-            self.assertFalse(layer.forward._entries[next(iter(layer.forward._entries))].host_cost.timing)
+            self.assertFalse(layer.forward.entry().host_cost.timing)
 
     def test_chained_calls_are_not_judged_alone(self):
         import warnings
@@ -100,7 +100,7 @@ class TestGraphedCallsThatCannotPay(unittest.TestCase):
             self.steps(model, 4 + self.host_cost.REPLAYS_TIMED)
         self.assertGreaterEqual(model[1].forward.stats()["chained_calls"], self.host_cost.REPLAYS_TIMED)
         for layer in model:  # timed only while their calls replayed alone, before the chain formed
-            [entry] = layer.forward._entries.values()
+            [entry] = layer.forward.entries().values()
             self.assertLess(len(entry.host_cost.replay_s), 3, layer.forward.explain())
             self.assertTrue(entry.host_cost.timing)
 

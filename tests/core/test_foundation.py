@@ -168,7 +168,7 @@ class TestPureFunctions(BackendCase):
         w = paddle.randn([8, 8])
         x = paddle.randn([4, 8])
         g(x, w)
-        entry = next(iter(g._entries.values()))
+        entry = g.entry()
         static_x, static_w = entry.graphs.static_inputs.buffers
         paddle.assign(paddle.randn([4, 8]), output=static_x)
         expected = mm(static_x.clone(), w)
@@ -297,7 +297,7 @@ class TestLayers(BackendCase):
         x = paddle.randn([4, 8])
         expected = model(x)
         copy_ = pickle.loads(pickle.dumps(model))
-        self.assertIs(copy_.forward._body.owner(), copy_)
+        self.assertIs(copy_.forward.body().owner(), copy_)
         self.assertIs(copy_.stats.__self__, copy_.forward)  # the copy reports its own wrapper
         self.assertEqual(copy_.forward.options, model.forward.options)
         with copy_.forward.counters.expect(captures=1, replays=0):  # the graphs were not copied
@@ -466,7 +466,7 @@ class TestNestedIO(BackendCase):
                 y_e = ref(x)
             self.assertTrue(y.stop_gradient)
             self.assertBitwise(y, y_e)
-        entry = next(iter(model.forward._entries.values()))
+        entry = model.forward.entry()
         self.assertIsNone(entry.graphs.backward)
         # Grad mode is part of the key: a call with grad captures its own graph with a backward.
         y = model(paddle.randn([4, 8]))
@@ -640,7 +640,7 @@ class TestGradGroups(BackendCase):
                 model(x).sum().backward()
                 ref(x).sum().backward()
                 self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
-            plan = next(iter(model.forward._entries.values())).graphs.backward.grad_plan
+            plan = model.forward.entry().graphs.backward.grad_plan
             self.assertEqual(sorted(positions for _, positions in plan.groups), [[0, 2], [1, 3]])
             self.assertEqual(model.forward.stats()["replays"], 2)
 
@@ -660,7 +660,7 @@ class TestGradGroups(BackendCase):
                     y_e.sum().backward()
                     self.assertBitwise(y, y_e)
                     self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
-            entry = next(iter(model.forward._entries.values()))
+            entry = model.forward.entry()
             self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.backward.grad_plan.groups), sizes)
             self.assertEqual(model.forward.stats()["replays"], 2)
 

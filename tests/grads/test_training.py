@@ -367,7 +367,7 @@ class ClonePolicyTest(BackendCase):
         self.assertBitwise(grads_of(graphed), grads_of(eager), "p.grad")
 
     def _aliases_static_buffer(self, wrapper, t):
-        ptrs = {g.data_ptr() for e in wrapper._entries.values() if e.graphs
+        ptrs = {g.data_ptr() for e in wrapper.entries().values() if e.graphs
                 for plan in e.graphs.plans() for g in plan.static_grads if g is not None}
         return t.data_ptr() in ptrs
 

@@ -79,7 +79,7 @@ class _Replaying:
     def verdicts(self, x=None):
         """(new, old) verdicts for the next call (with ``x``, default the batch tensor of every call
         so far): (action, reason) or None each."""
-        body = self.step._body
+        body = self.step.body()
         call = Call((self.x if x is None else x, self.apply), {})
         entry = self._entry(call)
         new = body.blocker(entry, call)
@@ -87,7 +87,7 @@ class _Replaying:
 
     def _entry(self, call):
         key = self.step._keys.key(call.args, call.kwargs, call.tensors, call.spec)
-        return self.step._entries[key]
+        return self.step.entry(key)
 
 
 class ReplayChecksAgreeWithTheWalksTest(unittest.TestCase):
@@ -156,7 +156,7 @@ class ReplayChecksAgreeWithTheWalksTest(unittest.TestCase):
         self.assertIn(p.name, verdict[1])
 
     def test_another_tensor_where_the_graph_reads_an_adopted_one(self):
-        self.assertTrue(self.run_.step._entries[next(iter(self.run_.step._entries))].graphs.static_inputs.adopted)
+        self.assertTrue(self.run_.step.entry().graphs.static_inputs.adopted)
         other = self.run_.x.clone()  # same values and metadata, other storage
         new, old = self.run_.verdicts(other)
         self.assertEqual(new, old)
@@ -181,7 +181,7 @@ class ReplayChecksAgreeWithTheWalksTest(unittest.TestCase):
         self.assertEqual(self.assertAgree(True)[0], Action.RECAPTURE_ONCE)
 
     def test_the_grad_slot_mode_changed(self):
-        self.run_.step._body.slots.mode = "persistent"
+        self.run_.step.body().slots.mode = "persistent"
         self.assertEqual(self.assertAgree(True)[0], Action.RECAPTURE)
 
 

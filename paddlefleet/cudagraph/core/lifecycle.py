@@ -25,6 +25,7 @@ from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
 from .stats import Counters, Reports
+from .views import Views
 
 __all__ = ["Lifecycle"]
 
@@ -72,7 +73,7 @@ _IN_FLIGHT = (
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
 
-class Lifecycle(Reports):
+class Lifecycle(Reports, Views):
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
     Args:
