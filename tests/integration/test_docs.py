@@ -1,6 +1,10 @@
 """The README and docs/: every relative link and #anchor resolves, every file path in backticks
-exists, no internal history in the text, and the README's Python snippets run as they are."""
+exists, no internal history in the text, and the README's Python snippets run as they are.
+docs/design/architecture.md against the code: its options table lists exactly the options of
+options.py, its NOTE index exactly the NOTE blocks of the package (and where each is), its
+module-level state exactly what tests/core/test_structure.py finds."""
 
+import ast
 import os
 import re
 import subprocess
@@ -18,8 +22,8 @@ PATH = re.compile(r"^(?:\.?[\w-]+/)*[\w.-]+\.(?:py|md|txt|json|png|pth|sh|cfg|to
 # Folders a repository path starts with (anything else, e.g. paddleformers/..., is another project's).
 REPO_DIRS = ("paddlefleet/", "tools/", "tests/", "testkit/", "docs/", ".ci/", "core/", "io/", "block/", "grads/",
              "step/", "demo/", "backends/")
-# Rewritten by another change (its structure); only its links are checked here.
-PATHS_UNCHECKED = ("docs/design/architecture.md",)
+PATHS_UNCHECKED = ()
+ARCHITECTURE = "docs/design/architecture.md"
 MODULE = re.compile(r"^paddlefleet\.cudagraph(?:\.\w+)+$")
 HISTORY = re.compile(r"\b(?:issue \d+|run \d+|round \d+|seed \d{3}|the lent (?:H100|GPU|Hopper)\w*|"
                      r"an earlier round|earlier run)\b", re.IGNORECASE)
@@ -106,6 +110,84 @@ class DocsTest(unittest.TestCase):
         texts = DOCS + [c for c in code if c != os.path.join("tests", "integration", "test_docs.py")]
         found = [f"{path}: {m.group(0)!r}" for path in texts for m in HISTORY.finditer(read(path))]
         self.assertEqual(found, [])
+
+
+def section(text, heading):
+    """The text under ``## heading`` up to the next ``## ``."""
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def table_rows(text):
+    """The cells of each row of the markdown tables in ``text`` (header and rule rows left out)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line)]
+    return rows[1:] if rows else rows
+
+
+def options_of_options_py():
+    """The options every wrapper takes: the annotated fields of the option classes in options.py."""
+    tree = ast.parse(read(os.path.join("paddlefleet", "cudagraph", "options.py")))
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith(("Options", "OptionsCore"))]
+    return {s.target.id for c in classes for s in c.body if isinstance(s, ast.AnnAssign)}
+
+
+def note_blocks():
+    """``{NOTE name: module}``: the NOTE blocks of the package (a line that is only ``NOTE [ name ]``,
+    in a docstring or a comment), with the module each is written in."""
+    found = {}
+    for d, _, names in os.walk(PACKAGE):
+        for n in names:
+            if n.endswith(".py"):
+                path = os.path.join(d, n)
+                for line in read(path).splitlines():
+                    m = re.match(r"^\s*(?:#\s*)?NOTE \[ (.+?) \]\s*$", line)
+                    if m:
+                        found.setdefault(m.group(1), []).append(os.path.relpath(path, PACKAGE).replace(os.sep, "/"))
+    return found
+
+
+class ArchitectureDocTest(unittest.TestCase):
+    maxDiff = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = read(ARCHITECTURE)
+
+    def test_the_options_table_lists_exactly_the_options(self):
+        rows = table_rows(section(self.text, "Where each option is read"))
+        listed = [re.match(r"`(\w+)`", cells[0]).group(1) for cells in rows]
+        options = options_of_options_py()
+        self.assertGreaterEqual(options, {"warmup_steps", "max_inflight", "chain_calls"})
+        self.assertEqual(sorted(listed), sorted(set(listed)), "an option listed twice")
+        self.assertEqual(sorted(set(listed) - options), [], "listed, but not an option of options.py")
+        self.assertEqual(sorted(options - set(listed)), [], "options of options.py missing from the table "
+                                                           "'Where each option is read' of " + ARCHITECTURE)
+
+    def test_the_note_index_is_the_note_blocks_of_the_code(self):
+        index = {}
+        for cells in table_rows(section(self.text, "NOTE index")):
+            module = cells[1].strip("`")
+            for name in cells[0].split("; "):
+                index.setdefault(name.strip(), []).append(module)
+        blocks = note_blocks()
+        self.assertGreater(len(blocks), 0)
+        self.assertEqual({n: m for n, m in blocks.items() if len(m) > 1}, {}, "a NOTE written twice")
+        self.assertEqual(sorted(set(blocks) - set(index)), [], "NOTE blocks missing from the NOTE index")
+        self.assertEqual(sorted(set(index) - set(blocks)), [], "NOTE index rows with no such NOTE block")
+        self.assertEqual({n: index[n] for n in blocks if index[n] != blocks[n]}, {},
+                         "NOTE index rows naming the wrong module")
+
+    def test_the_module_state_rows_are_what_the_structure_test_finds(self):
+        from tests.core.test_structure import listed_state, module_state, _modules
+
+        self.assertEqual(sorted(listed_state(self.text) ^ module_state(_modules())), [])
+
+    def test_every_repo_path_it_names_exists(self):
+        self.assertNotIn(ARCHITECTURE, PATHS_UNCHECKED)
+        named = [m.group(1).strip() for m in CODE_SPAN.finditer(prose(self.text))]
+        paths = [ref for ref in named if PATH.match(ref) and (ref.startswith(REPO_DIRS) or "/" not in ref)]
+        self.assertGreater(len(paths), 50)
+        self.assertEqual([ref for ref in paths if not path_exists(ref, ARCHITECTURE)], [])
 
 
 if __name__ == "__main__":
