@@ -39,7 +39,7 @@ class TestCaptureBookkeeping(unittest.TestCase):
         [(label, ms)] = stats["capture_ms"].items()
         self.assertGreater(ms, 0.0)
         self.assertEqual(stats["key_bytes"], {label: stats["static_bytes"]})
-        self.assertGreater(stats["static_bytes"], 0)
+        self.assertEqual(stats["static_bytes"], 640)
         self.assertIn("captured in", first.explain())
         self.assertEqual(first.report()[0]["capture_ms"], ms)
         first.reset()
@@ -98,7 +98,7 @@ class TestGraphedCallsThatCannotPay(unittest.TestCase):
         with mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True), warnings.catch_warnings():
             warnings.simplefilter("error")
             self.steps(model, 4 + self.host_cost.REPLAYS_TIMED)
-        self.assertGreaterEqual(model[1].forward.stats()["chained_calls"], self.host_cost.REPLAYS_TIMED)
+        self.assertEqual(model[1].forward.stats()["chained_calls"], 16)
         for layer in model:  # timed only while their calls replayed alone, before the chain formed
             [entry] = layer.forward.entries().values()
             self.assertLess(len(entry.host_cost.replay_s), 3, layer.forward.explain())
@@ -160,8 +160,8 @@ class PerLayerCases(MatmulOnlyCase):
             self.assertBitwise(got, self.step(eager, xn, dyn), f"step {k} (batch {batch}): y, x.grad, parameter grads")
         for layer in graphed:
             stats = layer.forward.stats()
-            self.assertGreaterEqual(stats["evictions"], 2, layer.forward.explain())
-            self.assertGreaterEqual(stats["captures"], 4, layer.forward.explain())
+            self.assertEqual(stats["evictions"], 5, layer.forward.explain())
+            self.assertEqual(stats["captures"], 6, layer.forward.explain())
             self.assertEqual(eager_calls(stats), 0, layer.forward.explain())
         del garbage
 

@@ -399,7 +399,7 @@ class RefusedCaptureAccumulationTest(unittest.TestCase):
         batches = [(x, i % 2 == 1) for i, x in enumerate(_batches(16))]
         run = _Run(build, batches=batches, warmup_steps=1, between=after_apply)
         self.assertEqual(run.stats["captures"], 2, run.explain)
-        self.assertGreater(run.stats["replays"], 8, run.explain)
+        self.assertEqual(run.stats["replays"], 10, run.explain)
 
 
 class UnlistedOptimizerTest(unittest.TestCase):
@@ -610,7 +610,7 @@ class GraphGradScalerParamGroupsTest(unittest.TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             differential_run(self._build(), self._batches(), graph=graph)
-        self.assertGreater(wrappers[0].stats()["replays"], 0, wrappers[0].explain())
+        self.assertEqual(wrappers[0].stats()["replays"], 7, wrappers[0].explain())
 
 
 if __name__ == "__main__":
