@@ -42,7 +42,8 @@ from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tens
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
 CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
-         "tests/block/test_capture_failures.py", "tests/block/test_chains.py"]  # modules holding the gpu_safe cases
+         "tests/block/test_capture_failures.py", "tests/step/test_step_capture_failures.py",
+         "tests/block/test_chains.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
