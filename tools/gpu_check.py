@@ -12,7 +12,7 @@ It runs the suite's cases marked ``gpu_safe`` (tests/integration/test_gpu_safe.p
 bitwise against eager, phases pinned with the wrapper's counters; tests/block/test_capture_failures.py: every
 reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
 exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
-process that must exit 0; tests/block/test_chains.py: chains of graphed layers and paddle.grad through
+process that must exit 0; tests/chains/test_chains.py: chains of graphed layers and paddle.grad through
 graphed calls) with
 PADDLEFLEET_CUDAGRAPH_BACKEND set to the backend, in a child pytest process that reports each case
 as it ends (conftest's ``--results-jsonl``). If the child dies (a CUDA error inside a capture can
@@ -43,7 +43,7 @@ from testkit.common import info_lines, run_info, short, write_generated  # noqa:
 
 CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
          "tests/block/test_capture_failures.py", "tests/step/test_step_capture_failures.py",
-         "tests/block/test_chains.py"]  # modules holding the gpu_safe cases
+         "tests/chains/test_chains.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

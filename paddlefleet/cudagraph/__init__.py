@@ -25,7 +25,7 @@ except ImportError as _err:
 
 from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
-from .block import chain_outputs
+from .chains import outputs as chain_outputs
 from .api import autocudagraph
 from .backends import is_capturing, paddle_patches
 from .step.grad_scaler import GraphGradScaler
@@ -38,7 +38,7 @@ from .step.graphed_step import autocudagraph_step
 paddle_patches.on_first_wrapper(
     hook_registry.install,  # NOTE [ Grad consumers ] in grads/hook_registry.py
     saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
-    chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
+    chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in chains/outputs.py
 )
 
 __all__ = [

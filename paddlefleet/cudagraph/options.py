@@ -178,7 +178,7 @@ class GraphOptions(OptionsCore):
             replay overwrote it.
         chain_calls: let consecutive graphed calls that each take the previous one's output
             (``h = layer(h)`` per graphed layer) be replayed as one chain through one autograd
-            bridge (NOTE [ Chains of graphed calls ] in block/chain.py); False: every call alone.
+            bridge (NOTE [ Chains of graphed calls ] in chains/chain.py); False: every call alone.
     """
 
     clone_outputs: bool = True

@@ -548,7 +548,7 @@ class FootgunTest(BackendCase):
 
     def test_paddle_grad_through_a_graphed_call_on_the_simulated_backend_is_refused(self):
         if self.backend != "simulate":
-            self.skipTest("a GPU replay runs no Python: paddle.grad through it runs (tests/block/test_chains.py)")
+            self.skipTest("a GPU replay runs no Python: paddle.grad through it runs (tests/chains/test_chains.py)")
         layer = self.graphed(paddle.nn.Linear(3, 3), warmup_steps=0)
         x = data(2, 3)
         x.stop_gradient = False

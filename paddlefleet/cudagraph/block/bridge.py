@@ -127,7 +127,7 @@ def replay_backward(graphs, grads, generation, token):
     """One backward replay of ``graphs`` for its forward replay number ``generation`` (whose
     ``token`` it marks done): ``grads`` holds one grad per output (None where none reached it).
     Returns the GradPlan of the buffer set the replay wrote; its hand_out() gives the grads.
-    The bridge's backward and a chain's (block/chain_bridge.py) both run it, grad mode off."""
+    The bridge's backward and a chain's (chains/bridge.py) both run it, grad mode off."""
     backward = graphs.backward
     if backward is None or backward.graph is None or generation != graphs.generation:
         raise PendingBackwardError(

@@ -11,8 +11,8 @@ import weakref
 
 import paddle
 
-from . import chain_links
-from .chain import start_chain
+from ..chains import links as chain_links
+from ..chains.chain import start_chain
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body, Replayed
@@ -121,7 +121,7 @@ class BlockBody(Body):
 
     def shortcut(self, args, kwargs):
         """``(entry, Replayed)`` when this call is the next of an open chain (NOTE [ Chains of
-        graphed calls ] in block/chain.py), else None."""
+        graphed calls ] in chains/chain.py), else None."""
         run = chain_links.current_run()
         return None if run is None else run.hand_out(self, args, kwargs)
 
@@ -129,7 +129,7 @@ class BlockBody(Body):
         """Runs the current slot of ``entry`` for ``call`` (or, as its first call, a chain)."""
         graphs = entry.graphs.current
         bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
-        if bridged:  # NOTE [ Chains of graphed calls ] in block/chain.py
+        if bridged:  # NOTE [ Chains of graphed calls ] in chains/chain.py
             chain_links.observe(self, entry, call)
             with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
                 started = start_chain(self, entry, call)

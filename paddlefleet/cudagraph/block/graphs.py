@@ -76,7 +76,7 @@ class BlockGraphs(Graphs):
         live: keeps the capture-time autograd graph (saved activations) alive with the graphs.
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
-        chain: why the key never joins a chain ("" when it may), decided once (block/chain.py).
+        chain: why the key never joins a chain ("" when it may), decided once (chains/chain.py).
         bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
     """

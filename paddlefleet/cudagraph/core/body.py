@@ -108,7 +108,7 @@ class Body(Protocol):
 
     def shortcut(self, args: tuple, kwargs: dict) -> Optional[Tuple[Any, Replayed]]:
         """``(entry, Replayed)`` for a call the body serves before its key is made (the next
-        call of a chain: NOTE [ Chains of graphed calls ] in block/chain.py; the lifecycle counts
+        call of a chain: NOTE [ Chains of graphed calls ] in chains/chain.py; the lifecycle counts
         it as a replay of ``entry``), or None."""
         return None
 

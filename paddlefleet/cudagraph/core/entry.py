@@ -41,7 +41,7 @@ class GraphEntry:
             static buffers), None before the first.
         host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
             that cannot pay ] in core/host_cost.py).
-        chain: the chain whose first call this key makes (block/chain.py), or None.
+        chain: the chain whose first call this key makes (chains/chain.py), or None.
     """
 
     key: Any
@@ -105,7 +105,7 @@ class GraphEntry:
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts), and the chain built
-        from this key (block/chain.py)."""
+        from this key (chains/chain.py)."""
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None

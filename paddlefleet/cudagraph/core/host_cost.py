@@ -15,7 +15,7 @@ warning errs towards silence. Timing stops after REPLAYS_TIMED replays (two perf
 call until then). A backend whose replay re-runs the function (simulate) is not timed: its
 graphed calls always cost more than eager ones. The warning is given once per process (a model
 graphed layer by layer would give it once per layer); explain() has every key's numbers. A
-chain's calls (NOTE [ Chains of graphed calls ] in block/chain.py) are not timed: none of them
+chain's calls (NOTE [ Chains of graphed calls ] in chains/chain.py) are not timed: none of them
 costs what its key alone costs (the chain's first call replays its own graph and applies the one
 bridge; the others are handed their output).
 """
@@ -118,7 +118,7 @@ class HostCost:
             "bridge, again in backward), more than this block's kernel launches cost eagerly, so graphing it makes "
             "training slower where the host is the bottleneck. Graphed calls that each take the previous one's output "
             "as their first argument (h = layer(h)) are chained through one bridge and do not pay it per call (NOTE "
-            "[ Chains of graphed calls ] in block/chain.py); a call between them (a residual add, say) stops a chain. "
+            "[ Chains of graphed calls ] in chains/chain.py); a call between them (a residual add, say) stops a chain. "
             "Otherwise graph larger blocks (several layers in one Layer: autocudagraph on the Layer that calls "
             "them), or the whole training step with autocudagraph_step."
         )

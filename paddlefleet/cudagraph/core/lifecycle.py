@@ -128,7 +128,7 @@ class Lifecycle(Reports, Views):
         if nested is not None:
             return self._eager(Call(args, kwargs), nested)
         served = self._body.shortcut(args, kwargs)
-        if served is not None:  # NOTE [ Chains of graphed calls ] in block/chain.py
+        if served is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
             self.counters.chained_calls += 1
             return self._run_graphs(served[0], None, True, served[1])
         if self._options.dispatch_key_fn is not None:

@@ -85,7 +85,7 @@ class Counters:
     verified_replays: int = 0
     verify_mismatches: int = 0
     slot_captures: int = 0
-    chained_calls: int = 0  # replays served by a chain (NOTE [ Chains of graphed calls ] in block/chain.py)
+    chained_calls: int = 0  # replays served by a chain (NOTE [ Chains of graphed calls ] in chains/chain.py)
     eager_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def eager(self, reason):

@@ -107,7 +107,7 @@ def _probe(tensor, rec):
 
 def set_taker(take, drop):
     """Lets ``take`` answer a hook registration first (and ``drop`` its removal): a hook it takes
-    is never registered with Paddle (NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py)."""
+    is never registered with Paddle (NOTE [ Hooks on a chain's outputs ] in chains/outputs.py)."""
     _state["taker"] = (take, drop)
 
 
@@ -122,7 +122,7 @@ def install():
     def _register_grad_hook(self, hook):
         taker = _state["taker"]
         taken = taker[0](self, hook) if taker else None
-        if taken is not None:  # NOTE [ Hooks on a chain's outputs ] in block/chain_outputs.py
+        if taken is not None:  # NOTE [ Hooks on a chain's outputs ] in chains/outputs.py
             return taken
         hook_id = register(self, routed(self, hook))  # NOTE [ Hooks on graphed outputs ] in grads/handles.py
         rec = _record_of(self)

@@ -1,4 +1,4 @@
-"""Chains of graphed calls (NOTE [ Chains of graphed calls ] in block/chain.py): a model graphed
+"""Chains of graphed calls (NOTE [ Chains of graphed calls ] in chains/chain.py): a model graphed
 layer by layer, each layer given the previous one's output, replayed through one autograd bridge.
 
 Every case trains a graphed twin and an eager twin on the same batches; testkit.differential
@@ -12,7 +12,8 @@ import weakref
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
-from paddlefleet.cudagraph.block import chain_outputs, partial_grad
+from paddlefleet.cudagraph.block import partial_grad
+from paddlefleet.cudagraph.chains import outputs as chain_outputs
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, release_grads

@@ -17,7 +17,7 @@ once for a run of consecutive graphed calls:
   needing grad, no parameter shared with another member, no other argument needing grad - and
   passed a replay's preconditions when the chain was built), replays its own forward graph and
   applies ONE PyLayer whose inputs are the head call's tensors and every member's parameters and
-  whose outputs are every member's output (block/chain_bridge.py): the head's a copy of its
+  whose outputs are every member's output (chains/bridge.py): the head's a copy of its
   static output, the others empty until their call comes. It returns the first output.
 * **The later calls** are served before their key is made (``BlockBody.shortcut``): member ``j``
   is served when its first argument is output ``j - 1`` (same object, still stop_gradient=False),
@@ -29,14 +29,14 @@ once for a run of consecutive graphed calls:
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
   their own keys as usual, and the link is seen again before it is used again. Calls that never
   come (an early exit) leave their outputs unused: nothing reached autograd through them.
-* **Backward** (block/chain_bridge.py) replays the backward graphs of the members that handed
+* **Backward** (chains/bridge.py) replays the backward graphs of the members that handed
   out their output, last first, feeding each the grad of its output: the grad the next member's
   backward gave its first input, plus any grad that reached the output from outside the chain
   (two terms: the sum commutes exactly), then the output's own hooks. Parameters get their grads
   from the one grad node, as the bridge hands them out (NOTE [ Grad hand-out ]).
 * **Intermediate outputs** are ordinary tensors, but the grad the next member gives them never
   passes through autograd: hooks registered on them and ``retain_grads()`` are kept by the chain
-  and applied to the whole grad (block/chain_outputs.py); ``paddle.grad`` with respect to one the
+  and applied to the whole grad (chains/outputs.py); ``paddle.grad`` with respect to one the
   next member consumed raises, naming ``chain_calls=False`` (the grad it would return misses the
   chain's part).
 
@@ -50,10 +50,10 @@ import paddle
 from ..core.entry import Phase
 from ..core.state import amp_state
 from ..io.nested import unflatten
-from . import chain_links
-from .chain_links import confirmed, current_run, flags
-from .chain_run import ChainRun
-from .replay import replay_blocker
+from . import links as chain_links
+from .links import confirmed, current_run, flags
+from .run import ChainRun
+from ..block.replay import replay_blocker
 
 __all__ = ["Chain", "Member", "start_chain"]
 

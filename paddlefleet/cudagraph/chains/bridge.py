@@ -1,4 +1,4 @@
-"""The autograd bridge of a chain (NOTE [ Chains of graphed calls ] in block/chain.py): one PyLayer
+"""The autograd bridge of a chain (NOTE [ Chains of graphed calls ] in chains/chain.py): one PyLayer
 whose forward replays the head's forward graph and makes every member's output, and whose
 backward replays the backward graphs of the members that handed out their output, last first.
 """
@@ -10,8 +10,8 @@ from paddle.autograd import PyLayer
 
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
-from . import chain_outputs
-from .bridge import DOUBLE_BACKWARD, new_token, replay_backward
+from . import outputs as chain_outputs
+from ..block.bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
 __all__ = ["ChainFunction", "member_backwards", "replay_forward"]
 

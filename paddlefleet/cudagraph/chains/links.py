@@ -1,5 +1,5 @@
 """What a thread's graphed calls tell about chains (NOTE [ Chains of graphed calls ] in
-block/chain.py): the latest call and its output, the links seen between keys, and the open run.
+chains/chain.py): the latest call and its output, the links seen between keys, and the open run.
 """
 
 import threading

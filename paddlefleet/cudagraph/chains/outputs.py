@@ -1,5 +1,5 @@
 """The outputs a chain handed out, whose grad the next member's part never passes through
-autograd (NOTE [ Chains of graphed calls ] in block/chain.py): their hooks and retain_grads()
+autograd (NOTE [ Chains of graphed calls ] in chains/chain.py): their hooks and retain_grads()
 are kept and applied by the chain's backward, and paddle.grad with respect to one of them that
 the next member consumed is refused.
 
@@ -22,7 +22,7 @@ from ..backends.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 from ..grads import hook_registry
 from ..grads.handles import copy
-from . import partial_grad
+from ..block import partial_grad
 
 __all__ = ["install", "output_grad", "track"]
 
@@ -119,5 +119,5 @@ def _refuse_partial_grad(inputs):
             raise CudaGraphError(
                 "autocudagraph: paddle.grad with respect to the output of a graphed call that the next graphed "
                 "call took as its input, both replayed as one chain (NOTE [ Chains of graphed calls ] in "
-                "block/chain.py): the grad the next call gives it is computed inside the chain and would be "
+                "chains/chain.py): the grad the next call gives it is computed inside the chain and would be "
                 "missing. Pass chain_calls=False to autocudagraph for these calls.")

@@ -1,4 +1,4 @@
-"""One run of a chain (NOTE [ Chains of graphed calls ] in block/chain.py): the one bridge applied
+"""One run of a chain (NOTE [ Chains of graphed calls ] in chains/chain.py): the one bridge applied
 at the head call, and each later call checked, replayed and handed its output.
 """
 
@@ -11,11 +11,12 @@ from ..core.state import grad_and_amp
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.nested import unflatten
-from . import chain_outputs, partial_grad
-from .capture import capture_second_backward
-from .chain_bridge import ChainFunction, replay_forward
-from .chain_links import current_run, forget_link, remember, set_run
-from .replay_fallback import state_restored_on_refusal
+from . import outputs as chain_outputs
+from ..block import partial_grad
+from ..block.capture import capture_second_backward
+from .bridge import ChainFunction, replay_forward
+from .links import current_run, forget_link, remember, set_run
+from ..block.replay_fallback import state_restored_on_refusal
 
 __all__ = ["ChainRun"]
 
@@ -26,7 +27,7 @@ class ChainRun:
     """The members of one run of a chain and what each call of it is handed.
 
     Args:
-        members: the chain's Members (block/chain.py), in call order, the head first.
+        members: the chain's Members (chains/chain.py), in call order, the head first.
         call: the head call (its Call).
         amp: the AMP state at the head call.
         forget: drops the head's cached members (a member no longer fits).
