@@ -119,11 +119,11 @@ class BlockBody(Body):
             return slots.blocked()
         return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
-    def shortcut(self, args, kwargs):
+    def shortcut(self, args, kwargs, keys):
         """``(entry, Replayed)`` when this call is the next of an open chain (NOTE [ Chains of
         graphed calls ] in chains/chain.py), else None."""
         run = chain_links.current_run()
-        return None if run is None else run.hand_out(self, args, kwargs)
+        return None if run is None else run.hand_out(self, args, kwargs, keys)
 
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call`` (or, as its first call, a chain)."""
@@ -146,7 +146,7 @@ class BlockBody(Body):
             with state_restored_on_refusal(graphs.layers, True):
                 replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         if bridged and isinstance(replayed.result, paddle.Tensor) and self.options.chain_calls:
-            chain_links.remember(entry, replayed.result, call.args, call.kwargs)
+            chain_links.remember(entry, replayed.result, call.tensors[1:])
         return replayed
 
     def verified_replay(self, entry, call, run_graphs):

@@ -8,10 +8,10 @@ backward, one grad node per layer. Most of it does not depend on the layer, so a
 once for a run of consecutive graphed calls:
 
 * **Links.** After each replay through the bridge, this thread remembers the call (weakly: its
-  output, that output's inplace version and the rest of its arguments). A replay whose first
-  argument is that very output, unchanged, with every other argument the very same object as
-  the previous call's, is a *link* from the previous key to its own. A link seen CONFIRM times
-  in a row is used; a chain is the longest run of used links from a key (no key twice).
+  output, that output's inplace version and its other tensors). A replay whose first argument is
+  that very output, unchanged, with the very same other tensors, is a *link* from the previous key
+  to its own. A link seen CONFIRM times in a row is used; a chain is the longest run of used links
+  from a key (no key twice).
 * **The head call** of a chain (a replay of its first key) checks the chain's structure (built
   once and kept on the head key's entry: each member may join - one output, its first argument
   needing grad, no parameter shared with another member, no other argument needing grad - and
@@ -19,11 +19,13 @@ once for a run of consecutive graphed calls:
   applies ONE PyLayer whose inputs are the head call's tensors and every member's parameters and
   whose outputs are every member's output (chains/bridge.py): the head's a copy of its
   static output, the others empty until their call comes. It returns the first output.
-* **The later calls** are served before their key is made (``BlockBody.shortcut``): member ``j``
-  is served when its first argument is output ``j - 1`` (same object, still stop_gradient=False),
-  its other arguments are the head's (same objects, none needing grad), grad mode and AMP state
-  are the head's, its key still replays the same graphs (none waiting for a backward), its
-  Layers' training flags are those its key was made with and no parameter of it moved. Then its
+* **The later calls** are served before the wrapper looks up its entries (``BlockBody.shortcut``):
+  member ``j`` is served when its first argument is output ``j - 1`` (same object, still
+  stop_gradient=False), its other tensors are the head's (same objects), **the key it would get
+  itself is its member's key** (KeyMaker.key: every non-tensor argument by value as any call's key
+  compares it - a config dict changed in place or a numpy buffer refilled between two calls gives
+  another key -, each tensor's metadata, grad mode, AMP state and the training flags), its key still
+  replays the same graphs (none waiting for a backward) and no parameter of it moved. Then its
   inputs are copied in, its forward graph replays - when the call comes, so that parameters,
   random numbers and running statistics are read and drawn at eager's moment - and its output is
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
@@ -48,7 +50,6 @@ verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several sl
 import paddle
 
 from ..core.entry import Phase
-from ..core.state import amp_state
 from ..io.nested import unflatten
 from . import links as chain_links
 from .links import confirmed, current_run, flags
@@ -106,7 +107,9 @@ def _why_not(graphs):
 def _member(body, entry, flags_):
     """The Member for ``entry`` when its key may join a chain now, else None."""
     slots = entry.graphs
-    if slots is None or len(slots.all) != 1 or entry.verify_left > 0 or not body.options.chain_calls:
+    options = body.options
+    if (slots is None or len(slots.all) != 1 or entry.verify_left > 0 or not options.chain_calls
+            or options.dispatch_key_fn is not None):
         return None
     graphs = slots.all[0]
     if graphs.chain is None:
@@ -129,7 +132,7 @@ def start_chain(body, entry, call):
         chain = entry.chain = Chain(chain_links.VERSION[0], _members(body, entry, call))
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, amp_state(), chain.forget).start()
+    return ChainRun(chain.members, call, chain.forget).start()
 
 
 class Chain:

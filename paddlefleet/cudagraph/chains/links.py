@@ -19,14 +19,13 @@ VERSION = [0]
 class _Seen:
     """The latest replay of a block in this thread through the bridge, or handed out by a chain."""
 
-    __slots__ = ("entry", "output", "version", "rest", "kwargs")
+    __slots__ = ("entry", "output", "version", "extras")
 
-    def __init__(self, entry, output, args, kwargs):
+    def __init__(self, entry, output, extras):
         self.entry = weakref.ref(entry)
         self.output = weakref.ref(output)
         self.version = output._inplace_version()
-        self.rest = args[1:]
-        self.kwargs = kwargs
+        self.extras = extras
 
 
 class _Link:
@@ -53,9 +52,10 @@ def flags(graphs):
     return tuple(layer.training for layer in graphs.layers)
 
 
-def remember(entry, output, args, kwargs):
-    """Records a call whose single output ``output`` a later call may be given (see observe)."""
-    _local.last = _Seen(entry, output, args, kwargs)
+def remember(entry, output, extras):
+    """Records a call whose single output ``output`` a later call may be given (see observe);
+    ``extras``: the call's tensors after its first."""
+    _local.last = _Seen(entry, output, extras)
 
 
 def forget_link(entry):
@@ -77,7 +77,8 @@ def confirmed(entry):
 
 def observe(body, entry, call):
     """Called before a block replay through the bridge: records a link when this call is given
-    the output of the latest one, unchanged, with the same other arguments."""
+    the output of the latest one, unchanged, with the same other tensors (other arguments are
+    compared by value, through the key, when a chain serves the call: ChainRun.hand_out)."""
     seen = getattr(_local, "last", None)
     _local.last = None
     if seen is None or not call.args:
@@ -85,10 +86,8 @@ def observe(body, entry, call):
     out = seen.output()
     if out is None or call.args[0] is not out or out._inplace_version() != seen.version:
         return
-    rest = call.args[1:]
-    if len(rest) != len(seen.rest) or any(a is not b for a, b in zip(rest, seen.rest)):
-        return
-    if len(call.kwargs) != len(seen.kwargs) or any(seen.kwargs.get(k) is not v for k, v in call.kwargs.items()):
+    extras = call.tensors[1:]
+    if len(extras) != len(seen.extras) or any(a is not b for a, b in zip(extras, seen.extras)):
         return
     before = seen.entry()
     if before is None:

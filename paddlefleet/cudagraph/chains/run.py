@@ -7,7 +7,7 @@ import weakref
 import paddle
 
 from ..core.body import Replayed
-from ..core.state import grad_and_amp
+from ..core.call import Call
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.nested import unflatten
@@ -20,28 +20,22 @@ from ..block.replay_fallback import state_restored_on_refusal
 
 __all__ = ["ChainRun"]
 
-_MISSING = object()
-
-
 class ChainRun:
     """The members of one run of a chain and what each call of it is handed.
 
     Args:
         members: the chain's Members (chains/chain.py), in call order, the head first.
         call: the head call (its Call).
-        amp: the AMP state at the head call.
         forget: drops the head's cached members (a member no longer fits).
     """
 
-    __slots__ = ("members", "call", "amp", "rest", "extras", "handed", "tokens", "generations", "outputs", "refs",
+    __slots__ = ("members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
                  "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
 
-    def __init__(self, members, call, amp, forget):
+    def __init__(self, members, call, forget):
         self.members = members
         self.call = call
-        self.amp = amp
         self.forget = forget
-        self.rest = call.args[1:]
         self.extras = call.tensors[1:]
         self.handed = 0
         self.tokens = []
@@ -90,24 +84,24 @@ class ChainRun:
         self.handed = j + 1
         member = self.members[j]
         if self.handed == len(self.members):  # a call after the chain may be given its output
-            remember(member.entry, out, self.call.args, self.call.kwargs)
+            remember(member.entry, out, self.extras)
             self.close()
         if member.bare:
             return out
         graphs = member.graphs
         return unflatten(graphs.out_spec, [out], graphs.out_consts)
 
-    def hand_out(self, body, args, kwargs):
+    def hand_out(self, body, args, kwargs, keys):
         """``(entry, Replayed)`` for this call of ``body``: its forward replayed, its output handed
         out; or None: the chain breaks here (or ``body`` is not the next member) and the call runs
-        as usual."""
+        as usual. ``keys``: ``body``'s KeyMaker (the call is served only under its member's key)."""
         j = self.order.get(id(body))
         if j is None or j < self.handed:
             return None
         if j > self.handed:  # a later member called first: the calls in between never come
             self.break_at(self.handed, "a later member was called first")
             return None
-        why = self._mismatch(j, args, kwargs)
+        why = self._mismatch(j, args, kwargs, keys)
         if why is not None:
             self.break_at(j, why)
             return None
@@ -138,30 +132,26 @@ class ChainRun:
             self.outputs[j].copy_(member.out_buf, False)
         return copied, skipped
 
-    def _mismatch(self, j, args, kwargs):
-        """Why call ``j`` cannot be replayed as the chain's (its key's) call now, or None."""
+    def _mismatch(self, j, args, kwargs, keys):
+        """Why call ``j`` cannot be replayed as the chain's (its key's) call now, or None.
+
+        The call is served only under the key it would get itself (KeyMaker.key: every non-tensor
+        argument by value, each tensor's metadata, grad mode, AMP state and training flags), equal to
+        its member's key; its tensors other than the first are the first call's, which the chain
+        copies in."""
         prev = self.outputs[j - 1]
         if not args or args[0] is not prev or prev.stop_gradient:
             return "its first argument is not the previous call's output"
-        rest = self.rest
-        if len(args) != len(rest) + 1 or (rest and any(a is not b for a, b in zip(args[1:], rest))):
-            return "its other arguments differ from the first call's"
-        first = self.call.kwargs
-        if kwargs is not first and (len(kwargs) != len(first) or any(first.get(k, _MISSING) is not v
-                                                                      for k, v in kwargs.items())):
-            return "its keyword arguments differ from the first call's"
-        if self.extras and not all(t.stop_gradient for t in self.extras):
-            return "an argument other than the first needs grad"
-        grad, amp = grad_and_amp()
-        if not grad or amp != self.amp:
-            return "grad mode or AMP state changed"
+        call = Call(args, kwargs)
+        extras = self.extras
+        if len(call.tensors) != len(extras) + 1 or any(a is not b for a, b in zip(call.tensors[1:], extras)):
+            return "its other tensor arguments are not the first call's"
         member = self.members[j]
+        if keys.key(args, kwargs, call.tensors, call.spec) != member.entry.key:
+            return "the key it would get is not its key in the chain (an argument's value, grad mode, AMP state or a training flag changed)"
         if not member.current():
             self.forget()
             return "its key's graphs changed or wait for a backward"
-        for layer, flag in zip(member.layers, member.flags):
-            if layer.training != flag:
-                return "a Layer's training flag changed"
         return member.graphs.params.moved()
 
     def break_at(self, j, reason):

@@ -106,10 +106,11 @@ class Body(Protocol):
         """Captures ``entry``'s key from ``call``; returns its Graphs or raises (the lifecycle
         moves the key to eager with the error as reason)."""
 
-    def shortcut(self, args: tuple, kwargs: dict) -> Optional[Tuple[Any, Replayed]]:
-        """``(entry, Replayed)`` for a call the body serves before its key is made (the next
-        call of a chain: NOTE [ Chains of graphed calls ] in chains/chain.py; the lifecycle counts
-        it as a replay of ``entry``), or None."""
+    def shortcut(self, args: tuple, kwargs: dict, keys) -> Optional[Tuple[Any, Replayed]]:
+        """``(entry, Replayed)`` for a call the body serves before the entries are looked up (the
+        next call of a chain: NOTE [ Chains of graphed calls ] in chains/chain.py; the lifecycle
+        counts it as a replay of ``entry``), or None. ``keys``: the wrapper's KeyMaker, which makes
+        the key the call would get (served only under ``entry``'s key)."""
         return None
 
     def blocker(self, entry, call) -> Optional[Blocked]:

@@ -127,7 +127,7 @@ class Lifecycle(Reports, Views):
         nested = self._nested()
         if nested is not None:
             return self._eager(Call(args, kwargs), nested)
-        served = self._body.shortcut(args, kwargs)
+        served = self._body.shortcut(args, kwargs, self._keys)
         if served is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
             self.counters.chained_calls += 1
             return self._run_graphs(served[0], None, True, served[1])

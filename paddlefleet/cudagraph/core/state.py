@@ -17,14 +17,6 @@ __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written
 _dygraph_tracer = paddle.base.framework._dygraph_tracer  # read on every call's key: looked up once
 
 
-def grad_and_amp():
-    """``(grad enabled, amp_state())`` from one read of the tracer (a chain checks both per call)."""
-    tracer = _dygraph_tracer()
-    if tracer is None:
-        return paddle.is_grad_enabled(), None
-    return tracer._has_grad, (_enum_int(getattr(tracer, "_amp_level", None)), getattr(tracer, "_amp_dtype", None))
-
-
 def amp_state():
     """The autocast state that changes what a call computes: ``(level, dtype)``, or None when
     Paddle exposes no tracer state. On a CPU build auto_cast is a no-op and this stays O0."""
