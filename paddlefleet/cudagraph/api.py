@@ -8,6 +8,7 @@ import paddle
 
 from .backends.paddle_patches import install_process_patches
 from .block.graphed import GraphedCallable
+from .chains.entry import CHAINS
 from .options import GraphOptions, check_option_names
 
 __all__ = ["autocudagraph"]
@@ -65,20 +66,20 @@ class _GraphedMethod:
     def _for_instance(self, obj):
         wrapper = obj.__dict__.get(self._attr)
         if wrapper is None:
-            wrapper = GraphedCallable(self._fn, self._options, owner=obj)
+            wrapper = _graphed(self._fn, self._options, owner=obj)
             obj.__dict__[self._attr] = wrapper
         return wrapper
 
     def _for_class(self, cls):
         wrapper = self._per_class.get(cls)
         if wrapper is None:
-            wrapper = GraphedCallable(self._fn, self._options, owner=cls)
+            wrapper = _graphed(self._fn, self._options, owner=cls)
             self._per_class[cls] = wrapper
         return wrapper
 
     def _static_wrapper(self):
         if self._static is None:
-            self._static = GraphedCallable(self._fn, self._options)
+            self._static = _graphed(self._fn, self._options)
         return self._static
 
     def __get__(self, obj, objtype=None):
@@ -164,7 +165,7 @@ def _wrap(target, options):
                 "once: either to the Layer instance or to its forward method."
             )
         forward = type(target).forward
-        wrapper = GraphedCallable(forward, options, owner=target)
+        wrapper = _graphed(forward, options, owner=target)
         # An instance attribute: Layer.__call__ finds it before the class's forward, hooks still
         # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
         object.__setattr__(target, "forward", wrapper)
@@ -186,7 +187,12 @@ def _wrap(target, options):
         )
     if _defined_in_a_class_body(target):
         return _GraphedMethod(target, options)
-    return GraphedCallable(target, options)
+    return _graphed(target, options)
+
+
+def _graphed(fn, options, owner=None):
+    """The one way the API makes a block: with the chains' hooks (chains/entry.py)."""
+    return GraphedCallable(fn, options, owner, CHAINS)
 
 
 #: What a Layer graphed in place answers itself, each the same as ``layer.forward.<name>()``.
@@ -226,7 +232,7 @@ def _wrap_static_or_class(target, options):
             "Apply autocudagraph once, directly above or below the @staticmethod/@classmethod line."
         )
     if isinstance(target, staticmethod):
-        return staticmethod(GraphedCallable(fn, options))
+        return staticmethod(_graphed(fn, options))
     return _GraphedMethod(fn, options, classmethod_=True)
 
 

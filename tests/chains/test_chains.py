@@ -13,7 +13,7 @@ import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
 from paddlefleet.cudagraph.block import partial_grad
-from paddlefleet.cudagraph.chains import outputs as chain_outputs
+from paddlefleet.cudagraph.chains.table import TABLE
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, release_grads
@@ -159,7 +159,7 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())])
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
-        self.assertEqual(list(chain_outputs._runs), [])
+        self.assertEqual(list(TABLE.runs), [])
 
     def test_a_backward_from_an_intermediate_output_reaches_the_layers_below_it(self):
         def step(model, test, x, dy):
@@ -519,7 +519,7 @@ class ChainAutogradCases(ChainCase):
     def test_runs_are_freed_with_their_outputs(self):
         model = self.run_twins(forward_backward, self.batches())
         gc.collect()
-        self.assertEqual(list(chain_outputs._runs), [])
+        self.assertEqual(list(TABLE.runs), [])
         self.assertEqual(chained(model)[3], 4)
 
     def test_a_chained_model_is_freed_when_dropped(self):

@@ -206,6 +206,21 @@ class StructureTest(unittest.TestCase):
                     above.append(f"{name} imports {dep}")
         self.assertEqual(above, [], "backends sit at the bottom: they may import only backends/ and errors")
 
+    def test_chains_sit_between_block_and_step_and_the_api(self):
+        """chains/ is built above block/ (which reaches it only through block/hooks.py's interface, filled
+        by the API) and below the API: nothing but the API and the package's __init__ imports it, and it
+        imports neither of them."""
+        chains = f"{NAME}.chains"
+        top = (f"{NAME}.api", NAME)
+        wrong = []
+        for name, (path, tree) in self.modules.items():
+            deps = _imports(name, path, tree, self.modules)
+            if name.startswith(chains + ".") or name == chains:
+                wrong += [f"{name} imports {d}" for d in deps if d in top]
+            elif name not in top:
+                wrong += [f"{name} imports {d}" for d in deps if d == chains or d.startswith(chains + ".")]
+        self.assertEqual(wrong, [], "chains sit between block/, step/ and the API")
+
     def test_paddle_is_patched_only_through_paddle_patches(self):
         """NOTE [ Paddle patches ]: no setattr() nor assignment to an attribute of paddle (or of
         Paddle's ``core``) elsewhere; paddle_patches itself imports nothing from the package."""

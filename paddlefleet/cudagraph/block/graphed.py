@@ -11,8 +11,7 @@ import weakref
 
 import paddle
 
-from ..chains import links as chain_links
-from ..chains.chain import start_chain
+from .hooks import NO_HOOKS
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body, Replayed
@@ -35,11 +34,13 @@ class BlockBody(Body):
         fn: the function; for a bound method or Layer, the unbound function taking ``owner`` first.
         options: GraphOptions.
         owner: the Layer (or object) ``fn`` is bound to, or None; held weakly.
+        hooks: what the room above does around its calls (block/hooks.py; the API gives chains').
     """
 
-    def __init__(self, fn, options, owner=None):
+    def __init__(self, fn, options, owner=None, hooks=NO_HOOKS):
         self.fn = fn
         self.options = options
+        self.hooks = hooks
         self._owner_ref = weakref.ref(owner) if owner is not None else None
         self.name = getattr(fn, "__name__", type(fn).__name__)
         if owner is not None:  # "FFN.forward": the class of the instance (or the class) it is bound to
@@ -120,21 +121,18 @@ class BlockBody(Body):
         return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
     def shortcut(self, args, kwargs, keys):
-        """``(entry, Replayed)`` when this call is the next of an open chain (NOTE [ Chains of
-        graphed calls ] in chains/chain.py), else None."""
-        run = chain_links.current_run()
-        return None if run is None else run.hand_out(self, args, kwargs, keys)
+        """``(entry, Replayed)`` when the hooks serve this call (the next call of a chain), else None."""
+        return self.hooks.served(self, args, kwargs, keys)
 
     def replay(self, entry, call, copy):
-        """Runs the current slot of ``entry`` for ``call`` (or, as its first call, a chain)."""
+        """Runs the current slot of ``entry`` for ``call`` (or the hooks do: a chain's first call)."""
         graphs = entry.graphs.current
         bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
-        if bridged:  # NOTE [ Chains of graphed calls ] in chains/chain.py
-            chain_links.observe(self, entry, call)
+        if bridged:
             with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
-                started = start_chain(self, entry, call)
+                started = self.hooks.head(self, entry, call)
             if started is not None:
-                entry.host_cost.skip = True  # a chain's first call is not this key's call alone
+                entry.host_cost.skip = True  # the hooks' call (a chain's first) is not this key's call alone
                 return started
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
@@ -145,8 +143,8 @@ class BlockBody(Body):
             # NOTE [ A replay that changes shape ] in block/replay_fallback.py
             with state_restored_on_refusal(graphs.layers, True):
                 replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
-        if bridged and isinstance(replayed.result, paddle.Tensor) and self.options.chain_calls:
-            chain_links.remember(entry, replayed.result, call.tensors[1:])
+        if bridged and isinstance(replayed.result, paddle.Tensor):
+            self.hooks.replayed(self, entry, call, replayed.result)
         return replayed
 
     def verified_replay(self, entry, call, run_graphs):
@@ -163,12 +161,13 @@ class GraphedCallable(Lifecycle):
             first.
         options: validated GraphOptions.
         owner: the Layer (or object) ``fn`` is bound to, or None.
+        hooks: block/hooks.py's CallHooks (the API gives chains').
     """
 
-    def __init__(self, fn, options, owner=None):
+    def __init__(self, fn, options, owner=None, hooks=NO_HOOKS):
         if not isinstance(options, GraphOptions):
             raise TypeError(f"GraphedCallable: options must be GraphOptions, got {options!r}")
-        super().__init__(BlockBody(fn, options, owner), fn)
+        super().__init__(BlockBody(fn, options, owner, hooks), fn)
 
     def __get__(self, obj, objtype=None):
         # A wrapper stored as a class attribute and read through an instance would be called
@@ -187,10 +186,10 @@ class GraphedCallable(Lifecycle):
         # original's parameters, so the copy is a fresh wrapper (no graphs, same options) bound
         # to the Layer's copy.
         owner = self._body.owner()
-        clone = GraphedCallable(self._body.fn, self._options, owner=memo.get(id(owner), owner))
+        clone = GraphedCallable(self._body.fn, self._options, memo.get(id(owner), owner), self._body.hooks)
         memo[id(self)] = clone
         return clone
 
     def __reduce__(self):
         # Pickling (e.g. paddle.save of a whole Layer) keeps the binding and drops the graphs.
-        return (GraphedCallable, (self._body.fn, self._options, self._body.owner()))
+        return (GraphedCallable, (self._body.fn, self._options, self._body.owner(), self._body.hooks))

@@ -51,9 +51,9 @@ import paddle
 
 from ..core.entry import Phase
 from ..io.nested import unflatten
-from . import links as chain_links
 from .links import confirmed, current_run, flags
 from .run import ChainRun
+from .table import TABLE
 from ..block.replay import replay_blocker
 
 __all__ = ["Chain", "Member", "start_chain"]
@@ -128,8 +128,8 @@ def start_chain(body, entry, call):
     if confirmed(entry) is None or not paddle.is_grad_enabled():
         return None
     chain = entry.chain  # held by the entry: released with its graphs
-    if chain is None or chain.version != chain_links.VERSION[0] or len(chain.members) < 2 or not chain.members[0].current():
-        chain = entry.chain = Chain(chain_links.VERSION[0], _members(body, entry, call))
+    if chain is None or chain.version != TABLE.version or len(chain.members) < 2 or not chain.members[0].current():
+        chain = entry.chain = Chain(TABLE.version, _members(body, entry, call))
     if len(chain.members) < 2:
         return None
     return ChainRun(chain.members, call, chain.forget).start()

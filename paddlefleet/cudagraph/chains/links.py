@@ -2,18 +2,15 @@
 chains/chain.py): the latest call and its output, the links seen between keys, and the open run.
 """
 
-import threading
 import weakref
 
-__all__ = ["CONFIRM", "VERSION", "confirmed", "current_run", "flags", "forget_link", "observe", "remember", "set_run"]
+from .table import TABLE
+
+__all__ = ["CONFIRM", "confirmed", "current_run", "flags", "forget_link", "observe", "remember", "set_run"]
 
 #: Times a link is seen in a row before a chain uses it.
 CONFIRM = 2
 
-_local = threading.local()
-_links = weakref.WeakKeyDictionary()  # entry -> _Link to the entry of the call it feeds
-#: Bumped whenever a link is made, confirmed or forgotten: chains built before are built again.
-VERSION = [0]
 
 
 class _Seen:
@@ -40,11 +37,11 @@ class _Link:
 
 def current_run():
     """The open ChainRun of this thread (its next member not handed out yet), or None."""
-    return getattr(_local, "run", None)
+    return TABLE.thread.run
 
 
 def set_run(run):
-    _local.run = run
+    TABLE.thread.run = run
 
 
 def flags(graphs):
@@ -55,20 +52,20 @@ def flags(graphs):
 def remember(entry, output, extras):
     """Records a call whose single output ``output`` a later call may be given (see observe);
     ``extras``: the call's tensors after its first."""
-    _local.last = _Seen(entry, output, extras)
+    TABLE.thread.last = _Seen(entry, output, extras)
 
 
 def forget_link(entry):
     """The link from ``entry`` is seen again before a chain uses it (a chain broke there)."""
-    link = _links.get(entry)
+    link = TABLE.links.get(entry)
     if link is not None:
         link.count = 0
-        VERSION[0] += 1
+        TABLE.version += 1
 
 
 def confirmed(entry):
     """``(body, entry, flags)`` of the key a confirmed link from ``entry`` leads to, or None."""
-    link = _links.get(entry)
+    link = TABLE.links.get(entry)
     if link is None or link.count < CONFIRM:
         return None
     body, nxt = link.body(), link.entry()
@@ -79,8 +76,8 @@ def observe(body, entry, call):
     """Called before a block replay through the bridge: records a link when this call is given
     the output of the latest one, unchanged, with the same other tensors (other arguments are
     compared by value, through the key, when a chain serves the call: ChainRun.hand_out)."""
-    seen = getattr(_local, "last", None)
-    _local.last = None
+    thread = TABLE.thread
+    seen, thread.last = thread.last, None
     if seen is None or not call.args:
         return
     out = seen.output()
@@ -92,11 +89,11 @@ def observe(body, entry, call):
     before = seen.entry()
     if before is None:
         return
-    link = _links.get(before)
+    link = TABLE.links.get(before)
     if link is not None and link.entry() is entry and link.body() is body:
         link.count += 1
         if link.count == CONFIRM:
-            VERSION[0] += 1
+            TABLE.version += 1
         return
-    _links[before] = _Link(body, entry, flags(entry.graphs.current))
-    VERSION[0] += 1
+    TABLE.links[before] = _Link(body, entry, flags(entry.graphs.current))
+    TABLE.version += 1

@@ -13,30 +13,24 @@ parts, runs the hooks in the order they were registered (a hook's result replace
 Paddle) and retains the grad where asked; ``remove()`` of such a hook works as usual.
 """
 
-import itertools
-import weakref
-
 import paddle
 
 from ..backends.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 from ..grads import hook_registry
 from ..grads.handles import copy
+from .table import TABLE
 from ..block import partial_grad
 
 __all__ = ["install", "output_grad", "track"]
 
-_runs = weakref.WeakSet()  # chain runs whose outputs may still get hooks or be differentiated
-_ids = itertools.count(1 << 40)  # hook ids of taken hooks: far from Paddle's own
-
-
 def track(run):
-    _runs.add(run)
+    TABLE.runs.add(run)
 
 
 def _find(t):
     """``(run, index)`` of an output a chain handed out, or None."""
-    for run in list(_runs):
+    for run in list(TABLE.runs):
         j = run.index_of(t)
         if j is not None:
             return run, j
@@ -69,7 +63,7 @@ def _take_hook(t, hook):
     if found is None:
         return None
     run, j = found
-    hook_id = next(_ids)
+    hook_id = next(TABLE.hook_ids)
     run.hooks.setdefault(j, []).append((hook_id, hook))
     return hook_id
 

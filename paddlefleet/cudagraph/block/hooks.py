@@ -1,0 +1,30 @@
+"""What a graphed block lets the room above it do around its calls (``BlockBody.hooks``). The API
+fills it (chains/entry.py: consecutive graphed calls served as one chain); block/ imports nothing
+of what fills it, and a block without hooks replays each call alone.
+"""
+
+__all__ = ["CallHooks", "NO_HOOKS"]
+
+
+class CallHooks:
+    """The hooks of a BlockBody; this base does nothing (every call replays alone)."""
+
+    __slots__ = ()
+
+    def served(self, body, args, kwargs, keys):
+        """``(entry, Replayed)`` for a call served before the wrapper looks up its entries, or None.
+        ``keys``: the wrapper's KeyMaker."""
+        return None
+
+    def head(self, body, entry, call):
+        """The Replayed of a replay of ``entry`` that the hooks ran themselves (the first call of a
+        chain), or None: the block replays the call alone. Called for replays through the bridge."""
+        return None
+
+    def replayed(self, body, entry, call, result):
+        """After a replay of ``entry`` through the bridge that returned the tensor ``result``."""
+        return None
+
+
+#: The hooks of a block nothing else serves.
+NO_HOOKS = CallHooks()

@@ -1,0 +1,33 @@
+"""The one entry point of chains (NOTE [ Chains of graphed calls ] in chains/chain.py): the block
+hooks the API gives every graphed block (block/hooks.py)."""
+
+from ..block.hooks import CallHooks
+from .chain import start_chain
+from .links import current_run, observe, remember
+
+__all__ = ["CHAINS", "ChainHooks"]
+
+
+class ChainHooks(CallHooks):
+    """Serves a chain's later calls, starts chains at a replay of their first key, and remembers
+    each replay's output for the links."""
+
+    __slots__ = ()
+
+    def served(self, body, args, kwargs, keys):
+        run = current_run()
+        return None if run is None else run.hand_out(body, args, kwargs, keys)
+
+    def head(self, body, entry, call):
+        observe(body, entry, call)
+        return start_chain(body, entry, call)
+
+    def replayed(self, body, entry, call, result):
+        if body.options.chain_calls:
+            remember(entry, result, call.tensors[1:])
+
+    def __reduce__(self):  # pickled by reference: one instance per process
+        return "CHAINS"
+
+
+CHAINS = ChainHooks()
