@@ -43,7 +43,8 @@ from testkit.common import info_lines, run_info, short, write_generated  # noqa:
 
 CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
          "tests/block/test_capture_failures.py", "tests/step/test_step_capture_failures.py",
-         "tests/chains/test_chains.py", "tests/chains/test_chain_keys.py"]  # modules holding the gpu_safe cases
+         "tests/chains/test_chains.py", "tests/chains/test_chain_keys.py",
+         "tests/chains/test_outside_consumers.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

@@ -189,7 +189,9 @@ class NoSpeculationCases(ChainCase):
 
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches(STEPS))],
                                factory=lambda: paddle.nn.LayerList([Counting() for _ in range(4)]))
-        self.assertEqual(chained(model), [0, STEPS - 4, STEPS - 4, STEPS - 4])
+        # The auxiliary loss on the second Layer's output bars the link into the third (NOTE [ Outputs with
+        # consumers outside the chain ] in chains/links.py): Layers 0-1 and 2-3 chain.
+        self.assertEqual(chained(model), [0, STEPS - 4, 0, STEPS - 4])
         self.assertEqual([layer.calls() for layer in model], [STEPS - COUNTED] * 4)
 
     def test_an_early_exit_leaves_later_members_untouched(self):

@@ -33,18 +33,38 @@ __all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_o
 class Token:
     """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx); ``hooked``: the
     grads hooks on its outputs returned, by output index (NOTE [ Hooks on graphed outputs ] in
-    grads/handles.py), or None."""
+    grads/handles.py), or None.
 
-    __slots__ = ("__weakref__", "done", "hooked")
+    The block's hooks (block/hooks.py) may watch who gives a replay's first output its grad: a replay
+    whose first input is that output gets ``feeds`` (a weak reference to the producer's token), its
+    backward records on the producer the address of the grad it gave that input (``fed``), and the
+    producer's backward runs ``outside`` when the grad Paddle passes it is another tensor: a grad
+    from another consumer reached the output first (Paddle adds later ones into the first)."""
+
+    __slots__ = ("__weakref__", "done", "hooked", "feeds", "fed", "outside")
 
     def __init__(self):
         self.done = False
         self.hooked = None
+        self.feeds = None
+        self.fed = None
+        self.outside = None
 
     def keep_hooked(self, index, grad):
         if self.hooked is None:
             self.hooked = {}
         self.hooked[index] = grad
+
+    def feed(self, grad):
+        """This replay's backward gave ``grad`` to its first input (the output ``feeds`` produced)."""
+        producer = self.feeds()
+        if producer is not None and grad is not None:
+            producer.fed = grad.data_ptr()
+
+    def check(self, grad):
+        """Runs ``outside`` when the grad of this replay's first output is not the one ``fed``."""
+        if self.fed is not None and grad is not None and grad.data_ptr() != self.fed:
+            self.outside()
 
 
 def new_token(graphs):
@@ -95,13 +115,18 @@ class GraphedFunction(PyLayer):
     def backward(ctx, *grads):
         if paddle.is_grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
-        graphs = ctx.graphs
+        graphs, token = ctx.graphs, ctx.token
+        if token.outside is not None:  # watched by the block's hooks (see Token)
+            token.check(grads[0])
         try:
-            plan = replay_backward(graphs, grads, ctx.generation, ctx.token)
+            plan = replay_backward(graphs, grads, ctx.generation, token)
         except BaseException:
-            ctx.token.done = True  # Paddle never runs a failed backward again: the forward waits no more
+            token.done = True  # Paddle never runs a failed backward again: the forward waits no more
             raise
-        return ctx.args.grads(bridge_grads(graphs.backward, plan.hand_out(), len(graphs.static_inputs.buffers)))
+        handed = plan.hand_out()
+        if token.feeds is not None:
+            token.feed(handed[0])
+        return ctx.args.grads(bridge_grads(graphs.backward, handed, len(graphs.static_inputs.buffers)))
 
 
 #: Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.

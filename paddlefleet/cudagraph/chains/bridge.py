@@ -11,6 +11,7 @@ from paddle.autograd import PyLayer
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
 from . import outputs as chain_outputs
+from .links import OUTSIDE, bar
 from ..block.bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
 __all__ = ["ChainFunction", "member_backwards", "replay_forward"]
@@ -85,6 +86,8 @@ def member_backwards(run, grads):
     given = None  # the grad the member after this one gave its first argument
     try:
         for j in reversed(range(handed)):
+            if grads[j] is not None and j < handed - 1:  # NOTE [ Outputs with consumers outside the chain ]
+                bar(members[j].entry, OUTSIDE)
             total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
             given = None
             if total is None:  # nothing reached this output: its call's backward does not run (eager)

@@ -33,8 +33,10 @@ once for a run of consecutive graphed calls:
   come (an early exit) leave their outputs unused: nothing reached autograd through them.
 * **Backward** (chains/bridge.py) replays the backward graphs of the members that handed
   out their output, last first, feeding each the grad of its output: the grad the next member's
-  backward gave its first input, plus any grad that reached the output from outside the chain
-  (two terms: the sum commutes exactly), then the output's own hooks. Parameters get their grads
+  backward gave its first input, then the output's own hooks. A grad that reached an intermediate
+  output from outside the chain bars that link for good (NOTE [ Outputs with consumers outside the
+  chain ] in chains/links.py); in that one backward it is added to the next member's part (two
+  terms commute exactly: one outside consumer sums as eagerly). Parameters get their grads
   from the one grad node, as the bridge hands them out (NOTE [ Grad hand-out ]).
 * **Intermediate outputs** are ordinary tensors, but the grad the next member gives them never
   passes through autograd: hooks registered on them and ``retain_grads()`` are kept by the chain

@@ -3,7 +3,7 @@ hooks the API gives every graphed block (block/hooks.py)."""
 
 from ..block.hooks import CallHooks
 from .chain import start_chain
-from .links import current_run, observe, remember
+from .links import current_run, observe, remember, watch
 
 __all__ = ["CHAINS", "ChainHooks"]
 
@@ -24,7 +24,9 @@ class ChainHooks(CallHooks):
 
     def replayed(self, body, entry, call, result):
         if body.options.chain_calls:
-            remember(entry, result, call.tensors[1:])
+            token = entry.graphs.current.inflight  # this replay's (block/bridge.py's Token, weakly)
+            watch(entry, token() if token is not None else None)
+            remember(entry, result, call.tensors[1:], token)
 
     def __reduce__(self):  # pickled by reference: one instance per process
         return "CHAINS"

@@ -1,38 +1,64 @@
 """What a thread's graphed calls tell about chains (NOTE [ Chains of graphed calls ] in
-chains/chain.py): the latest call and its output, the links seen between keys, and the open run.
+chains/chain.py): the latest call and its output, the links seen between keys, the links barred
+for good (NOTE [ Outputs with consumers outside the chain ]), and the open run. The state lives in
+chains/table.py.
+
+NOTE [ Outputs with consumers outside the chain ]
+Eagerly, the grad of a layer's output is the sum of what each of its consumers gives it, added in
+the order Paddle's backward engine runs those consumers: an order that comes from the caller's whole
+graph. A chain computes the next member's part inside its one grad node, after Paddle has summed the
+parts of every other consumer: with one other consumer the two terms commute exactly, with two or
+more the sum can differ from eager's in the last bit. No order can be proven from inside the chain, so
+a link whose output has a consumer outside the chain is **barred**: no chain goes through it again
+(the calls replay alone, each with its own grad node), and explain() says so. It is seen two ways:
+- before a chain uses the link, while the calls replay alone: the next call's backward records the
+  grad it gives the output (block/bridge.py's Token), and the producer's backward gets another
+  tensor when a grad from another consumer reached the output first (Paddle adds later ones into
+  the first, so a consumer whose grad arrives after the next call's is not seen here);
+- in a chain's backward: a grad from outside reached an intermediate output.
+The second way sees every such consumer, at the first chained backward that has one; that backward
+itself sums in the chain's order (exact with one outside consumer).
 """
 
+import functools
 import weakref
 
 from .table import TABLE
 
-__all__ = ["CONFIRM", "confirmed", "current_run", "flags", "forget_link", "observe", "remember", "set_run"]
+__all__ = ["CONFIRM", "OUTSIDE", "bar", "confirmed", "current_run", "flags", "forget_link", "observe", "remember",
+           "set_run", "watch"]
 
 #: Times a link is seen in a row before a chain uses it.
 CONFIRM = 2
 
+#: Why a barred link is not used (explain()).
+OUTSIDE = ("its output has consumers outside the chain, whose grads eager sums with the next call's in an order a "
+           "chain cannot prove (NOTE [ Outputs with consumers outside the chain ])")
 
 
 class _Seen:
-    """The latest replay of a block in this thread through the bridge, or handed out by a chain."""
+    """The latest replay of a block in this thread through the bridge, or handed out by a chain;
+    ``token``: a weak reference to the bridge's Token of a replay alone (None for a chain's)."""
 
-    __slots__ = ("entry", "output", "version", "extras")
+    __slots__ = ("entry", "output", "version", "extras", "token")
 
-    def __init__(self, entry, output, extras):
+    def __init__(self, entry, output, extras, token):
         self.entry = weakref.ref(entry)
         self.output = weakref.ref(output)
         self.version = output._inplace_version()
         self.extras = extras
+        self.token = token
 
 
 class _Link:
-    __slots__ = ("body", "entry", "count", "flags")
+    __slots__ = ("body", "entry", "count", "flags", "barred")
 
-    def __init__(self, body, entry, flags):
+    def __init__(self, body, entry, flags, barred=""):
         self.body = weakref.ref(body)
         self.entry = weakref.ref(entry)
         self.count = 1
         self.flags = flags
+        self.barred = barred
 
 
 def current_run():
@@ -49,10 +75,10 @@ def flags(graphs):
     return tuple(layer.training for layer in graphs.layers)
 
 
-def remember(entry, output, extras):
+def remember(entry, output, extras, token=None):
     """Records a call whose single output ``output`` a later call may be given (see observe);
-    ``extras``: the call's tensors after its first."""
-    TABLE.thread.last = _Seen(entry, output, extras)
+    ``extras``: the call's tensors after its first; ``token``: its bridge Token's weak reference."""
+    TABLE.thread.last = _Seen(entry, output, extras, token)
 
 
 def forget_link(entry):
@@ -63,10 +89,21 @@ def forget_link(entry):
         TABLE.version += 1
 
 
+def bar(entry, reason):
+    """The link from ``entry`` is never used again (NOTE [ Outputs with consumers outside the chain ])."""
+    link = TABLE.links.get(entry)
+    if link is None or link.barred:
+        return
+    link.barred = reason
+    link.count = 0
+    TABLE.version += 1
+    entry.chain_note = f"calls after it are not chained to it: {reason}"
+
+
 def confirmed(entry):
     """``(body, entry, flags)`` of the key a confirmed link from ``entry`` leads to, or None."""
     link = TABLE.links.get(entry)
-    if link is None or link.count < CONFIRM:
+    if link is None or link.barred or link.count < CONFIRM:
         return None
     body, nxt = link.body(), link.entry()
     return None if body is None or nxt is None else (body, nxt, link.flags)
@@ -77,7 +114,7 @@ def observe(body, entry, call):
     the output of the latest one, unchanged, with the same other tensors (other arguments are
     compared by value, through the key, when a chain serves the call: ChainRun.hand_out)."""
     thread = TABLE.thread
-    seen, thread.last = thread.last, None
+    seen, thread.last, thread.feeding = thread.last, None, None
     if seen is None or not call.args:
         return
     out = seen.output()
@@ -92,8 +129,30 @@ def observe(body, entry, call):
     link = TABLE.links.get(before)
     if link is not None and link.entry() is entry and link.body() is body:
         link.count += 1
-        if link.count == CONFIRM:
+        if link.count == CONFIRM and not link.barred:
             TABLE.version += 1
+    else:
+        TABLE.links[before] = link = _Link(body, entry, flags(entry.graphs.current), link.barred if link else "")
+        TABLE.version += 1
+    if not link.barred and seen.token is not None:
+        thread.feeding = (weakref.ref(entry), seen.token, weakref.ref(before))
+
+
+def watch(entry, token):
+    """After a replay alone of ``entry`` (its bridge Token ``token``): when it was given the output
+    of the replay observe() saw, the two backwards tell whether another consumer gave that output a
+    grad first (block/bridge.py's Token; NOTE [ Outputs with consumers outside the chain ])."""
+    thread = TABLE.thread
+    feeding, thread.feeding = thread.feeding, None
+    if feeding is None or feeding[0]() is not entry or token is None:
         return
-    TABLE.links[before] = _Link(body, entry, flags(entry.graphs.current))
-    TABLE.version += 1
+    producer = feeding[1]()
+    if producer is not None:
+        token.feeds = feeding[1]
+        producer.outside = functools.partial(_outside, feeding[2])
+
+
+def _outside(entry_ref):
+    entry = entry_ref()
+    if entry is not None:
+        bar(entry, OUTSIDE)

@@ -18,6 +18,7 @@ class _PerThread(threading.local):
         super().__init__()
         self.last = None  # links._Seen of the latest replay through the bridge
         self.run = None  # run.ChainRun whose next member was not handed out yet
+        self.feeding = None  # what links.observe saw for the replay about to run (links.watch)
 
 
 class Table:

@@ -42,6 +42,7 @@ class GraphEntry:
         host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
             that cannot pay ] in core/host_cost.py).
         chain: the chain whose first call this key makes (chains/chain.py), or None.
+        chain_note: why calls after this key's are not chained to it (chains/links.py), or "".
     """
 
     key: Any
@@ -64,6 +65,7 @@ class GraphEntry:
     capture_ms: Optional[float] = None
     host_cost: Optional[HostCost] = None
     chain: Any = None
+    chain_note: str = ""
 
     def __post_init__(self):
         if self.host_cost is None:

@@ -197,7 +197,8 @@ def describe_entries(entries):
                 "host_cost": entry.host_cost.describe(),
                 "grads": entry.graphs.describe() if entry.graphs is not None else "",
                 "slot_bytes": entry.graphs.slot_bytes() if hasattr(entry.graphs, "slot_bytes") else [],
-                "chain": entry.chain.describe() if entry.chain is not None and entry.graphs is not None else "",
+                "chain": "; ".join(filter(None, [entry.chain.describe() if entry.chain is not None and entry.graphs
+                                                 is not None else "", entry.chain_note])),
             }
         )
     return rows
