@@ -7,7 +7,7 @@ and exits 2 when the kernels do not run)::
     python tools/rng_gpu_check.py                 # cuda backend on the GPU
     python tools/rng_gpu_check.py --backend simulate   # CPU smoke test of the script
 
-Cases (NOTE [ Random kernels under a recording capture ] in core/state.py, NOTE [ Generator state
+Cases (NOTE [ Random draws seen from generator state ] in core/rng.py, NOTE [ Generator state
 index after replay ] in backends/cuda.py):
 
 1. dropout on the default generator: masks equal eager call by call and differ per replay;
@@ -41,7 +41,7 @@ import paddle.nn.functional as F  # noqa: E402
 from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
-from paddlefleet.cudagraph.core import state  # noqa: E402
+from paddlefleet.cudagraph.core import rng  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
 from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 
@@ -65,7 +65,7 @@ def draws():
 
 def state_index():
     incubate = getattr(paddle, "incubate", None)
-    if state.generator_state_indices() and hasattr(incubate, "get_rng_state"):
+    if rng.generator_state_indices() and hasattr(incubate, "get_rng_state"):
         return incubate.get_rng_state(use_index=True)
     return None
 
@@ -118,7 +118,7 @@ def case_tracker_inside(start):
     want, got = run_twice(fn, graphed, start)
     after = state_index()
     index_moved = None if before == after else f"state index {before} -> {after} after replays"
-    captured = BACKEND != "cuda" or state.generator_state_indices()
+    captured = BACKEND != "cuda" or rng.generator_state_indices()
     expected = {"captures": 1, "replays": 4} if captured else {"captures": 0, "replays": 0}
     return compare(f"tracker block inside the function ({'captured' if captured else 'refused'})", got, want,
                    graphed.stats(), expected, [index_moved])
@@ -183,7 +183,7 @@ def main():
     os.environ.pop(ENV_BACKEND, None)
     paddle.set_device("gpu" if BACKEND == "cuda" else "cpu")
     print(f"paddle {paddle.__version__}, backend {BACKEND}, device {paddle.get_device()}, "
-          f"generator state indices: {state.generator_state_indices()}")
+          f"generator state indices: {rng.generator_state_indices()}")
     reason = kernels_run()
     if reason:
         print(f"CANNOT RUN: {reason}")

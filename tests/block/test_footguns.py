@@ -629,20 +629,21 @@ class RecordingCaptureTest(unittest.TestCase):
         self.assertEqual(model.forward.stats()["eager_reasons"], {"capture failed": 1})
         self.assertTrue(any("rewinds the RNG" in str(c.message) for c in caught))
 
-    def _recording(self, model, ref, state_indices):
-        """Calls ``model`` (autocudagraph'd, simulate) under a recording capture and ``ref``
-        eagerly from the same RNG state; returns the warnings of the capture."""
+    def _recording(self, model, ref, state_indices, recording=True):
+        """Calls ``model`` (autocudagraph'd, simulate) under a recording capture (or, without
+        ``recording``, one that executes) and ``ref`` eagerly from the same RNG state; returns the
+        warnings of the capture."""
         from unittest import mock
 
-        from paddlefleet.cudagraph.core import state
+        from paddlefleet.cudagraph.core import rng
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
         device = paddle_device("cpu")
         device.__enter__()
         self.addCleanup(device.__exit__, None, None, None)
         x = paddle.randn([4, 8])
-        with mock.patch.object(SimulatedBackend, "capture_executes", False), \
-                mock.patch.object(state, "generator_state_indices", lambda: state_indices), \
+        with mock.patch.object(SimulatedBackend, "capture_executes", not recording), \
+                mock.patch.object(rng, "generator_state_indices", lambda: state_indices), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             paddle.seed(3)
@@ -657,7 +658,7 @@ class RecordingCaptureTest(unittest.TestCase):
         return [str(c.message) for c in caught]
 
     def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
-        # NOTE [ Random kernels under a recording capture ] in core/state.py; the simulated backend
+        # NOTE [ Random draws seen from generator state ] in core/rng.py; the simulated backend
         # stands in for a recording capture with capture_executes=False.
         def noisy(x):
             return x + paddle.rand(x.shape)
@@ -667,6 +668,35 @@ class RecordingCaptureTest(unittest.TestCase):
             messages = self._recording(graphed, noisy, indices)
             self.assertTrue(any("random kernel 'uniform'" in m and "does not re-seed" in m for m in messages),
                             messages)
+
+    def test_every_random_function_runs_eagerly_on_cuda(self):
+        # Decided from the generators' state, not from names (NOTE [ Random draws seen from
+        # generator state ] in core/rng.py): each function is refused at capture, never captured.
+        from tests.grads.test_training import random_draws
+
+        for name, draw in random_draws():
+            with self.subTest(name):
+                def noisy(x, draw=draw):
+                    return x + draw().astype(x.dtype).sum()
+
+                graphed = autocudagraph(noisy, backend="simulate", warmup_steps=0)
+                messages = self._recording(graphed, noisy, True)
+                self.assertTrue(any("random kernel" in m or "outside any Paddle op" in m for m in messages),
+                                (name, messages))
+
+    def test_every_random_function_runs_eagerly_on_simulate(self):
+        # A capture that executes refuses what a recording one refuses: CPU CI sees the fallback.
+        from tests.grads.test_training import random_draws
+
+        for name, draw in random_draws():
+            with self.subTest(name):
+                def noisy(x, draw=draw):
+                    return x + draw().astype(x.dtype).sum()
+
+                graphed = autocudagraph(noisy, backend="simulate", warmup_steps=0)
+                messages = self._recording(graphed, noisy, True, recording=False)
+                self.assertTrue(any("random kernel" in m or "outside any Paddle op" in m for m in messages),
+                                (name, messages))
 
     def test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices(self):
         from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker

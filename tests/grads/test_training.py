@@ -22,7 +22,8 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from paddle.distributed.fleet.utils import recompute
 from parameterized import parameterized
 
-from paddlefleet.cudagraph.core import state
+from paddlefleet.cudagraph.core import rng, state
+from paddlefleet.cudagraph.errors import CaptureError
 
 from testkit.harness import (
     add_tracker_state,
@@ -152,7 +153,7 @@ class TrackerCase(BackendCase):
         """Whether a tracker rng_state block inside a graphed function is captured here: not on
         cuda with a Paddle without generator state indices (NOTE [ Random kernels under a
         recording capture ] in core/state.py), where the key runs eagerly instead."""
-        return self.backend != "cuda" or state.generator_state_indices()
+        return self.backend != "cuda" or rng.generator_state_indices()
 
     def reseed(self, seed=11):
         """Same starting point for the default generator and the tracker state."""
@@ -510,19 +511,19 @@ class DropoutRngTest(TrackerCase):
         self.assertEqual(graphed_fn.stats()["replays"], 2)
 
 
-class RecordingRngGuardTest(unittest.TestCase):
-    """Which random draws state.RecordingRngGuard refuses in a recording capture (NOTE [ Random
-    kernels under a recording capture ]); the lifecycle's use of it is in test_footguns.py."""
+class DrawGuardTest(unittest.TestCase):
+    """Which random draws rng.DrawGuard refuses in a recording capture (NOTE [ Random draws seen
+    from generator state ]); the lifecycle's use of it is in test_footguns.py."""
 
     def setUp(self):
         add_tracker_state(self, TRACKER_STATE, TRACKER_SEED)
         paddle.seed(11)
 
-    def problem(self, body, state_indices, enabled=True):
-        guard = state.RecordingRngGuard(enabled=enabled, state_indices=state_indices)
+    def problem(self, body, state_indices, enabled=True, backward=False):
+        guard = rng.DrawGuard(enabled=enabled, backward=backward, state_indices=state_indices)
         with guard:
             body()
-        return guard.problem
+        return None if guard.problem is None else guard.problem[:2]
 
     @staticmethod
     def tracked_dropout():
@@ -530,7 +531,7 @@ class RecordingRngGuardTest(unittest.TestCase):
             F.dropout(paddle.ones([8]), 0.5)
 
     def test_tracker_dropout_inside_is_refused_only_without_state_indices(self):
-        self.assertEqual(self.problem(self.tracked_dropout, state_indices=False), ("dropout", "foreign state"))
+        self.assertEqual(self.problem(self.tracked_dropout, state_indices=False), ("foreign state", "dropout"))
         self.assertIsNone(self.problem(self.tracked_dropout, state_indices=True))
 
     def test_capture_that_starts_inside_the_tracker_block_is_not_refused(self):
@@ -547,20 +548,97 @@ class RecordingRngGuardTest(unittest.TestCase):
 
     def test_kernels_without_a_replay_reseed_are_refused_everywhere(self):
         for indices in (True, False):
-            self.assertEqual(self.problem(lambda: paddle.rand([3]), indices), ("uniform", "frozen"))
-            self.assertEqual(self.problem(lambda: paddle.randn([3]), indices), ("gaussian", "frozen"))
+            self.assertEqual(self.problem(lambda: paddle.rand([3]), indices), ("frozen", "uniform"))
+            self.assertEqual(self.problem(lambda: paddle.randn([3]), indices), ("frozen", "gaussian"))
             self.assertIsNone(self.problem(lambda: paddle.rand([3]), indices, enabled=False))
 
+    def test_every_random_function_is_refused_without_a_list_of_names(self):
+        for name, draw in random_draws():
+            with self.subTest(name):
+                problem = self.problem(draw, generator_state_indices_or_not())
+                self.assertIsNotNone(problem, name)
+                self.assertIn(problem[0], ("frozen", "outside"), problem)
+
+    def test_ops_that_draw_nothing_pass(self):
+        def body():
+            x = paddle.ones([4, 4])
+            paddle.matmul(x, x).sum()
+            F.dropout(x, 0.0)
+
+        self.assertIsNone(self.problem(body, generator_state_indices_or_not()))
+
+    def test_a_seed_inside_the_capture_is_refused(self):
+        problem = self.problem(lambda: (paddle.seed(3), paddle.ones([2]) * 2), generator_state_indices_or_not())
+        self.assertEqual(problem[0], "outside")
+
+    def test_a_backward_draw_after_a_rewind_is_refused_whatever_the_kernel(self):
+        def body():
+            saved = paddle.get_rng_state()
+            paddle.set_rng_state(saved)
+            F.dropout(paddle.ones([8]), 0.5)
+
+        self.assertEqual(self.problem(body, generator_state_indices_or_not(), backward=True),
+                         ("after rewind", "dropout"))
+        self.assertIsNone(self.problem(body, generator_state_indices_or_not(), backward=False))
+
+    def test_the_refusal_names_the_kernel_and_the_users_line(self):
+        guard = rng.DrawGuard(state_indices=True)
+        with guard:
+            paddle.poisson(paddle.ones([3]))
+        with self.assertRaisesRegex(CaptureError, r"random kernel 'poisson' \(at .*test_training.py:\d+\)"):
+            guard.check()
+
     def test_ops_are_restored_and_draws_unchanged(self):
-        originals = {n: getattr(paddle._C_ops, n) for n in ("dropout", "uniform")}
+        originals = {n: getattr(paddle._C_ops, n) for n in ("dropout", "uniform", "matmul")}
+        setters = (paddle.set_rng_state, paddle.set_cuda_rng_state)
         paddle.seed(5)
         self.problem(self.tracked_dropout, state_indices=False)
+        self.problem(lambda: paddle.poisson(paddle.ones([3])), state_indices=False)
         guarded = paddle.rand([4]).numpy()
         paddle.seed(5)
         self.tracked_dropout()
+        paddle.poisson(paddle.ones([3]))
         np.testing.assert_array_equal(guarded, paddle.rand([4]).numpy(), strict=True)
         for name, fn in originals.items():
             self.assertIs(getattr(paddle._C_ops, name), fn)
+        self.assertEqual((paddle.set_rng_state, paddle.set_cuda_rng_state), setters)
+
+
+def generator_state_indices_or_not():
+    return rng.generator_state_indices()
+
+
+def random_draws():
+    """``[(name, function)]``: Paddle's random functions a CUDA graph would freeze, those this
+    Paddle has (none of them is dropout)."""
+    ones = lambda: paddle.ones([4, 3])  # noqa: E731
+    candidates = [
+        ("paddle.rand", lambda: paddle.rand([3])),
+        ("paddle.randn", lambda: paddle.randn([3])),
+        ("paddle.randint", lambda: paddle.randint(0, 5, [3])),
+        ("paddle.randperm", lambda: paddle.randperm(5)),
+        ("paddle.bernoulli", lambda: paddle.bernoulli(paddle.full([3], 0.5))),
+        ("paddle.multinomial", lambda: paddle.multinomial(paddle.full([3], 0.3))),
+        ("paddle.poisson", lambda: paddle.poisson(ones())),
+        ("F.gumbel_softmax", lambda: F.gumbel_softmax(ones())),
+        ("F.rrelu", lambda: F.rrelu(-ones(), training=True)),
+        ("paddle.normal", lambda: paddle.normal(shape=[3])),
+        ("Tensor.uniform_", lambda: ones().uniform_()),
+        ("Tensor.exponential_", lambda: ones().exponential_()),
+        ("paddle.binomial", lambda: paddle.binomial(paddle.full([3], 5, "int64"), paddle.full([3], 0.5))),
+        ("paddle.standard_gamma", lambda: paddle.standard_gamma(ones())),
+        ("Tensor.random_", lambda: ones().random_()),
+        ("Tensor.normal_", lambda: ones().normal_()),
+        ("Tensor.bernoulli_", lambda: ones().bernoulli_(0.5)),
+        ("Dirichlet.sample", lambda: paddle.distribution.Dirichlet(paddle.full([3], 0.5)).sample()),
+    ]
+    owners = {"paddle": paddle, "F": F, "Tensor": paddle.Tensor, "Dirichlet": paddle.distribution.Dirichlet}
+    found = []
+    for name, draw in candidates:
+        owner, _, attr = name.partition(".")
+        if hasattr(owners[owner], attr):
+            found.append((name, draw))
+    return found
 
 
 # ---------------------------------------------------------------------------- item 6

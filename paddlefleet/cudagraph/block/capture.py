@@ -25,7 +25,6 @@ BlockGraphs and its GradPlan. Changing the wrapper's options afterwards never mi
 within one graph.
 """
 
-import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, List, Optional, Tuple
@@ -34,6 +33,7 @@ import paddle
 
 from ..backends import function_errors
 from ..core import state
+from ..core.rng import DrawGuard
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
@@ -183,8 +183,8 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            # NOTE [ Random kernels under a recording capture ] in core/state.py.
-            rng_guard = state.RecordingRngGuard(enabled=not backend.capture_executes)
+            # NOTE [ Random draws seen from generator state ] in core/rng.py.
+            rng_guard = DrawGuard()
             with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
@@ -260,8 +260,8 @@ class _BlockCapture:
     def _capture_backward(self, graphs, body):
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool)
-        # NOTE [ Recompute under CUDA graphs ] in core/state.py: only a recording capture needs it.
-        guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
+        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
+        guard = DrawGuard(backward=not self.backend.capture_executes)
         try:
             with guard:
                 results = list(bwd.graph.capture(body, self.opts.capture_hooks))
@@ -270,8 +270,7 @@ class _BlockCapture:
             if self.by_grad and not isinstance(err, CudaGraphError):
                 raise _GradBodyFailed(err) from err
             raise
-        if isinstance(guard, state.RngRewindGuard):
-            guard.check()
+        guard.check()
         return results
 
     def _refuse_unknown_leaves(self, graphs, live, leaves):

@@ -29,6 +29,7 @@ import contextlib
 import paddle
 
 from ..core import state
+from ..core.rng import DrawGuard
 from ..backends.paddle_patches import Patches
 from ..backends import function_errors
 from ..errors import CaptureError
@@ -176,7 +177,8 @@ class StepCapture:
 
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
-        guard = state.RngRewindGuard() if not self.backend.capture_executes else contextlib.nullcontext()
+        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
+        guard = DrawGuard(backward=not self.backend.capture_executes)
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
 
@@ -188,8 +190,7 @@ class StepCapture:
         with LayerRecorder(watch, NO_WATCH), guard, _refuse_paddle_scaler(), watch_steps(
                 on_step), tag_learning_rates(), writes:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
-        if isinstance(guard, state.RngRewindGuard):
-            guard.check()
+        guard.check()
         self._check(live, before, watch, graphs)
         _refuse_written_copies(static)
         graphs.static_inputs = static

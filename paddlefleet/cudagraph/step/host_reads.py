@@ -163,7 +163,7 @@ class OpTrace:
                     original = own.get(name)
                     if original is None:
                         original = getattr(module, name)
-                    # Read now, not cached: another patch in force (RngRewindGuard) stays in force.
+                    # Read now, not cached: another patch in force (DrawGuard) stays in force.
                     self._patches.set(module, name, self._wrap(f"{prefix}.{name}", original))
             for name in _TENSOR_OPERATORS:
                 original = paddle.Tensor.__dict__.get(name)
