@@ -23,7 +23,7 @@ except ImportError as _err:
         "(README.md, section 'Install on a GPU'; check with 'python -m paddlefleet.cudagraph doctor')."
     ) from _err
 
-from .core import cross_entropy, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
+from .core import cross_entropy, layer_attrs, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
 from .grads import hook_registry
 from .chains import outputs as chain_outputs
 from .api import autocudagraph
@@ -39,6 +39,7 @@ paddle_patches.on_first_wrapper(
     hook_registry.install,  # NOTE [ Grad consumers ] in grads/hook_registry.py
     saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
     chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in chains/outputs.py
+    layer_attrs.install,  # NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py
 )
 
 __all__ = [

@@ -342,6 +342,29 @@ class FootgunTest(BackendCase):
         self.assertBitwise(f(x), paddle.full([2], 2.0), "the replay repeats what capture read")
         self.assertBitwise(block(x), paddle.full([2], 5.0))
 
+    def test_layer_attribute_changed_after_capture_captures_again(self):
+        class Flag(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.fc = paddle.nn.Linear(4, 4)
+                self.double = False
+
+            def forward(self, x):
+                y = self.fc(x)
+                return y * 2.0 if self.double else y
+
+        model = Flag()
+        self.graphed(model, warmup_steps=0)
+        x = paddle.ones([2, 4])
+        with paddle.no_grad():  # no backward pending: each call replays the one slot
+            first = model(x)
+            model(x)
+            model.double = True  # a replay would return the capture's (single) value
+            self.assertBitwise(model(x), first * 2.0, "the new value is read")
+        self.assertEqual((model.forward.stats()["captures"], model.forward.stats()["replays"]), (2, 1))
+        self.assertTrue(any("attribute 'double' of Flag changed" in m and "False -> True" in m
+                            for m in self.our_warnings()), self.our_warnings())
+
     def test_simulated_backend_rereads_python_state(self):
         if self.backend != "simulate":
             self.skipTest("a GPU graph freezes Python state at capture")

@@ -33,6 +33,7 @@ import paddle
 
 from ..backends import function_errors
 from ..core import state
+from ..core.layer_attrs import AttrWatch, layers_with_sublayers
 from ..core.rng import DrawGuard
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
@@ -201,6 +202,7 @@ class _BlockCapture:
                 graphs.handed_out = StaleOutputs()
             graphs.layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
             graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
+            graphs.attrs = AttrWatch(layers_with_sublayers(graphs.layers))  # NOTE [ Layer attributes a replay freezes ]
             self._backward(graphs, live, grad_enabled)
             graphs.settle()  # NOTE [ Replay work decided at capture ] in block/replay.py
             # Keeps the capture-time outputs and their autograd graph (the saved activations) alive

@@ -95,6 +95,7 @@ class BlockGraphs(Graphs):
     clone_outputs: bool = True
     params: Any = None
     layers: list = dataclasses.field(default_factory=list)
+    attrs: Any = None  # AttrWatch of the layers and their sublayers (NOTE [ Layer attributes a replay freezes ])
     live: Any = None
     handed_out: Any = None
     generation: int = 0

@@ -26,6 +26,7 @@ from .bridge import GraphedFunction, bridge_args, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import route_hooks
 from ..core.body import Action, Blocked
+from ..core.layer_attrs import attr_message
 from ..core.location import user_call_site
 from ..io.nested import unflatten
 
@@ -53,6 +54,9 @@ def replay_blocker(graphs, call, check_inputs):
             moved = f"input '{name}' is another tensor than the one the graph reads in place"
     if moved is not None:
         return Blocked(Action.RECAPTURE, moved)
+    changed = graphs.attrs.changed() if graphs.attrs is not None else None
+    if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py
+        return Blocked(Action.RECAPTURE, *attr_message(changed))
     if graphs.accumulators is not None:
         shared = graphs.accumulators.shared_now()
         if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py

@@ -23,6 +23,7 @@ class Action(enum.Enum):
 
     RECAPTURE = "recapture"  # capture the key again (no warmup), then replay
     RECAPTURE_ONCE = "recapture_once"  # as RECAPTURE, but a key captured again before falls back
+    REWARM = "rewarm"  # warm the key up again (this call is its first warmup call), then capture
     EAGER = "eager"  # this call runs eagerly; the key keeps its graphs
     FALL_BACK = "fall_back"  # the key runs eagerly from the next call on (Replayed.then)
     NEW_SLOT = "new_slot"  # capture another slot of the key for this call (NOTE [ Slots ] in block/slots.py)

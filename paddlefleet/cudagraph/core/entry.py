@@ -5,6 +5,7 @@ The lifecycle of a key (core/lifecycle.py asks for each move; the entry makes it
     WARMUP --(warmup_steps eager calls)--> capture --ok--> REPLAY
                                               \--fails--> FALLBACK (eager from then on)
     REPLAY --(parameter or adopted input moved / evicted)--> RECAPTURE --> capture (no warmup)
+    REPLAY --(what the warmup traced changed: a frozen parameter, a Layer attribute)--> WARMUP
     REPLAY --(verify mismatch / static buffers over max_bytes)--> FALLBACK
 """
 
@@ -117,6 +118,13 @@ class GraphEntry:
         """Drops the graphs; the next call of this key captures again (no warmup)."""
         self.release()
         self.phase = Phase.RECAPTURE
+        self.fallback_reason = None
+
+    def to_warmup(self):
+        """Drops the graphs; the key warms up again (warmup_steps eager calls) before its next capture."""
+        self.release()
+        self.phase = Phase.WARMUP
+        self.warmup_calls = 0
         self.fallback_reason = None
 
     def evict(self):

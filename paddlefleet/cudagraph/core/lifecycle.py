@@ -242,6 +242,12 @@ class Lifecycle(Reports, Views):
         if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
+        if blocked is not None and blocked.action is Action.REWARM:
+            entry.to_warmup()
+            logger.info("%s(%s): warming up again: %s", self._body.api, self.__name__, blocked.reason)
+            entry.warmed_up(call.tensors)
+            self.counters.warmup_calls += 1
+            return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
         if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
             logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)

@@ -6,7 +6,10 @@ replay StepBody.blocker asks: did the grad-slot mode change, was a global or clo
 the step function rebound, was a parameter the optimizers update replaced or moved, did the
 call pass another tensor where the graph reads an adopted one in place (NOTE [ Adopted inputs of
 a step ] in step/capture.py), did the grads change between calls (closed mode: a backward or clear
-outside the step), or was the grad storage the graph adds into released (persistent mode)? These
+outside the step), was the grad storage the graph adds into released (persistent mode), was a
+parameter the step reaches (its Layers' and its optimizers') frozen or unfrozen (``stop_gradient``:
+the graph would keep computing and applying the capture's grads), or did a plain attribute of a
+Layer the step called change (NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py)? These
 answers cost host time on every call, and a replayed step should cost little more than the graph
 launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
 the tensors and the addresses they must still have, and a bindings check
@@ -19,9 +22,12 @@ something (tests/step/test_replay_checks.py changes each thing once and expects 
 as before).
 """
 
+import operator
+
 import paddle
 
 from ..core.body import Action, Blocked
+from ..core.layer_attrs import AttrWatch, attr_message, layers_with_sublayers
 from .grad_slots import CLOSED, grad_ptr
 from .host_reads import BindingWatch, short_repr
 
@@ -29,6 +35,7 @@ __all__ = ["ReplayChecks", "binding_message"]
 
 _data_ptr = paddle.Tensor.data_ptr
 _is_contiguous = paddle.Tensor.is_contiguous
+_stop_gradient = operator.attrgetter("stop_gradient")
 
 
 class ReplayChecks:
@@ -53,10 +60,19 @@ class ReplayChecks:
         self._adopted_ptrs = [static.buffers[i].data_ptr() for i in self._adopted]
         self._watched = tuple(p for p, _ in graphs.watched)
         self._watched_ptrs = [ptr for _, ptr in graphs.watched]
+        # Every parameter the step reaches: its Layers' and its optimizers' (NOTE [ Step replay checks ]).
+        layers = layers_with_sublayers(getattr(graphs, "layers", None) or [])
+        reached = {id(p): p for _, layer in layers for p in layer.parameters(include_sublayers=False)}
+        reached.update((id(p), p) for p in self._params)
+        self._reached = tuple(reached.values())
+        self._frozen = list(map(_stop_gradient, self._reached))
+        self._attrs = AttrWatch(layers) if layers else None
         # Only what this key has: a step without optimizers has no parameter or grad to look at.
         checks = [self._bindings] if self._bindings_unchanged is not None else []
         checks += [self._moved] if self._params else []
         checks += [self._adopted_moved] if self._adopted else []
+        checks += [self._freezes] if self._reached else []
+        checks += [self._attributes] if self._attrs is not None else []
         if graphs.grad_mode == CLOSED:
             checks.append(_grads_between)
         elif self._watched:
@@ -87,6 +103,26 @@ class ReplayChecks:
         if name is None:
             return None
         return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
+
+    def _freezes(self, *_):
+        if list(map(_stop_gradient, self._reached)) == self._frozen:
+            return None
+        for p, was in zip(self._reached, self._frozen):
+            if p.stop_gradient != was:
+                change = "frozen (stop_gradient False -> True)" if was is False else \
+                    "unfrozen (stop_gradient True -> False)"
+                return Blocked(Action.REWARM, f"parameter {p.name} was {change} since capture", (
+                    f"parameter {p.name} was {change} since the step was captured. The graph "
+                    "computes and applies the grads the capture computed, so the key warms up and is captured "
+                    "again."))
+        return None
+
+    def _attributes(self, *_):
+        changed = self._attrs.changed()
+        if changed is None:
+            return None
+        reason, warning = attr_message(changed, "the step")
+        return Blocked(Action.REWARM, reason, warning.replace("is captured again", "warms up and is captured again"))
 
     def _bindings(self, *_):
         if self._bindings_unchanged():
