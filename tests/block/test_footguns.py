@@ -373,8 +373,28 @@ class FootgunTest(BackendCase):
         x = paddle.ones([2])
         f(x)
         factor["value"] = 5.0
-        # A GPU replay would still multiply by 2.0; the simulated replay re-runs the Python.
+        # A GPU replay would still multiply by 2.0; the simulated replay re-runs the Python, sees
+        # the op's scalar change, and says so: the key runs eagerly from the next call on.
         self.assertBitwise(f(x), paddle.full([2], 5.0))
+        self.assertBitwise(f(x), paddle.full([2], 5.0))
+        stats = f.stats()
+        self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 1, 1), f.explain())
+        warned = [m for m in self.our_warnings() if "would reuse the capture's value" in m]
+        self.assertTrue(warned and "2.0" in warned[0] and "5.0" in warned[0] and "test_footguns.py:" in warned[0],
+                        self.our_warnings())
+
+    def test_verify_replays_never_verifies_a_replay_a_gpu_would_get_wrong(self):
+        if self.backend != "simulate":
+            self.skipTest("a GPU replay's values are compared with eager's by verify_replays itself")
+        factor = {"value": 2.0}
+        f = self.graphed(lambda x: x * factor["value"], warmup_steps=0, verify_replays=3)
+        x = paddle.ones([2])
+        f(x)
+        factor["value"] = 5.0
+        self.assertBitwise(f(x), paddle.full([2], 5.0))
+        self.assertEqual(f.stats()["verified_replays"], 1, f.explain())  # the capture call only
+        self.assertBitwise(f(x), paddle.full([2], 5.0))
+        self.assertEqual(f.stats()["verified_replays"], 1, f.explain())
 
     def test_verify_replays_checks_only_the_first_n_calls(self):
         scale = {"t": self.host(1.0)}
@@ -415,7 +435,15 @@ class FootgunTest(BackendCase):
 
         f = self.graphed(block, warmup_steps=0)
         outs = [f(data(2, 2, seed=i))[1] for i in range(3)]
-        self.assertBitwise(outs, [paddle.to_tensor(1, dtype="int64")] * 3)
+        if self.backend == "cuda":
+            self.assertBitwise(outs, [paddle.to_tensor(1, dtype="int64")] * 3)
+            return
+        # The simulated backend re-runs the function for the capture call's replay, sees the value
+        # a GPU would freeze (NOTE [ Values a simulated replay reads ] in block/replay_fallback.py) and falls back.
+        self.assertBitwise(outs[0], paddle.to_tensor(1, dtype="int64"), "the capture call keeps the capture's value")
+        self.assertEqual(f.stats()["captures"], 1)
+        self.assertTrue(any("paddle.to_tensor" in m and "would reuse the capture's value" in m
+                            for m in self.our_warnings()), self.our_warnings())
 
     # ------------------------------------------------------------------ buffers and lifetimes
     def test_outputs_are_overwritten_by_the_next_replay_without_clone_outputs(self):

@@ -25,6 +25,7 @@ BlockGraphs and its GradPlan. Changing the wrapper's options afterwards never mi
 within one graph.
 """
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, List, Optional, Tuple
@@ -44,6 +45,7 @@ from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_no
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
+from ..step.host_reads import OpTrace
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -169,10 +171,14 @@ class _BlockCapture:
         grad_enabled = paddle.is_grad_enabled()
         fn, owner, live = self.fn, self.owner, {}
 
+        traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
+
         def forward_body():
-            with paddle.set_grad_enabled(grad_enabled), function_errors():
+            trace = OpTrace() if traced else contextlib.nullcontext()
+            with trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
+            live["replayed" if "spec" in live else "trace"] = trace if traced else None
             if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
@@ -184,8 +190,7 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            # NOTE [ Random draws seen from generator state ] in core/rng.py.
-            rng_guard = DrawGuard()
+            rng_guard = DrawGuard()  # NOTE [ Random draws seen from generator state ] in core/rng.py
             with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()

@@ -11,6 +11,17 @@ call on a backend whose replay executes the body first saves the RNG states and 
 the key's Layers, and on ReplayShapeError puts them back (here); the lifecycle then moves the key
 to eager with the reason (explain() shows it; one warning) and runs the call eagerly. A CUDA replay never
 re-runs Python, so nothing is saved there.
+
+NOTE [ Values a simulated replay reads ]
+A CUDA graph replays its capture's kernels with the Python values they were launched with; the
+simulated backend re-runs the function, so a value that changed since capture (a global, a
+closure, a dict changed in place) reaches its ops and the replay looks right on a CPU where a
+GPU would be silently wrong. So on a backend whose capture executes, the forward runs under
+``OpTrace`` (step/host_reads.py) at capture and at every replay: the op names and their scalar
+arguments. A replay whose trace differs from the capture's is one a GPU would have got wrong:
+its result (eager's) stands, the key runs eagerly from the next call on, and the warning names
+the op, both values and the user's line. ``verify_replays`` does not count such a replay as
+verified (core/lifecycle.py).
 """
 
 import contextlib
@@ -18,9 +29,11 @@ import contextlib
 import paddle
 
 from ..core import state
+from ..core.body import Action, Blocked
+from ..step.host_reads import describe_trace_difference
 from ..errors import ReplayShapeError
 
-__all__ = ["state_restored_on_refusal"]
+__all__ = ["state_restored_on_refusal", "simulated_trace_check"]
 
 
 def _buffers(layers):
@@ -52,3 +65,20 @@ def state_restored_on_refusal(layers, enabled):
             for b, value in zip(buffers, saved):
                 b.copy_(value, False)  # keeps the inplace version, as a replay's writes do
         raise
+
+
+def simulated_trace_check(live):
+    """None when a simulated replay's forward ran the capture's ops with the capture's scalar
+    arguments, else the Blocked(FALL_BACK) naming the first difference (NOTE [ Values a simulated
+    replay reads ])."""
+    captured, replayed = live.get("trace"), live.pop("replayed", None)
+    if captured is None or replayed is None:
+        return None
+    diff = describe_trace_difference(captured, replayed, "capture", "replay")
+    if diff is None:
+        return None
+    reason = f"a replay read other values than the capture: {diff}"
+    return Blocked(Action.FALL_BACK, reason, (
+        f"{reason}. On a GPU this replay would reuse the capture's value; the simulated backend re-runs Python, so "
+        "this result is still eager's. The key runs eagerly from now on. Pass values that change as arguments "
+        "(they become part of the key) or as tensors updated in place."))

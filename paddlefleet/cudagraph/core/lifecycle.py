@@ -243,8 +243,7 @@ class Lifecycle(Reports, Views):
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
         if blocked is not None and blocked.action is Action.REWARM:
-            entry.to_warmup()
-            logger.info("%s(%s): warming up again: %s", self._body.api, self.__name__, blocked.reason)
+            entry.to_warmup()  # the blocked warning said why
             entry.warmed_up(call.tensors)
             self.counters.warmup_calls += 1
             return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
@@ -293,13 +292,19 @@ class Lifecycle(Reports, Views):
             if entry.verify_left <= 0:
                 return self._run_graphs(entry, call, copy)
             entry.verify_left -= 1
-            result, mismatch = self._body.verified_replay(entry, call, lambda: self._run_graphs(entry, call, copy))
+            held = []  # the replay alone: counted (and its ``then`` applied) after the check
+            run = lambda: held.append(self._body.replay(entry, call, copy)) or held[0].result  # noqa: E731
+            result, mismatch = self._body.verified_replay(entry, call, run)
+            if held:
+                self._run_graphs(entry, call, copy, replayed=held[0])
         except ReplayShapeError as err:  # NOTE [ A replay that changes shape ] in block/replay_fallback.py
             reason = f"{type(err).__name__}: {err}"
             entry.fall_back(reason)
             self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
                             "The key runs eagerly from now on (results stay correct, without the speed-up).")
             return self._eager(call, "a replay changed an output's shape")
+        if held and held[0].then is not None:  # a replay a GPU would have got wrong is never verified
+            return result if mismatch is None else self._eager(call, "verification found a mismatch")
         self.counters.verified_replays += 1
         entry.verified += 1
         if mismatch is None:

@@ -234,7 +234,7 @@ def describe_trace_difference(before, after, before_name, after_name, lines=()):
                 before.lines[i] if i < len(before.lines) else None) or (lines[i] if i < len(lines) else None)
             at = f" at {where}" if where else ""
             if a[0] != b[0]:
-                return (f"op #{i} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the step "
+                return (f"op #{i} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the code "
                         "takes another branch)")
             return f"op #{i} {a[0]}{at} got " + _argument_difference(a, b).format(before_name, after_name)
     longer, name = (before, before_name) if len(before.ops) > len(after.ops) else (after, after_name)
