@@ -190,7 +190,8 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            rng_guard = DrawGuard()  # NOTE [ Random draws seen from generator state ] in core/rng.py
+            # NOTE [ Random draws seen from generator state ] in core/rng.py.
+            rng_guard = DrawGuard(recording=not backend.capture_executes)
             with LayerRecorder(snapshot, watch) as recorder, rng_guard:
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
@@ -268,7 +269,8 @@ class _BlockCapture:
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
-        guard = DrawGuard(backward=not self.backend.capture_executes)
+        recording = not self.backend.capture_executes
+        guard = DrawGuard(backward=recording, recording=recording)
         try:
             with guard:
                 results = list(bwd.graph.capture(body, self.opts.capture_hooks))

@@ -15,8 +15,8 @@ them changed drew random numbers; so did any change between two ops that no RNG 
 * ``dropout``, ``dropout_`` and ``fused_dropout_add`` (phi's CUDAGraphNodeLauncher parameter
   setters; the same three in Paddle 2.6.2's GPU build and in 3.x): before every replay but the
   first, a host hook advances the generator's offset and patches the kernel's seed and offset;
-* provided it is drawn under the state that was current when the capture began, or the
-  generators keep states by index (``Generator.get_state_index``, Paddle 3.x). Paddle 2.6's
+* provided, under a capture that only records, it is drawn under the state that was current
+  when the capture began, or the generators keep states by index (``Generator.get_state_index``, Paddle 3.x). Paddle 2.6's
   Fleet tracker swaps state *values* in and out of the one generator, and the hook advances
   whatever state is current at replay, i.e. the caller's: a dropout inside a tracker
   ``rng_state(name)`` block in the function would replay from the default stream. 3.x keeps
@@ -126,11 +126,15 @@ class DrawGuard:
         backward: refuse a draw after an RNG setter whatever the kernel (NOTE [ Recompute under
             CUDA graphs ]): a backward, or a whole step, under a capture that only records.
         state_indices: whether the generators keep states by index; None detects it.
+        recording: the capture only records (cuda, or simulate standing in for it): a re-seeded
+            kernel under another state than the caller's is refused where generators keep no
+            state indices (a capture that executes re-runs the tracker block at every replay).
     """
 
-    def __init__(self, enabled=True, backward=False, state_indices=None):
+    def __init__(self, enabled=True, backward=False, state_indices=None, recording=True):
         self.enabled = enabled
         self.backward = backward
+        self.recording = recording
         self.state_indices = generator_state_indices() if state_indices is None else state_indices
         self.problem = None  # (kind, what, where)
         self.rewound = False
@@ -184,7 +188,7 @@ class DrawGuard:
             self._note("after rewind", name)
         elif name not in RESEEDED_OPS:
             self._note("frozen", name)
-        elif not self.state_indices and _current_seeds() != self._start_seeds:
+        elif self.recording and not self.state_indices and _current_seeds() != self._start_seeds:
             self._note("foreign state", name)
 
     def _wrap_setter(self, original, by_index_arg=None):

@@ -178,7 +178,8 @@ class StepCapture:
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
-        guard = DrawGuard(backward=not self.backend.capture_executes)
+        recording = not self.backend.capture_executes
+        guard = DrawGuard(backward=recording, recording=recording)
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
 
