@@ -493,6 +493,12 @@ class HostIOTest(SafetyCase):
 
         f = self.graphed(block, warmup_steps=0, clone_outputs=False)
         first = f(data(2, 2))
+        if self.backend != "cuda":
+            # The simulated capture call's replay re-runs the function and sees the value a GPU would
+            # freeze (NOTE [ Values a simulated replay reads ] in block/replay_fallback.py): eager from now on.
+            self.assertBitwise(first[1], paddle.to_tensor([1]))
+            self.assertIn("a replay read other values than the capture", f.explain())
+            return
         second = f(data(2, 2, seed=1))
         self.assertBitwise([first[1], second[1]], [paddle.to_tensor([1]), paddle.to_tensor([1])])
         self.assertEqual(str(second[1].place), str(paddle.CPUPlace()) if self.backend == "cuda" else str(second[1].place))
