@@ -291,28 +291,13 @@ class Lifecycle(Reports, Views):
         try:
             if entry.verify_left <= 0:
                 return self._run_graphs(entry, call, copy)
-            entry.verify_left -= 1
-            held = []  # the replay alone: counted (and its ``then`` applied) after the check
-            run = lambda: held.append(self._body.replay(entry, call, copy)) or held[0].result  # noqa: E731
-            result, mismatch = self._body.verified_replay(entry, call, run)
-            if held:
-                self._run_graphs(entry, call, copy, replayed=held[0])
+            return _verified_call(self, entry, call, copy)
         except ReplayShapeError as err:  # NOTE [ A replay that changes shape ] in block/replay_fallback.py
             reason = f"{type(err).__name__}: {err}"
             entry.fall_back(reason)
             self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
                             "The key runs eagerly from now on (results stay correct, without the speed-up).")
             return self._eager(call, "a replay changed an output's shape")
-        if held and held[0].then is not None:  # a replay a GPU would have got wrong is never verified
-            return result if mismatch is None else self._eager(call, "verification found a mismatch")
-        self.counters.verified_replays += 1
-        entry.verified += 1
-        if mismatch is None:
-            return result
-        self.counters.verify_mismatches += 1
-        entry.fall_back(mismatch)
-        self._warn_once(("verify", id(entry)), _MISMATCH.format(label=entry.label, mismatch=mismatch))
-        return self._eager(call, "verification found a mismatch")
 
     def _run_graphs(self, entry, call, copy, replayed=None):
         """Replays ``entry`` for ``call`` (or counts ``replayed``, a call the body served)."""
@@ -329,3 +314,25 @@ class Lifecycle(Reports, Views):
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _verified_call(lifecycle, entry, call, copy):
+    """A replay of ``entry`` for ``call`` checked against an eager re-run (verify_replays): the replay
+    alone runs inside the check, and is counted (its ``then`` applied) after it, so a replay that falls
+    back (NOTE [ Values a simulated replay reads ] in block/replay_fallback.py) is never verified."""
+    entry.verify_left -= 1
+    held = []
+    run = lambda: held.append(lifecycle._body.replay(entry, call, copy)) or held[0].result  # noqa: E731
+    result, mismatch = lifecycle._body.verified_replay(entry, call, run)
+    if held:
+        lifecycle._run_graphs(entry, call, copy, replayed=held[0])
+    if held and held[0].then is not None:
+        return result if mismatch is None else lifecycle._eager(call, "verification found a mismatch")
+    lifecycle.counters.verified_replays += 1
+    entry.verified += 1
+    if mismatch is None:
+        return result
+    lifecycle.counters.verify_mismatches += 1
+    entry.fall_back(mismatch)
+    lifecycle._warn_once(("verify", id(entry)), _MISMATCH.format(label=entry.label, mismatch=mismatch))
+    return lifecycle._eager(call, "verification found a mismatch")
