@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROCESS_PATCHES = sorted([
     "Tensor._register_grad_hook", "Tensor._remove_grad_hook", "Tensor.retain_grads",
     "core.eager.register_saved_tensors_hooks", "core.eager.reset_saved_tensors_hooks", "core.eager.run_partial_grad",
+    "Layer.__setattr__", "Layer.__delattr__",
 ])
 
 SCRIPT = textwrap.dedent(
