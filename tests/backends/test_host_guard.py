@@ -3,10 +3,11 @@
 import threading
 import unittest
 
+import numpy as np
 import paddle
 
 from paddlefleet.cudagraph.backends.host_guard import host_guard
-from paddlefleet.cudagraph.backends.host_marks import is_marked_host
+from paddlefleet.cudagraph.backends.host_marks import is_marked_host, mark_host
 from paddlefleet.cudagraph.errors import CaptureError
 
 from tests.block.test_capture_failures import HOST
@@ -20,6 +21,40 @@ class HostGuardTest(unittest.TestCase):
         modules = [(m, n, m.__dict__.get(n)) for m in (paddle, paddle.tensor, paddle.tensor.creation)
                    for n in ("to_tensor", "assign")]
         return tensor, modules, paddle.device.__dict__.get("synchronize")
+
+    def test_raw_tensor_reads_and_writes_are_guarded(self):
+        """Tensor.get_tensor() (and Tensor.value().get_tensor()) hands out Paddle's raw tensor, whose own
+        methods read or write device memory: refused for a device tensor, allowed for a host one."""
+        device_tensor = paddle.ones([2])
+        host = mark_host(paddle.ones([2]))
+        with host_guard(is_marked_host):
+            reads = (lambda d: np.array(d), str, repr, lambda d: d._get_float_element(0))
+            for read in reads + (lambda d: d._copy(paddle.CPUPlace()),):
+                with self.assertRaisesRegex(CaptureError, r"Tensor\.get_tensor\(\).*reads a device tensor on the host"):
+                    read(device_tensor.value().get_tensor())
+            for read in reads:
+                read(host.get_tensor())  # host memory: host work
+            with self.assertRaisesRegex(CaptureError, "copies host data to the device"):
+                device_tensor.get_tensor().set(HOST[0, :2], paddle.CPUPlace())
+            host.get_tensor().set(HOST[0, :2], paddle.CPUPlace())
+        self.assertEqual(np.array(device_tensor.get_tensor()).tolist(), [1.0, 1.0], "readable again after the guard")
+
+    def test_stream_and_event_waits_are_refused(self):
+        """Stream and Event waits and queries never reach the device during a capture (a CPU build has the
+        classes, not the streams: the unbound methods are called with a stand-in)."""
+        stand_in = object()
+        waits = [(paddle.device, "synchronize", ())]
+        for module in (paddle.device, getattr(paddle.device, "cuda", None)):
+            for cls_name in ("Stream", "Event"):
+                cls = getattr(module, cls_name, None) if module is not None else None
+                for name in ("synchronize", "query", "elapsed_time"):
+                    if isinstance(cls, type) and hasattr(cls, name):
+                        waits.append((cls, name, (stand_in,)))
+        self.assertGreaterEqual(len(waits), 6, waits)  # paddle.device's Stream and Event have all of them
+        with host_guard(is_marked_host):
+            for owner, name, args in waits:
+                with self.assertRaisesRegex(CaptureError, "waits for the device"):
+                    getattr(owner, name)(*args)
 
     def test_everything_patched_is_restored_also_after_a_refusal(self):
         before = self.entry_points()

@@ -82,18 +82,30 @@ def _sync_error(what):
     )
 
 
-def _grad_assignment_error():
+def _grad_assignment_error(why):
     """NOTE [ Assigning a grad during capture ]
-    ``p.grad = t`` inside a captured whole step failed with CUDA error 906 ("operation would make
-    the legacy stream depend on a capturing blocking stream") on H200s with Paddle 2.6.2
-    (tools/dist_gpu_check.py's probe): the assignment copies on the legacy stream. Refused in
-    Python like a host copy, on both backends, so the capture fails cleanly and the simulated
-    backend refuses what a GPU does."""
+    ``p.grad = t`` copies ``t`` into the storage of ``p``'s grad (Paddle's grad setter, measured on
+    Paddle 2.6.2 and 3.3.1: the grad keeps its address, and ``t`` is not aliased), on the legacy
+    stream, which a capturing stream refuses: inside a captured whole step it failed with CUDA error
+    906 on H200s with Paddle 2.6.2 (tools/dist_gpu_check.py's probe). Where ``p`` has a grad of
+    ``t``'s shape and dtype, the assignment is done as that same copy on the capturing stream
+    (``Tensor.copy_``): eager's result bit for bit, the grad keeps its address, and Paddle 2.6's
+    ``paddle.nn.utils.clip_grad_norm_`` (which assigns ``p.grad``) is captured. Any other assignment
+    (no grad yet, another shape or dtype, a host tensor) would need new storage or a host copy: it
+    is refused in Python, on both backends, so the capture fails cleanly."""
     return CaptureError(
-        "autocudagraph: a parameter's .grad was assigned (p.grad = tensor) during capture. Paddle copies the "
-        "value on the legacy CUDA stream, which a capturing stream refuses (CUDA error 906), so the capture "
-        "breaks. Let backward() write the grads, or change them in place (p.grad.copy_(t, False)); or assign "
-        "outside the graphed function."
+        f"autocudagraph: a parameter's .grad was assigned (p.grad = tensor) during capture, {why}. Paddle "
+        "would copy it on the legacy CUDA stream (or allocate new grad storage), which a capturing stream "
+        "refuses (CUDA error 906), so the capture breaks. Let backward() write the grads, or change them in "
+        "place (p.grad.copy_(t, False)); or assign outside the graphed function."
+    )
+
+
+def _sync_object_error(what):
+    return CaptureError(
+        f"autocudagraph: {what} was called during capture. It waits for the device or asks how far it got, "
+        "which a capturing CUDA stream refuses (CUDA error 900), and a replay would not repeat it (the "
+        "answer would stay the capture's). " + _D2H_FIX
     )
 
 
@@ -143,6 +155,38 @@ def _device_of(args, kwargs):
     return None
 
 
+#: Methods of Paddle's raw tensor (``Tensor.get_tensor()``, ``Tensor.value().get_tensor()``) that read
+#: its values on the host, and how messages name them.
+_RAW_READS = (("__array__", "np.array()"), ("_get_float_element", "_get_float_element()"),
+              ("__str__", "str()"), ("__repr__", "repr()"))
+
+
+def _raw_tensor_classes():
+    """Paddle's raw tensor classes (DenseTensor; LoDTensor on Paddle 2.6), each once."""
+    try:
+        from paddle.base import core
+    except ImportError:  # pragma: no cover - Paddle without paddle.base
+        return []
+    found = []
+    for name in ("DenseTensor", "LoDTensor"):
+        cls = getattr(core, name, None)
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _sync_modules():
+    """``[(module, name)]`` of the modules with a device ``synchronize()`` and Stream/Event classes."""
+    found = [(paddle.device, "paddle.device")]
+    cuda_mod = getattr(paddle.device, "cuda", None)
+    if cuda_mod is not None:
+        found.append((cuda_mod, "paddle.device.cuda"))
+    top = getattr(paddle, "cuda", None)
+    if top is not None and top is not cuda_mod and hasattr(top, "synchronize"):
+        found.append((top, "paddle.cuda"))
+    return found
+
+
 class _Guard:
     """The patched entry points of one host_guard() block."""
 
@@ -154,6 +198,7 @@ class _Guard:
         self.thread = threading.get_ident()  # the capturing thread (captures are thread-local)
         self.fills_scalars = False  # _to_tensor_non_static is patched: scalars become device fills
         self.scalar_call = False  # inside paddle.to_tensor(<Python scalar>) on the device
+        self.dense = {}  # id -> (raw tensor, is host) of the raw tensors Tensor.get_tensor() handed out
 
     def patch(self, owner, name, make):
         if not hasattr(owner, name):
@@ -202,19 +247,100 @@ class _Guard:
 
         return make
 
+    def sync_object(self, what):
+        def make(original):
+            def sync(*args, **kwargs):
+                raise _sync_object_error(what)
+
+            return sync
+
+        return make
+
     def patch_grad_setter(self):
-        """``p.grad = t`` refused (NOTE [ Assigning a grad during capture ]); reading ``p.grad`` is not."""
+        """``p.grad = t``: done as an in-place copy where that is eager's assignment, else refused
+        (NOTE [ Assigning a grad during capture ]); reading ``p.grad`` is not checked."""
         descriptor = paddle.Tensor.__dict__.get("grad")
         if descriptor is None or not hasattr(descriptor, "__set__"):
             return
         guard = self
 
         def assign(tensor, value):
-            if not guard.depth and threading.get_ident() == guard.thread and not guard.is_host(tensor):
-                raise _grad_assignment_error()
-            descriptor.__set__(tensor, value)
+            if guard.depth or threading.get_ident() != guard.thread or guard.is_host(tensor):
+                return descriptor.__set__(tensor, value)
+            grad = descriptor.__get__(tensor, type(tensor))
+            if not isinstance(value, paddle.Tensor):
+                raise _grad_assignment_error(f"to {_what(value)}")
+            if guard.is_host(value):
+                raise _grad_assignment_error("to a host tensor")
+            if grad is None or not grad._is_initialized():
+                raise _grad_assignment_error("where the parameter had no grad (new grad storage)")
+            if grad.shape != value.shape or grad.dtype != value.dtype:
+                raise _grad_assignment_error(
+                    f"with a {value.dtype} tensor of shape {list(value.shape)} to a {grad.dtype} grad of shape "
+                    f"{list(grad.shape)}")
+            if grad is not value:
+                with paddle.no_grad():
+                    guard.allowed(paddle.Tensor.copy_, grad, value, False)
 
         self.patches.set(paddle.Tensor, "grad", property(descriptor.__get__, assign, None, descriptor.__doc__))
+
+    # ------------------------------------------------------------------ raw device tensors
+    def get_tensor(self, original):
+        guard = self
+
+        def get_tensor(self, *args, **kwargs):
+            dense = guard.allowed(original, self, *args, **kwargs)
+            guard.dense[id(dense)] = (dense, guard.is_host(self))
+            return dense
+
+        return get_tensor
+
+    def dense_is_host(self, dense):
+        """Is the raw tensor ``dense`` (``Tensor.get_tensor()``) host memory? As its Tensor was, else
+        by its place."""
+        known = self.dense.get(id(dense))
+        if known is not None and known[0] is dense:
+            return known[1]
+        try:
+            return not dense._place().is_gpu_place()
+        except Exception:  # no place to read: not a device tensor we know of
+            return True
+
+    def dense_read(self, name):
+        guard = self
+
+        def make(original):
+            def read(self, *args, **kwargs):
+                if not guard.dense_is_host(self):
+                    raise _read_error(f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)")
+                return guard.allowed(original, self, *args, **kwargs)
+
+            return read
+
+        return make
+
+    def dense_set(self, original):
+        guard = self
+
+        def set_(self, value, *args, **kwargs):
+            if not guard.dense_is_host(self):
+                raise _copy_error(f"Tensor.get_tensor().set() of {_what(value)}")
+            return guard.allowed(original, self, value, *args, **kwargs)
+
+        return set_
+
+    def dense_copy(self, original):
+        guard = self
+
+        def copy(self, place, *args, **kwargs):
+            source_host, target_host = guard.dense_is_host(self), _host_place(place)
+            if source_host != target_host:
+                if target_host:
+                    raise _read_error("Tensor.get_tensor()._copy() to the host")
+                raise _copy_error("Tensor.get_tensor()._copy() of a host tensor to the device")
+            return guard.allowed(original, self, place, *args, **kwargs)
+
+        return copy
 
     # ------------------------------------------------------------------ host -> device
     def to_tensor(self, original):
@@ -358,10 +484,19 @@ def host_guard(is_host, host_reads=None):
         if creation is not None and hasattr(creation, "_to_tensor_non_static"):
             guard.patch(creation, "_to_tensor_non_static", guard.scalar_fill)
             guard.fills_scalars = True
-        guard.patch(paddle.device, "synchronize", guard.sync("paddle.device.synchronize()"))
-        cuda_mod = getattr(paddle.device, "cuda", None)
-        if cuda_mod is not None:
-            guard.patch(cuda_mod, "synchronize", guard.sync("paddle.device.cuda.synchronize()"))
+        guard.patch(paddle.Tensor, "get_tensor", guard.get_tensor)
+        for cls in _raw_tensor_classes():
+            for name, what in _RAW_READS:
+                guard.patch(cls, name, guard.dense_read(what))
+            guard.patch(cls, "set", guard.dense_set)
+            guard.patch(cls, "_copy", guard.dense_copy)
+        for owner, prefix in _sync_modules():
+            guard.patch(owner, "synchronize", guard.sync(f"{prefix}.synchronize()"))
+            for cls_name in ("Stream", "Event"):
+                cls = getattr(owner, cls_name, None)
+                if isinstance(cls, type):
+                    for name in ("synchronize", "query", "elapsed_time"):
+                        guard.patch(cls, name, guard.sync_object(f"{prefix}.{cls_name}.{name}()"))
         guard.patch_grad_setter()
         yield
     finally:
