@@ -15,14 +15,26 @@ Unlike a GPU graph, replay re-runs the body's Python: Python values it reads (gl
 attributes, a branch on them) are read afresh on every replay, where a GPU graph repeats what
 capture saw. Reads of host tensors (``host_marks.mark_host``) are frozen as on a GPU: replay hands
 back the values read at capture, and host results keep their capture-time values.
+
+NOTE [ Shapes are host tensors ]
+On a GPU ``paddle.shape(x)`` returns a CPU tensor (its kernel's output lives on the host), and
+ops on CPU tensors give CPU tensors: ``int(paddle.shape(x)[0])`` inside a graphed function is a
+host read of host memory, which a capture allows and bakes in (a key fixes every shape, so the
+value is right on every replay). The simulated backend marks what ``paddle.shape`` returns as a
+host tensor (``mark_host``), and what indexing makes of a marked tensor, while it captures and
+replays, so it allows the same reads (``int(paddle.shape(x)[0])``, ``x[: paddle.shape(x)[0] - 1]``).
+Paddle functions applied to them (``paddle.cast``) are not followed: take the int first.
 """
+
+import contextlib
 
 import paddle
 
+from ..core.paddle_patches import Patches
 from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_guard import host_guard
-from .host_marks import is_marked_host
+from .host_marks import is_marked_host, mark_host
 from .value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -63,6 +75,45 @@ def refuse_host_sync(host_reads=None):
     return host_guard(lambda t: False, host_reads)
 
 
+#: Tensor methods whose result is a host tensor where every tensor operand is one (NOTE [ Shapes
+#: are host tensors ]). A replaced native operator keeps the native one as ``__native__``, so that a
+#: whole step's op trace (step/host_reads.py) still records it.
+_HOST_PRESERVING = ("__getitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                    "__floordiv__", "__truediv__", "__mod__", "__neg__")
+
+
+def _marking(original, marks_result):
+    def call(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if isinstance(out, paddle.Tensor) and marks_result(args, kwargs):
+            mark_host(out)
+        return out
+
+    call.__native__ = getattr(original, "__native__", original)
+    return call
+
+
+def _all_marked(args, kwargs):
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, paddle.Tensor)]
+    return bool(tensors) and all(map(is_marked_host, tensors))
+
+
+@contextlib.contextmanager
+def _host_shapes():
+    """NOTE [ Shapes are host tensors ]: ``paddle.shape`` results, and what indexing or Python
+    arithmetic makes of them, are marked as host tensors until the block exits."""
+    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+        shape = paddle.shape
+        for module in (paddle, paddle.tensor, getattr(paddle.tensor, "attribute", None)):
+            if module is not None and getattr(module, "shape", None) is shape:
+                patches.set(module, "shape", _marking(shape, lambda args, kwargs: True))
+        for name in _HOST_PRESERVING:
+            original = getattr(paddle.Tensor, name, None)
+            if original is not None:
+                patches.set(paddle.Tensor, name, _marking(original, _all_marked))
+        yield
+
+
 def _flat_tensors(result):
     if isinstance(result, paddle.Tensor):
         return [result]
@@ -80,7 +131,8 @@ class _SimulatedGraph(Graph):
         host_reads = _HostReads()
         # NOTE [ Shapes from tensor values ] in value_shapes.py
         # NOTE [ Host access during capture ] in host_guard.py
-        with capturing(hooks), host_guard(is_marked_host, host_reads), refuse_value_shapes(is_marked_host):
+        with capturing(hooks), _host_shapes(), host_guard(is_marked_host, host_reads), \
+                refuse_value_shapes(is_marked_host):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
@@ -94,7 +146,7 @@ class _SimulatedGraph(Graph):
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
         # the body re-runs in the capture context (is_capturing() True, hooks entered), and
         # reads of host tensors return what they returned at capture.
-        with capturing(self._hooks):
+        with capturing(self._hooks), _host_shapes():
             if self._host_reads is None:
                 fresh = _flat_tensors(self._body())
             else:

@@ -167,7 +167,8 @@ class OpTrace:
                     self._patches.set(module, name, self._wrap(f"{prefix}.{name}", original))
             for name in _TENSOR_OPERATORS:
                 original = paddle.Tensor.__dict__.get(name)
-                if original is not None and type(original).__name__ in _NATIVE:
+                # A replacement that stands for a native operator (backends/simulated.py) is traced as it.
+                if original is not None and type(getattr(original, "__native__", original)).__name__ in _NATIVE:
                     self._patches.set(paddle.Tensor, name, self._wrap(f"Tensor.{name}", original))
             self._patches.set(paddle, "to_tensor", self._wrap("paddle.to_tensor", paddle.to_tensor))
         except BaseException:
