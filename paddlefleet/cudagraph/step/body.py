@@ -25,7 +25,7 @@ from ..core.body import Action, Blocked, Body, Replayed
 from ..backends import whole_step
 from ..errors import CaptureError
 from .capture import StepCapture
-from .grad_slots import CLOSED, GradSlots, grad_ptr, representative_grads
+from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
 from .host_reads import BindingWatch, OpTrace, describe_trace_difference
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
@@ -48,6 +48,7 @@ class _Warm:
     bindings: dict = dataclasses.field(default_factory=dict)
     changes: str = ""
     consts: Any = None  # the Python values of its result
+    grads_only: bool = False  # every change is a grad made or freed
     stepped: frozenset = frozenset()  # ids of the optimizers it updated
 
 
@@ -144,7 +145,10 @@ class StepBody(Body):
         warm.trace = trace
         self._stepped_schedulers = schedulers.stepped() or self._stepped_schedulers
         warm.consts = flatten(out)[1]
-        warm.changes = describe_changes({**before, **watch.before}, {**after, **watch.after()})
+        before, after = {**before, **watch.before}, {**after, **watch.after()}
+        warm.changes = describe_changes(before, after)
+        warm.grads_only = all(label.startswith("grad of ") for label in set(before) | set(after)
+                              if before.get(label) != after.get(label))
         if mode_changed:
             warm.changes = warm.changes or "the step leaves grads for the next call (gradient accumulation)"
         return out
@@ -171,6 +175,8 @@ class StepBody(Body):
                 "autocudagraph_step: this key has no warmup step to compare the capture with (it is captured again "
                 "after a reset). Call reset() on the step to warm it up again."
             )
+        if warm.changes and warm.grads_only and self.slots.freed:
+            raise CaptureError(FREED_AT_WINDOW_END.format(changes=warm.changes, where=self.slots.freed))
         if warm.changes:
             raise CaptureError(
                 f"autocudagraph_step: every warmup step of this key created or replaced state: {warm.changes}. A graph "

@@ -51,27 +51,36 @@ __all__ = ["StepCapture"]
 
 @contextlib.contextmanager
 def _refuse_paddle_scaler():
-    """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture."""
+    """paddle.amp.GradScaler decides on the host; refuse it by name inside a capture.
+
+    NOTE [ Paddle's GradScaler in a whole step ]
+    An enabled paddle.amp.GradScaler reads found_inf on the host in step()/minimize() and keeps
+    its counters in Python: a graph would freeze its decisions. Paddle turns the scaler off
+    where the place is not a GPU (a CPU run, the simulated backend), and a disabled scaler looks
+    like one made with enable=False. So the scaler object is refused whether or not it is
+    enabled: a run on a CPU refuses what the same script refuses on a GPU, where the scaler is
+    on. A scaler made with enable=False on a GPU is refused too (it only forwards to the
+    optimizer: call optimizer.step() there, or use GraphGradScaler).
+    """
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
     with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
         for cls in classes:
             for name in ("step", "minimize", "update"):
-                original = cls.__dict__.get(name)
-                if original is not None:
-                    patches.set(cls, name, _refusing_scaler(name, original))
+                if cls.__dict__.get(name) is not None:
+                    patches.set(cls, name, _refusing_scaler(name))
         yield
 
 
-def _refusing_scaler(name, original):
+def _refusing_scaler(name):
     def refusing(self, *args, **kwargs):
-        if getattr(self, "_enable", False):
-            raise CaptureError(
-                f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture. It reads "
-                "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
-                "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
-                "on the device) in a graphed step."
-            )
-        return original(self, *args, **kwargs)
+        state = "enabled" if getattr(self, "_enable", False) else (
+            "disabled here: Paddle turns it off off-GPU, and on a GPU it is on")
+        raise CaptureError(
+            f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture ({state}). It reads "
+            "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
+            "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
+            "on the device) in a graphed step."
+        )
 
     return refusing
 

@@ -38,10 +38,11 @@ import paddle
 
 from ..backends.base import is_capturing
 from ..backends.paddle_patches import patched
+from ..core.location import user_call_site
 from ..errors import CaptureError
 from .optimizer_state import optimizer_params
 
-__all__ = ["GradSlots", "CLOSED", "PERSISTENT", "representative_grads", "grad_ptr"]
+__all__ = ["GradSlots", "CLOSED", "PERSISTENT", "FREED_AT_WINDOW_END", "representative_grads", "grad_ptr"]
 
 CLOSED = "closed"
 PERSISTENT = "persistent"
@@ -58,6 +59,17 @@ FREED_UNDER_PERSISTENT = (
     "give, and a zero-filled one would be updated by the optimizer where eager skips it. This key runs "
     "eagerly. Use clear_grad() (set_to_zero=True) to graph it; parameters without a grad in a window are then "
     "updated with a zero grad, as eager does after clear_grad()."
+)
+
+#: The capture refusal of a key whose warmup steps found grads freed or made anew because the step
+#: frees them with clear_grad(set_to_zero=False) at the end of an accumulation window.
+FREED_AT_WINDOW_END = (
+    "autocudagraph_step: the step frees its grads with clear_grad(set_to_zero=False) at the end of an "
+    "accumulation window (at {where}), so every window starts from new grad storage ({changes}). A graph keeps reading and "
+    "adding into the grad storage of its capture, which a freeing clear releases, and a zero-filled grad would "
+    "be updated by the optimizer where eager skips it. This key runs eagerly. Use clear_grad() "
+    "(set_to_zero=True) to graph it; parameters without a grad in a window are then updated with a zero grad, "
+    "as eager does after clear_grad()."
 )
 
 
@@ -88,12 +100,14 @@ class GradSlots:
 
     def __init__(self):
         self.mode = CLOSED
+        self.freed = None  # where a call freed grads (clear_grad(set_to_zero=False)) under persistent slots
 
     @contextlib.contextmanager
     def scope(self):
         """Runs one call of the step: records its backwards and clears, and in persistent mode
         zero-fills grads in place instead of clearing them. Yields the call's _CallRecord."""
         record = _CallRecord()
+        slots = self
         persistent = self.mode == PERSISTENT
         tensor_backward = paddle.Tensor.backward
         autograd_backward = paddle.autograd.backward
@@ -114,6 +128,7 @@ class GradSlots:
             if not set_to_zero:  # NOTE [ Freed grads under persistent slots ]
                 if is_capturing():
                     raise CaptureError(FREED_UNDER_PERSISTENT)
+                slots.freed = user_call_site()
                 return clear_gradient(self_, False)
             grad = self_.grad
             if grad is not None:
