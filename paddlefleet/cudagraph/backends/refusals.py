@@ -1,0 +1,239 @@
+"""Every refusal of a capture, one row each: what the user's code does, what each backend does,
+the words its message carries and the fix it gives.
+
+NOTE [ One table of refusals ]
+A capture is refused (CaptureError; the key runs eagerly with eager's results and one warning
+naming the user's line) where a CUDA graph would fail or replay something other than eager. The
+simulated backend must refuse exactly what the cuda backend refuses, or CPU CI says "graphed"
+where a GPU falls back. ``REFUSALS`` is the one list of those refusals: docs/guides/refusals.md
+is rendered from it (``render()``; tests/backends/test_refusals.py checks the page is current),
+every row's message and fix words are checked against the package's messages, and every row
+names the tests that show it on both backends (on the simulated backend with the stand-in for a
+recording capture, ``capture_executes=False``, where a GPU differs because a capture only
+records). A new refusal is a new row.
+"""
+
+import dataclasses
+from typing import Tuple
+
+__all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One refusal.
+
+    Attributes:
+        name: a short id.
+        what: what the user's code does (markdown).
+        cuda: what the cuda backend does.
+        simulate: what the simulated backend does.
+        message: words every such message carries.
+        fix: words of the fix the message gives.
+        tests: pytest ids (``path::Class::test``) that show it on both backends.
+    """
+
+    name: str
+    what: str
+    cuda: str
+    simulate: str
+    message: str
+    fix: str
+    tests: Tuple[str, ...]
+
+
+_FAILURES = "tests/block/test_capture_failures.py"
+_STEP_FAILURES = "tests/step/test_step_capture_failures.py"
+_GUARD_TESTS = "tests/backends/test_host_guard.py"
+_MATRIX = ((_FAILURES, "BlockFailures"), (_STEP_FAILURES, "StepFailures"))
+_REFUSALS = "tests/backends/test_refusals.py"
+_GUARD = ("refused in Python before CUDA sees it (a capturing stream fails it with CUDA error 900/906 and "
+          "the capture breaks)")
+_SAME = "refused the same way (host marks stand for CPU tensors)"
+
+REFUSALS = (
+    Refusal(
+        "host read",
+        "reads a device tensor on the host: `.numpy()`, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, "
+        "`if t:`, `print(t)`, `.cpu()`, `np.array(t)`",
+        _GUARD, _SAME,
+        "reads a device tensor on the host", "Keep host reads out of the graphed function",
+        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
+              for n in ("numpy", "item", "float", "bool", "int", "cpu", "print_tensor"))),
+    Refusal(
+        "raw tensor read",
+        "reads a device tensor's raw tensor on the host: `np.array(t.get_tensor())`, "
+        "`np.array(t.value().get_tensor())`, `str(t.get_tensor())`, `t.get_tensor()._copy(cpu)`",
+        _GUARD, _SAME,
+        "Tensor.get_tensor()", "Keep host reads out of the graphed function",
+        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
+              for n in ("raw_tensor_numpy", "value_raw_tensor_numpy"))
+        + (f"{_GUARD_TESTS}::HostGuardTest::test_raw_tensor_reads_and_writes_are_guarded",)),
+    Refusal(
+        "host-to-device copy",
+        "copies host data to the device: `paddle.to_tensor(array)`, `paddle.assign(array)`, "
+        "`t.set_value(array)`, a CPU tensor's `.cuda()` / `.to('gpu')`, `t.get_tensor().set(array, place)`",
+        _GUARD + "; a graph could never replay it with new values", _SAME,
+        "copies host data to the device", "Create the tensor outside the graphed function",
+        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
+              for n in ("to_tensor_numpy", "to_tensor_host_tensor", "assign_numpy", "set_value_numpy"))),
+    Refusal(
+        "device synchronize",
+        "`paddle.device.synchronize()`, `paddle.device.cuda.synchronize()`",
+        _GUARD, "refused the same way (the call never reaches the device)",
+        "waits for the device", "Keep host reads out of the graphed function",
+        (f"{_FAILURES}::BlockFailures::test_synchronize", f"{_STEP_FAILURES}::StepFailures::test_synchronize",
+         f"{_GUARD_TESTS}::HostGuardTest::test_stream_and_event_waits_are_refused")),
+    Refusal(
+        "stream or event wait",
+        "`Stream.synchronize()`, `Stream.query()`, `Event.synchronize()`, `Event.query()`, "
+        "`Event.elapsed_time()` (`paddle.device` and `paddle.device.cuda`)",
+        _GUARD + "; a replay would not repeat the answer", "refused the same way",
+        "asks how far it got", "Keep host reads out of the graphed function",
+        (f"{_GUARD_TESTS}::HostGuardTest::test_stream_and_event_waits_are_refused",
+         f"{_REFUSALS}::StreamWait::test_waiting_for_the_current_stream_is_refused")),
+    Refusal(
+        "grad assigned",
+        "`p.grad = t` where `p` has no grad yet, or `t` has another shape or dtype, or is a host tensor "
+        "(`p.grad = t` onto a grad of `t`'s shape and dtype is done as Paddle does it, an in-place copy, "
+        "and captured: Paddle 2.6's `clip_grad_norm_` included)",
+        "refused in Python (Paddle's setter copies on the legacy stream: CUDA error 906)", "refused the same way",
+        "p.grad = tensor", "Let backward() write the grads",
+        (f"{_STEP_FAILURES}::GradAssignment::test_assigning_a_grad_inside_a_whole_step_is_refused_and_stays_eager_exact",
+         f"{_REFUSALS}::GradAssignedInPlace::test_a_grad_assigned_in_place_is_captured_and_bitwise",
+         f"{_REFUSALS}::ClipGradNorm::test_clip_grad_norm_in_a_whole_step_is_captured_and_bitwise")),
+    Refusal(
+        "shape from tensor values",
+        "`paddle.nonzero`, `paddle.masked_select`, `paddle.unique`, `paddle.unique_consecutive`, `paddle.bincount`, "
+        "`paddle.repeat_interleave` with tensor repeats, `x[bool_mask]`",
+        "refused in Python (the output's shape must be copied to the host: CUDA error 900)",
+        "refused the same way; a replay whose shapes change anyway falls back before copying",
+        "Its output's shape depends on tensor values", "fixed-shape form",
+        (f"{_FAILURES}::BlockFailures::test_value_shaped_op", f"{_STEP_FAILURES}::StepFailures::test_value_shaped_op")),
+    Refusal(
+        "index with a device tensor",
+        "`x[t]` with a 0-D integer device tensor, `x[:t]` with a device tensor bound (a host tensor such as "
+        "`paddle.shape(x)[0]` is allowed)",
+        "refused in Python (Paddle reads the index on the host: CUDA error 900)", "refused the same way",
+        "reads that tensor's value on the host", "Index with Python ints or slices",
+        ("tests/block/test_footguns.py::FootgunTest::test_ops_whose_output_shape_depends_on_tensor_values_run_eagerly",
+         f"{_REFUSALS}::DeviceIndex::test_indexing_with_a_device_tensor_is_refused")),
+    Refusal(
+        "random kernel other than dropout",
+        "`paddle.rand`, `randn`, `bernoulli`, `randint` and other random kernels in a graphed block",
+        "refused: Paddle re-seeds only dropout on replay, every replay would repeat the capture's numbers",
+        "refused with the stand-in for a recording capture; an executing capture draws afresh on every replay",
+        "does not re-seed", "Draw them outside the graphed function",
+        ("tests/block/test_footguns.py::RecordingCaptureTest::"
+         "test_random_kernels_other_than_dropout_run_eagerly_on_cuda",
+         f"{_FAILURES}::BlockFailures::test_random_kernel")),
+    Refusal(
+        "recompute with dropout",
+        "a reentrant `recompute` whose block draws random numbers, inside a graphed call or step",
+        "refused: the backward rewinds the RNG and redraws, a replay would draw with a new offset",
+        "refused with the stand-in for a recording capture",
+        "rewinds the RNG state and then runs the random kernel", "Graph the blocks inside the recompute",
+        ("tests/block/test_footguns.py::RecordingCaptureTest::test_recompute_with_dropout_runs_eagerly_on_cuda",)),
+    Refusal(
+        "tracker dropout without state indices",
+        "dropout under a Fleet tracker `rng_state(name)` block inside a graphed function, on a Paddle without "
+        "generator state indices (2.6)",
+        "refused: the replay hook advances the caller's state, not the tracker's",
+        "refused with the stand-in for a recording capture",
+        "generator state indices", "Graph the code inside the rng_state block",
+        ("tests/block/test_footguns.py::RecordingCaptureTest::"
+         "test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices",)),
+    Refusal(
+        "double backward",
+        "`paddle.grad(u, x, create_graph=True)` inside a graphed function, whose grads require grad",
+        "refused in Python where paddle.grad returns", "refused the same way",
+        "create_graph=True", "outside the graphed function and graph the parts before and after it",
+        (f"{_REFUSALS}::DoubleBackward::test_paddle_grad_with_create_graph_is_refused_by_name",)),
+    Refusal(
+        "leaf that would lose its grad",
+        "uses a tensor that requires grad and is neither an argument nor a parameter of its Layers "
+        "(a closure's, a global's)",
+        "refused in Python after the forward capture", "refused the same way",
+        "neither arguments nor parameters", "Pass them as arguments",
+        (f"{_FAILURES}::BlockFailures::test_closure_leaf_needing_grad",
+         "tests/block/test_footguns.py::FootgunTest::test_closure_tensor_requiring_grad_runs_eagerly")),
+    Refusal(
+        "input written in place",
+        "writes one of its tensor arguments in place (a copied input: the graph writes its own copy)",
+        "refused in Python after the capture", "refused the same way (the simulated capture's write is undone)",
+        "in place", "Return the new value instead",
+        ("tests/block/test_footguns.py::FootgunTest::test_function_writing_its_input_runs_eagerly",
+         "tests/step/test_adopted_inputs.py::AdoptedInputWrittenInPlaceTest::"
+         "test_an_input_written_in_place_and_passed_anew_each_call_is_refused")),
+    Refusal(
+        "paddle.amp.GradScaler in a whole step",
+        "`paddle.amp.GradScaler.step()`, `.minimize()` or `.update()` inside `autocudagraph_step`, enabled or "
+        "not (Paddle turns it off on a CPU, on a GPU it is on)",
+        "refused in Python: it reads found_inf on the host", "refused the same way, also where Paddle disabled it",
+        "paddle.amp.GradScaler", "GraphGradScaler",
+        ("tests/step/test_train_step.py::WholeStepRefusalsTest::test_paddle_grad_scaler_is_refused_by_name",
+         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu")),
+    Refusal(
+        "grads freed at the end of an accumulation window",
+        "a whole step that accumulates grads and frees them with `clear_grad(set_to_zero=False)` when it steps",
+        "refused in Python: every window starts from new grad storage", "refused the same way",
+        "clear_grad(set_to_zero=False) at the end of an accumulation window", "Use clear_grad() (set_to_zero=True)",
+        (f"{_REFUSALS}::FreedGrads::test_freeing_grads_at_the_end_of_a_window_is_named",)),
+    Refusal(
+        "host value that changes between steps",
+        "a whole step whose ops take a Python value that differs between its last warmup step and its capture "
+        "(a counter, a float from the host)",
+        "refused in Python: the op traces of warmup and capture differ",
+        "refused the same way; a simulated replay that reads other values falls back",
+        "reads a host value that changes between steps", "Pass such values as tensors",
+        (f"{_STEP_FAILURES}::StepFailures::test_changing_host_value",)),
+)
+
+#: What looks like a refusal and is not: captured on both backends, eager's result bit for bit.
+NOT_REFUSED = (
+    "`int(paddle.shape(x)[0])` and other reads of `paddle.shape` results: on a GPU they are host tensors, "
+    "read at capture (every key fixes its shapes); the simulated backend treats them as host tensors too",
+    "`p.grad = t` onto a grad of `t`'s shape and dtype: Paddle copies into the grad's storage, and so does "
+    "the capture",
+    "`x[mask] = v`, `paddle.where(cond, x, y)`, `masked_fill`, gathers with an N-D index tensor: fixed shapes",
+    "dropout (Paddle re-seeds it on every replay)",
+)
+
+
+def row(name):
+    """The Refusal named ``name``."""
+    for refusal in REFUSALS:
+        if refusal.name == name:
+            return refusal
+    raise KeyError(f"no refusal named {name!r}; the rows are {[r.name for r in REFUSALS]}")
+
+
+def _cell(text):
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render():
+    """docs/guides/refusals.md, from REFUSALS and NOT_REFUSED."""
+    lines = [
+        "# What a capture refuses",
+        "",
+        "<!-- generated from paddlefleet/cudagraph/backends/refusals.py by render(); "
+        "tests/backends/test_refusals.py checks it is current -->",
+        "",
+        "A refused capture is ended cleanly, the call returns eager's result, the key runs eagerly from then on "
+        "(`wrapped.reset()` tries again), and one warning gives the reason, the fix and the line of your code. "
+        "The simulated backend (`backend=\"simulate\"`) refuses exactly what the cuda backend refuses, so a run "
+        "on a CPU tells you what a GPU will do. [limitations.md](limitations.md) explains each case.",
+        "",
+        "| refused | cuda backend | simulated backend | the message says | the fix it gives |",
+        "|---|---|---|---|---|",
+    ]
+    for r in REFUSALS:
+        lines.append(f"| **{_cell(r.name)}**: {_cell(r.what)} | {_cell(r.cuda)} | {_cell(r.simulate)} | "
+                     f"\"{_cell(r.message)}\" | \"{_cell(r.fix)}\" |")
+    lines += ["", "Not refused (captured, eager's result bit for bit):", ""]
+    lines += [f"- {item}" for item in NOT_REFUSED]
+    lines += ["", "The tests of each row, on both backends:", ""]
+    for r in REFUSALS:
+        lines.append(f"- {r.name}: " + ", ".join(f"`{t}`" for t in r.tests))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,389 @@
+"""NOTE [ One table of refusals ] in backends/refusals.py: the table, its guide page, and the rows
+whose cases live here, on both backends (the matmul-only ones also run on a GPU:
+tools/gpu_check.py). Every refused case checks eager's results bit for bit, the message's words
+and fix from the table, and that the warning names this file's line, never a frame of Paddle or
+of an installed package."""
+
+import importlib
+import os
+import re
+import unittest
+import warnings
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import autocudagraph_step
+from paddlefleet.cudagraph.backends import refusals
+from paddlefleet.cudagraph.core import location
+from testkit.common import MatMLP, build
+from testkit.differential import Trainee, differential_run
+from testkit.harness import RECORD, BackendCase, MatmulOnlyCase, clone_leaf, for_each_backend, normal
+from testkit.step_gpu import MatmulSGD
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.join(REPO, "paddlefleet", "cudagraph")
+HERE = os.path.abspath(__file__)
+
+
+def _package_sources():
+    """The package's sources (the table aside), adjacent string literals joined, whitespace collapsed."""
+    text = []
+    for root, _, files in os.walk(PACKAGE):
+        text += [open(os.path.join(root, f)).read() for f in files if f.endswith(".py") and f != "refusals.py"]
+    return " ".join(" ".join(re.sub(r'"\s*\n\s*[rf]?"', "", t).split()) for t in text)
+
+
+class TableTest(unittest.TestCase):
+    def test_the_guide_page_is_rendered_from_the_table(self):
+        path = os.path.join(REPO, "docs", "guides", "refusals.md")
+        with open(path) as fh:
+            current = fh.read()
+        self.assertEqual(current, refusals.render(),
+                         "docs/guides/refusals.md is out of date: write refusals.render() to it")
+
+    def test_every_row_names_tests_that_exist(self):
+        names = [r.name for r in refusals.REFUSALS]
+        self.assertEqual(len(names), len(set(names)), names)
+        for r in refusals.REFUSALS:
+            self.assertTrue(r.tests, r.name)
+            for test_id in r.tests:
+                path, *parts = test_id.split("::")
+                self.assertTrue(os.path.exists(os.path.join(REPO, path)), test_id)
+                module = importlib.import_module(path[:-3].replace("/", "."))
+                cls, test = parts
+                # A class run on every backend may live in its module as its variants only.
+                classes = [getattr(module, cls)] if hasattr(module, cls) else [
+                    getattr(module, f"{cls}_{b}", None) for b in ("simulate", "cuda")]
+                for found in classes:
+                    if found is None or not hasattr(found, test):
+                        self.fail(f"{r.name}: {test_id} does not exist")
+
+    def test_every_rows_message_and_fix_are_words_of_the_package(self):
+        sources = _package_sources()
+        for r in refusals.REFUSALS:
+            for words in (r.message, r.fix):
+                if words not in sources:
+                    self.fail(f"{r.name}: no message of the package says {words!r}")
+
+
+class _Refused:
+    """Helpers of the refused cases."""
+
+    def setUp(self):
+        super().setUp()
+        ctx = warnings.catch_warnings(record=True)
+        self.caught = ctx.__enter__()
+        self.addCleanup(ctx.__exit__, None, None, None)
+        warnings.simplefilter("always")
+
+    def assertRefusedAsTheTableSays(self, wrapper, name, inside=True):
+        """``wrapper`` captured nothing; each capture-failed warning carries the row's message and fix,
+        points at the caller's line (this repository's code, never Paddle's or an installed package's)
+        and, for a refusal raised inside the function, names its line in this file."""
+        r = refusals.row(name)
+        self.assertEqual(wrapper.stats()["captures"], 0, wrapper.explain())
+        failed = [w for w in self.caught if "capture of key" in str(w.message)]
+        self.assertTrue(failed, [str(w.message) for w in self.caught])
+        for w in failed:
+            text = str(w.message)
+            self.assertIn(r.message, text)
+            self.assertIn(r.fix, text)
+            self.assertTrue(os.path.abspath(w.filename).startswith(REPO + os.sep), w.filename)
+            self.assertFalse(location._is_library(w.filename), w.filename)
+            self.assertNotIn("site-packages", text)
+            if inside:
+                self.assertIn(f"(at {HERE}:", text)
+        RECORD.notes.append(f"refused as the table's row {name!r} says")
+
+
+class _NoWait:
+    """A stream handle with nothing to wait for (a CPU build has no device stream)."""
+
+    def synchronize(self):
+        return None
+
+
+def _stream(backend):
+    if backend == "cuda":
+        return paddle.device.current_stream()
+    stream = paddle.device.Stream.__new__(paddle.device.Stream)
+    stream.stream_base = _NoWait()
+    return stream
+
+
+@for_each_backend
+class StreamWait(_Refused, MatmulOnlyCase):
+    def test_waiting_for_the_current_stream_is_refused(self):
+        """stream.synchronize() inside a graphed function: refused, every call and grad equal to eager."""
+        stream = _stream(self.backend)
+
+        def f(x, w):
+            y = paddle.matmul(x, w)
+            stream.synchronize()
+            return paddle.matmul(y, w)
+
+        g = self.graphed(f, warmup_steps=1)
+        draw = normal(3)
+        for k in range(4):
+            a, b, dy = draw(4, 8), draw(8, 8), draw(4, 8)
+            outs, grads = [], []
+            for fn in (g, f):
+                x, w = self.tensor(a, grad=True), self.tensor(b, grad=True)
+                y = fn(x, w)
+                y.backward(self.tensor(dy))
+                outs.append(y)
+                grads.append([x.grad, w.grad])
+            self.assertBitwise(outs[0], outs[1], f"call {k}")
+            self.assertBitwise(grads[0], grads[1], f"call {k} grads")
+        self.assertRefusedAsTheTableSays(g, "stream or event wait")
+
+
+@for_each_backend
+class ShapeRead(MatmulOnlyCase):
+    def test_int_of_a_paddle_shape_entry_is_captured(self):
+        """int(paddle.shape(x)[0]) reads a host tensor on a GPU: captured and replayed on both backends."""
+        def f(x, w):
+            n = int(paddle.shape(x)[0])
+            return paddle.reshape(paddle.matmul(x, w), [n, -1])
+
+        g = self.graphed(f, warmup_steps=1)
+        draw = normal(4)
+        for k in range(4):
+            x, w = self.tensor(draw(4, 8)), self.tensor(draw(8, 8))
+            self.assertBitwise(g(x, w), f(x, w), f"call {k}")
+        self.assertCounters(g, captures=1, replays=2, eager=0)
+
+
+@for_each_backend
+class DeviceIndex(_Refused, BackendCase):
+    def test_indexing_with_a_device_tensor_is_refused(self):
+        """x[t] with a 0-D device tensor: refused (Paddle reads t on the host); indexing with a
+        paddle.shape entry (a host tensor) is captured."""
+        def by_device(x, t):
+            return x[t] * 2.0
+
+        def by_shape(x):
+            return x[: paddle.shape(x)[0] - 1] * 2.0
+
+        g, h = self.graphed(by_device, warmup_steps=1), self.graphed(by_shape, warmup_steps=1)
+        for k in range(3):
+            x, t = paddle.randn([4, 3]), paddle.to_tensor(k % 4)
+            self.assertBitwise(g(x, t), by_device(x, t), f"call {k}")
+            self.assertBitwise(h(x), by_shape(x), f"call {k}")
+        self.assertRefusedAsTheTableSays(g, "index with a device tensor")
+        self.assertCounters(h, captures=1, replays=1, eager=0)
+
+
+@for_each_backend
+class DoubleBackward(_Refused, BackendCase):
+    def test_paddle_grad_with_create_graph_is_refused_by_name(self):
+        """The message names create_graph (not leaves that are neither arguments nor parameters); every
+        output and grad equals eager's."""
+        def f(x, w):
+            u = (paddle.matmul(x, w) ** 2).sum()
+            (gx,) = paddle.grad(u, x, create_graph=True)
+            return gx * 1.0
+
+        g = self.graphed(f, warmup_steps=1)
+        for k in range(3):
+            x, w = paddle.randn([4, 3]), paddle.randn([3, 3])
+            x.stop_gradient = w.stop_gradient = False
+            x_e, w_e = clone_leaf(x), clone_leaf(w)
+            y, y_e = g(x, w), f(x_e, w_e)
+            y.sum().backward()
+            y_e.sum().backward()
+            self.assertBitwise([y, x.grad, w.grad], [y_e, x_e.grad, w_e.grad], f"call {k}")
+        self.assertRefusedAsTheTableSays(g, "double backward")
+        self.assertNotIn("neither arguments nor parameters", " ".join(g.stats()["eager_reasons"]))
+
+    def test_create_graph_whose_grads_need_no_grad_is_captured(self):
+        """Under no_grad for the result (detached grads), paddle.grad(create_graph=True) is an ordinary op."""
+        def f(x, w):
+            x = x.detach()
+            x.stop_gradient = False
+            (gx,) = paddle.grad((paddle.matmul(x, w) ** 2).sum(), x, create_graph=False)
+            return gx
+
+        g = self.graphed(f, warmup_steps=1)
+        w = paddle.randn([3, 3])
+        for k in range(3):
+            x = paddle.randn([4, 3])
+            self.assertBitwise(g(x, w), f(x, w), f"call {k}")
+        self.assertCounters(g, captures=1, replays=1, eager=0)
+
+
+def _matmul_step(assign_grads):
+    """A MatMLP step with an explicit dy and a matmul SGD; ``assign_grads`` rebinds every p.grad
+    to (0.5 I) @ p.grad before the update (a matmul, then Paddle's grad setter)."""
+    def make():
+        model = build(lambda: MatMLP([8, 8, 8]), 17)
+        params = list(model.parameters())
+        opt = MatmulSGD(params, 0.125)
+        half = paddle.to_tensor(np.eye(8, dtype="float32") * 0.5)
+
+        def step(x, dy):
+            y = model(x)
+            y.backward(dy)
+            if assign_grads:
+                for p in params:
+                    p.grad = paddle.matmul(half, p.grad)
+            opt.step()
+            opt.clear_grad()
+            return y
+
+        return Trainee(step, {"model": model})
+
+    return make
+
+
+@for_each_backend
+class GradAssignedInPlace(MatmulOnlyCase):
+    def test_a_grad_assigned_in_place_is_captured_and_bitwise(self):
+        """p.grad = t onto a grad of t's shape is Paddle's in-place copy: captured, and model state
+        equals eager after every step."""
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[], warmup_steps=1, backend=self.backend))
+            return steps[0]
+
+        draw = normal(21)
+        batches = [(self.tensor(draw(4, 8)), self.tensor(draw(4, 8, scale=0.1))) for _ in range(5)]
+        differential_run(_matmul_step(True), batches, graph)
+        self.assertCounters(steps[0], captures=1, replays=3, eager=0)
+
+
+@for_each_backend
+class ClipGradNorm(BackendCase):
+    def test_clip_grad_norm_in_a_whole_step_is_captured_and_bitwise(self):
+        """paddle.nn.utils.clip_grad_norm_ (Paddle 2.6 assigns p.grad, 3.x multiplies in place) and SGD:
+        captured, every step equal to eager."""
+        def make():
+            paddle.seed(5)
+            model = paddle.nn.Linear(6, 4)
+            opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+
+            def step(x):
+                loss = model(x).square().mean()
+                loss.backward()
+                paddle.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+                opt.step()
+                opt.clear_grad()
+                return loss
+
+            return Trainee(step, {"model": model, "opt": opt})
+
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
+                                            backend=self.backend))
+            return steps[0]
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            differential_run(make, [paddle.randn([3, 6]) for _ in range(5)], graph)
+        # Two warmup steps: the first makes the optimizer's learning-rate tensor.
+        self.assertCounters(steps[0], warmup_calls=2, captures=1, replays=2, eager=0)
+        self.assertFalse([w for w in caught if "capture of key" in str(w.message)], [str(w.message) for w in caught])
+
+
+@for_each_backend
+class PaddleScaler(_Refused, BackendCase):
+    def test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu(self):
+        """paddle.amp.GradScaler() inside a whole step is refused whether Paddle enabled it (a GPU) or
+        turned it off (a CPU place): both backends say what a GPU says."""
+        def make():
+            paddle.seed(6)
+            model = paddle.nn.Linear(6, 4)
+            opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Paddle's "can only be enabled on CUDAPlace" on a CPU
+                scaler = paddle.amp.GradScaler(init_loss_scaling=8.0)
+
+            def step(x):
+                loss = model(x).square().mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.clear_grad()
+                return loss
+
+            return Trainee(step, {"model": model, "opt": opt})
+
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
+                                            backend=self.backend))
+            return steps[0]
+
+        differential_run(make, [paddle.randn([3, 6]) for _ in range(4)], graph)
+        self.assertRefusedAsTheTableSays(steps[0], "paddle.amp.GradScaler in a whole step")
+
+
+@for_each_backend
+class FreedGrads(_Refused, BackendCase):
+    def test_freeing_grads_at_the_end_of_a_window_is_named(self):
+        """Accumulation over two micro-batches, grads freed with clear_grad(set_to_zero=False) when the
+        optimizer steps: both keys run eagerly naming the clear, its line and the fix; state equals eager."""
+        def make():
+            paddle.seed(7)
+            model = paddle.nn.Linear(4, 4)
+            opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+
+            def step(x, boundary):
+                loss = model(x).square().mean()
+                loss.backward()
+                if boundary:
+                    opt.step()
+                    opt.clear_grad(set_to_zero=False)
+                return loss
+
+            return Trainee(step, {"model": model, "opt": opt})
+
+        steps = []
+
+        def graph(trainee):
+            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
+                                            backend=self.backend))
+            return steps[0]
+
+        differential_run(make, [(paddle.randn([2, 4]), i % 2 == 1) for i in range(10)], graph)
+        self.assertRefusedAsTheTableSays(steps[0], "grads freed at the end of an accumulation window", inside=False)
+        texts = " ".join(str(w.message) for w in self.caught)
+        self.assertIn(f"(at {HERE}:", texts)  # the line of the freeing clear
+        self.assertNotIn("Create parameters", texts)
+
+
+class UserLineTest(unittest.TestCase):
+    def test_frames_of_installed_packages_are_never_the_users_line(self):
+        """A wrapper generated in an installed package (Paddle 2.6 runs clip_grad_norm_ through the
+        decorator package) is skipped: the user's own line is named."""
+        fake = os.path.join(os.path.dirname(os.__file__), "site-packages", "decorator", "__init__.py")
+        namespace = {}
+        exec(compile("def fun(f):\n    return f()\n", fake, "exec"), namespace)
+
+        def boom():
+            raise RuntimeError("refused")
+
+        try:
+            namespace["fun"](boom)
+        except RuntimeError as err:
+            where = location.user_location(err.__traceback__)
+        self.assertEqual(where, f"{HERE}:{boom.__code__.co_firstlineno + 1} in boom")
+
+    def test_an_installed_package_is_named_where_no_user_frame_is_on_the_stack(self):
+        fake = os.path.join(os.path.dirname(os.__file__), "site-packages", "somelib", "model.py")
+        namespace = {}
+        exec(compile("def forward():\n    raise RuntimeError('refused')\n", fake, "exec"), namespace)
+        try:
+            namespace["forward"]()
+        except RuntimeError as err:
+            tb = err.__traceback__.tb_next  # from the package's frame on: no frame of this file
+            self.assertEqual(location.user_location(tb), f"{fake}:2 in forward")
+
+
+if __name__ == "__main__":
+    unittest.main()
