@@ -82,6 +82,8 @@ CASES = {
                               "paddle.to_tensor() of a host tensor", ("simulate", "cuda"), "matmul"),
     "cuda_of_host_tensor": (lambda y, u, v: paddle.matmul(y, _host_tensor().cuda()), "Tensor.cuda()", ("cuda",),
                             "matmul"),
+    "tensor_constructor_numpy": (lambda y, u, v: paddle.matmul(y, paddle.Tensor(HOST)), "paddle.Tensor() of a numpy "
+                                 "array", ("simulate", "cuda"), "matmul"),
     "assign_numpy": (lambda y, u, v: paddle.matmul(y, paddle.assign(HOST)), "paddle.assign() of a numpy array",
                      ("simulate", "cuda"), "all"),
     "synchronize": (lambda y, u, v: (paddle.device.cuda.synchronize(), y)[1], "synchronize()", ("cuda",), "matmul"),

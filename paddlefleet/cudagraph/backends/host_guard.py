@@ -45,8 +45,9 @@ import threading
 import paddle
 
 from .paddle_patches import Patches
-from ..errors import CaptureError
+from .host_errors import copy_error, grad_assignment_error, read_error, sync_error, what_value
 from .host_marks import mark_host
+from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
 
 __all__ = ["host_guard", "gpu_is_host"]
 
@@ -54,95 +55,16 @@ __all__ = ["host_guard", "gpu_is_host"]
 _READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__",
           "__array__", "cpu", "pin_memory")
 
-_D2H_FIX = "Keep host reads out of the graphed function, or move them after the call."
-_H2D_FIX = ("Create the tensor outside the graphed function and pass it in as an argument (its values are "
-           "then copied in before every replay), or build it with device ops (paddle.full, paddle.zeros).")
-
-
-def _read_error(what):
-    return CaptureError(
-        f"autocudagraph: {what} was called during capture. It reads a device tensor on the host, which waits "
-        "for the device; a capturing CUDA stream refuses that (CUDA error 900/906) and the capture breaks. "
-        + _D2H_FIX
-    )
-
-
-def _copy_error(what):
-    return CaptureError(
-        f"autocudagraph: {what} was called during capture. It copies host data to the device; a capturing "
-        "CUDA stream refuses that copy (CUDA error 906), and a graph could never replay it with new values. "
-        + _H2D_FIX
-    )
-
-
-def _sync_error(what):
-    return CaptureError(
-        f"autocudagraph: {what} was called during capture. It waits for the device, which a capturing "
-        "CUDA stream refuses (CUDA error 900). " + _D2H_FIX
-    )
-
-
-def _grad_assignment_error(why):
-    """NOTE [ Assigning a grad during capture ]
-    ``p.grad = t`` copies ``t`` into the storage of ``p``'s grad (Paddle's grad setter, measured on
-    Paddle 2.6.2 and 3.3.1: the grad keeps its address, and ``t`` is not aliased), on the legacy
-    stream, which a capturing stream refuses: inside a captured whole step it failed with CUDA error
-    906 on H200s with Paddle 2.6.2 (tools/dist_gpu_check.py's probe). Where ``p`` has a grad of
-    ``t``'s shape and dtype, the assignment is done as that same copy on the capturing stream
-    (``Tensor.copy_``): eager's result bit for bit, the grad keeps its address, and Paddle 2.6's
-    ``paddle.nn.utils.clip_grad_norm_`` (which assigns ``p.grad``) is captured. Any other assignment
-    (no grad yet, another shape or dtype, a host tensor) would need new storage or a host copy: it
-    is refused in Python, on both backends, so the capture fails cleanly."""
-    return CaptureError(
-        f"autocudagraph: a parameter's .grad was assigned (p.grad = tensor) during capture, {why}. Paddle "
-        "would copy it on the legacy CUDA stream (or allocate new grad storage), which a capturing stream "
-        "refuses (CUDA error 906), so the capture breaks. Let backward() write the grads, or change them in "
-        "place (p.grad.copy_(t, False)); or assign outside the graphed function."
-    )
-
-
-def _sync_object_error(what):
-    return CaptureError(
-        f"autocudagraph: {what} was called during capture. It waits for the device or asks how far it got, "
-        "which a capturing CUDA stream refuses (CUDA error 900), and a replay would not repeat it (the "
-        "answer would stay the capture's). " + _D2H_FIX
-    )
-
+#: Python values that are host data (paddle.Tensor(value) copies them to the device).
+_HOST_DATA = (list, tuple, bool, int, float, complex)
 
 #: Python types whose to_tensor becomes a device fill during capture (NOTE [ Python scalars during capture ]).
 _SCALARS = (bool, int, float)
 
 
-def _what(value):
-    """``a numpy array``, ``a list``, ``a Python float``: what a host value is, for messages."""
-    if type(value).__module__ == "numpy":
-        return "a numpy array" if type(value).__name__ == "ndarray" else f"a numpy {type(value).__name__}"
-    if isinstance(value, (bool, int, float, complex)):
-        return f"a Python {type(value).__name__}"
-    return f"a {type(value).__name__}"
-
-
 def gpu_is_host(t):
     """On a GPU: is ``t`` host memory (CPU or pinned)?"""
     return not t.place.is_gpu_place()
-
-
-def _host_place(place):
-    """True for a place that names host memory ("cpu", CPUPlace, CUDAPinnedPlace); False for a
-    device place and for None (the current device)."""
-    if place is None:
-        return False
-    if isinstance(place, str):
-        return place.lower().startswith(("cpu", "gpu_pinned"))
-    for name in ("CPUPlace", "CUDAPinnedPlace"):
-        cls = getattr(paddle, name, None)
-        if cls is not None and isinstance(place, cls):
-            return True
-    for probe in ("is_cpu_place", "is_cuda_pinned_place"):
-        method = getattr(place, probe, None)
-        if method is not None and method():
-            return True
-    return False
 
 
 def _device_of(args, kwargs):
@@ -155,39 +77,7 @@ def _device_of(args, kwargs):
     return None
 
 
-#: Methods of Paddle's raw tensor (``Tensor.get_tensor()``, ``Tensor.value().get_tensor()``) that read
-#: its values on the host, and how messages name them.
-_RAW_READS = (("__array__", "np.array()"), ("_get_float_element", "_get_float_element()"),
-              ("__str__", "str()"), ("__repr__", "repr()"))
-
-
-def _raw_tensor_classes():
-    """Paddle's raw tensor classes (DenseTensor; LoDTensor on Paddle 2.6), each once."""
-    try:
-        from paddle.base import core
-    except ImportError:  # pragma: no cover - Paddle without paddle.base
-        return []
-    found = []
-    for name in ("DenseTensor", "LoDTensor"):
-        cls = getattr(core, name, None)
-        if isinstance(cls, type) and cls not in found:
-            found.append(cls)
-    return found
-
-
-def _sync_modules():
-    """``[(module, name)]`` of the modules with a device ``synchronize()`` and Stream/Event classes."""
-    found = [(paddle.device, "paddle.device")]
-    cuda_mod = getattr(paddle.device, "cuda", None)
-    if cuda_mod is not None:
-        found.append((cuda_mod, "paddle.device.cuda"))
-    top = getattr(paddle, "cuda", None)
-    if top is not None and top is not cuda_mod and hasattr(top, "synchronize"):
-        found.append((top, "paddle.cuda"))
-    return found
-
-
-class _Guard:
+class _Guard(RawTensorGuard):
     """The patched entry points of one host_guard() block."""
 
     def __init__(self, is_host, host_reads):
@@ -229,7 +119,7 @@ class _Guard:
         def make(original):
             def read(self, *args, **kwargs):
                 if not guard.is_host(self):
-                    raise _read_error(f"Tensor.{name}()")
+                    raise read_error(f"Tensor.{name}()")
                 if guard.host_reads is not None and name not in ("cpu", "pin_memory"):
                     return guard.host_reads.read(original, (self,) + args, kwargs)
                 return guard.allowed(original, self, *args, **kwargs)
@@ -241,16 +131,7 @@ class _Guard:
     def sync(self, what):
         def make(original):
             def sync(*args, **kwargs):
-                raise _sync_error(what)
-
-            return sync
-
-        return make
-
-    def sync_object(self, what):
-        def make(original):
-            def sync(*args, **kwargs):
-                raise _sync_object_error(what)
+                raise sync_error(what)
 
             return sync
 
@@ -269,13 +150,13 @@ class _Guard:
                 return descriptor.__set__(tensor, value)
             grad = descriptor.__get__(tensor, type(tensor))
             if not isinstance(value, paddle.Tensor):
-                raise _grad_assignment_error(f"to {_what(value)}")
+                raise grad_assignment_error(f"to {what_value(value)}")
             if guard.is_host(value):
-                raise _grad_assignment_error("to a host tensor")
+                raise grad_assignment_error("to a host tensor")
             if grad is None or not grad._is_initialized():
-                raise _grad_assignment_error("where the parameter had no grad (new grad storage)")
+                raise grad_assignment_error("where the parameter had no grad (new grad storage)")
             if grad.shape != value.shape or grad.dtype != value.dtype:
-                raise _grad_assignment_error(
+                raise grad_assignment_error(
                     f"with a {value.dtype} tensor of shape {list(value.shape)} to a {grad.dtype} grad of shape "
                     f"{list(grad.shape)}")
             if grad is not value:
@@ -284,77 +165,19 @@ class _Guard:
 
         self.patches.set(paddle.Tensor, "grad", property(descriptor.__get__, assign, None, descriptor.__doc__))
 
-    # ------------------------------------------------------------------ raw device tensors
-    def get_tensor(self, original):
-        guard = self
-
-        def get_tensor(self, *args, **kwargs):
-            dense = guard.allowed(original, self, *args, **kwargs)
-            guard.dense[id(dense)] = (dense, guard.is_host(self))
-            return dense
-
-        return get_tensor
-
-    def dense_is_host(self, dense):
-        """Is the raw tensor ``dense`` (``Tensor.get_tensor()``) host memory? As its Tensor was, else
-        by its place."""
-        known = self.dense.get(id(dense))
-        if known is not None and known[0] is dense:
-            return known[1]
-        try:
-            return not dense._place().is_gpu_place()
-        except Exception:  # no place to read: not a device tensor we know of
-            return True
-
-    def dense_read(self, name):
-        guard = self
-
-        def make(original):
-            def read(self, *args, **kwargs):
-                if not guard.dense_is_host(self):
-                    raise _read_error(f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)")
-                return guard.allowed(original, self, *args, **kwargs)
-
-            return read
-
-        return make
-
-    def dense_set(self, original):
-        guard = self
-
-        def set_(self, value, *args, **kwargs):
-            if not guard.dense_is_host(self):
-                raise _copy_error(f"Tensor.get_tensor().set() of {_what(value)}")
-            return guard.allowed(original, self, value, *args, **kwargs)
-
-        return set_
-
-    def dense_copy(self, original):
-        guard = self
-
-        def copy(self, place, *args, **kwargs):
-            source_host, target_host = guard.dense_is_host(self), _host_place(place)
-            if source_host != target_host:
-                if target_host:
-                    raise _read_error("Tensor.get_tensor()._copy() to the host")
-                raise _copy_error("Tensor.get_tensor()._copy() of a host tensor to the device")
-            return guard.allowed(original, self, place, *args, **kwargs)
-
-        return copy
-
     # ------------------------------------------------------------------ host -> device
     def to_tensor(self, original):
         guard = self
 
         def to_tensor(data, *args, **kwargs):
             place = kwargs.get("place", args[1] if len(args) > 1 else None)
-            on_host = _host_place(place)
+            on_host = host_place(place)
             if isinstance(data, paddle.Tensor):
                 source_host = guard.is_host(data)
                 if source_host and not on_host:
-                    raise _copy_error("paddle.to_tensor() of a host tensor")
+                    raise copy_error("paddle.to_tensor() of a host tensor")
                 if on_host and not source_host:
-                    raise _read_error("paddle.to_tensor(device tensor, place=cpu)")
+                    raise read_error("paddle.to_tensor(device tensor, place=cpu)")
             elif type(data) in _SCALARS and not on_host and guard.fills_scalars:
                 # Not through allowed(): the patched _to_tensor_non_static below must see the call.
                 guard.scalar_call = True
@@ -363,11 +186,27 @@ class _Guard:
                 finally:
                     guard.scalar_call = False
             elif not on_host:
-                raise _copy_error(f"paddle.to_tensor() of {_what(data)}")
+                raise copy_error(f"paddle.to_tensor() of {what_value(data)}")
             out = guard.allowed(original, data, *args, **kwargs)
             return mark_host(out) if on_host else out
 
         return to_tensor
+
+    def constructor(self, original):
+        """``paddle.Tensor(array)``: the copy ``paddle.to_tensor`` makes, refused alike."""
+        guard = self
+
+        def __init__(self, *args, **kwargs):
+            value = kwargs.get("value", args[0] if args else None)
+            if not isinstance(value, _HOST_DATA) and type(value).__module__ != "numpy":
+                return original(self, *args, **kwargs)  # no data, a tensor, a dtype: no copy from the host
+            if not host_place(kwargs.get("place", args[1] if len(args) > 1 else None)):
+                raise copy_error(f"paddle.Tensor() of {what_value(value)}")
+            guard.allowed(original, self, *args, **kwargs)
+            mark_host(self)
+            return None
+
+        return __init__
 
     def scalar_fill(self, original):
         """``_to_tensor_non_static`` of a Python scalar for the device: a fill with the value eager
@@ -389,9 +228,9 @@ class _Guard:
             target_host = output is not None and guard.is_host(output)
             if not isinstance(x, paddle.Tensor):
                 if not target_host:
-                    raise _copy_error(f"paddle.assign() of {_what(x)}")
+                    raise copy_error(f"paddle.assign() of {what_value(x)}")
             elif guard.is_host(x) != target_host and output is not None:
-                raise _copy_error("paddle.assign() between host and device")
+                raise copy_error("paddle.assign() between host and device")
             return guard.allowed(original, x, output)
 
         return assign
@@ -401,7 +240,7 @@ class _Guard:
 
         def set_value(self, value, *args, **kwargs):
             if not guard.is_host(self) and (not isinstance(value, paddle.Tensor) or guard.is_host(value)):
-                raise _copy_error(f"Tensor.set_value() of {_what(value)}")
+                raise copy_error(f"Tensor.set_value() of {what_value(value)}")
             return guard.allowed(original, self, value, *args, **kwargs)
 
         return set_value
@@ -411,7 +250,7 @@ class _Guard:
 
         def copy_(self, src, *args, **kwargs):
             if isinstance(src, paddle.Tensor) and guard.is_host(src) != guard.is_host(self):
-                raise (_copy_error if guard.is_host(src) else _read_error)("Tensor.copy_() between host and device")
+                raise (copy_error if guard.is_host(src) else read_error)("Tensor.copy_() between host and device")
             return guard.allowed(original, self, src, *args, **kwargs)
 
         return copy_
@@ -424,11 +263,11 @@ class _Guard:
                 to_host = True if name == "cpu" else (False if name == "cuda" else None)
                 if to_host is None:
                     place = _device_of(args, kwargs)
-                    to_host = None if place is None else _host_place(place)
+                    to_host = None if place is None else host_place(place)
                 if to_host is not None and to_host != guard.is_host(self):
                     if to_host:
-                        raise _read_error(f"Tensor.{name}()")
-                    raise _copy_error(f"Tensor.{name}() of a host tensor")
+                        raise read_error(f"Tensor.{name}()")
+                    raise copy_error(f"Tensor.{name}() of a host tensor")
                 return guard.allowed(original, self, *args, **kwargs)
 
             return move
@@ -453,7 +292,7 @@ _FILLABLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfl
 def _device_fill(original, data, dtype, place, stop_gradient):
     host = original(data, dtype, paddle.CPUPlace(), True)  # eager's conversion, on the host
     if str(host.dtype).replace("paddle.", "").lower() not in _FILLABLE:
-        raise _copy_error(f"paddle.to_tensor() of {_what(data)} as {host.dtype}")
+        raise copy_error(f"paddle.to_tensor() of {what_value(data)} as {host.dtype}")
     out = paddle._C_ops.full(list(host.shape), _fill_value(host), host.dtype, place)
     out.stop_gradient = stop_gradient
     return out
@@ -475,6 +314,7 @@ def host_guard(is_host, host_reads=None):
         for name in ("cuda", "to", "_copy_to"):
             guard.patch(paddle.Tensor, name, guard.move(name))
         guard.patch(paddle.Tensor, "set_value", guard.set_value)
+        guard.patch(paddle.Tensor, "__init__", guard.constructor)
         guard.patch(paddle.Tensor, "copy_", guard.copy_)
         for module in (paddle, paddle.tensor, getattr(paddle.tensor, "creation", None)):
             if module is not None:
@@ -484,19 +324,7 @@ def host_guard(is_host, host_reads=None):
         if creation is not None and hasattr(creation, "_to_tensor_non_static"):
             guard.patch(creation, "_to_tensor_non_static", guard.scalar_fill)
             guard.fills_scalars = True
-        guard.patch(paddle.Tensor, "get_tensor", guard.get_tensor)
-        for cls in _raw_tensor_classes():
-            for name, what in _RAW_READS:
-                guard.patch(cls, name, guard.dense_read(what))
-            guard.patch(cls, "set", guard.dense_set)
-            guard.patch(cls, "_copy", guard.dense_copy)
-        for owner, prefix in _sync_modules():
-            guard.patch(owner, "synchronize", guard.sync(f"{prefix}.synchronize()"))
-            for cls_name in ("Stream", "Event"):
-                cls = getattr(owner, cls_name, None)
-                if isinstance(cls, type):
-                    for name in ("synchronize", "query", "elapsed_time"):
-                        guard.patch(cls, name, guard.sync_object(f"{prefix}.{cls_name}.{name}()"))
+        patch_raw_tensors(guard)  # raw tensors, device and stream waits (backends/raw_tensors.py)
         guard.patch_grad_setter()
         yield
     finally:

@@ -71,12 +71,13 @@ REFUSALS = (
         + (f"{_GUARD_TESTS}::HostGuardTest::test_raw_tensor_reads_and_writes_are_guarded",)),
     Refusal(
         "host-to-device copy",
-        "copies host data to the device: `paddle.to_tensor(array)`, `paddle.assign(array)`, "
+        "copies host data to the device: `paddle.to_tensor(array)`, `paddle.Tensor(array)`, `paddle.assign(array)`, "
         "`t.set_value(array)`, a CPU tensor's `.cuda()` / `.to('gpu')`, `t.get_tensor().set(array, place)`",
         _GUARD + "; a graph could never replay it with new values", _SAME,
         "copies host data to the device", "Create the tensor outside the graphed function",
         tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
-              for n in ("to_tensor_numpy", "to_tensor_host_tensor", "assign_numpy", "set_value_numpy"))),
+              for n in ("to_tensor_numpy", "to_tensor_host_tensor", "tensor_constructor_numpy", "assign_numpy",
+                        "set_value_numpy"))),
     Refusal(
         "device synchronize",
         "`paddle.device.synchronize()`, `paddle.device.cuda.synchronize()`",

@@ -30,7 +30,7 @@ import contextlib
 
 import paddle
 
-from ..core.paddle_patches import Patches
+from .paddle_patches import Patches
 from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_guard import host_guard
@@ -102,7 +102,7 @@ def _all_marked(args, kwargs):
 def _host_shapes():
     """NOTE [ Shapes are host tensors ]: ``paddle.shape`` results, and what indexing or Python
     arithmetic makes of them, are marked as host tensors until the block exits."""
-    with Patches() as patches:  # NOTE [ Paddle patches ] in core/paddle_patches.py
+    with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
         shape = paddle.shape
         for module in (paddle, paddle.tensor, getattr(paddle.tensor, "attribute", None)):
             if module is not None and getattr(module, "shape", None) is shape:
