@@ -4,17 +4,20 @@ tools/gpu_check.py). Every refused case checks eager's results bit for bit, the 
 and fix from the table, and that the warning names this file's line, never a frame of Paddle or
 of an installed package."""
 
+import contextlib
 import importlib
 import os
 import re
 import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph_step
 from paddlefleet.cudagraph.backends import refusals
+from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 from paddlefleet.cudagraph.core import location
 from testkit.common import MatMLP, build
 from testkit.differential import Trainee, differential_run
@@ -69,6 +72,14 @@ class TableTest(unittest.TestCase):
 
 class _Refused:
     """Helpers of the refused cases."""
+
+    def recording(self):
+        """A capture that only records: the cuda backend's own, or on the simulated backend its
+        stand-in (``capture_executes=False``), which takes the recording capture's paths (what a
+        failed capture leaves, RNG) while it still runs the function."""
+        if self.backend == "cuda":
+            return contextlib.nullcontext()
+        return mock.patch.object(SimulatedBackend, "capture_executes", False)
 
     def setUp(self):
         super().setUp()
@@ -180,6 +191,12 @@ class DoubleBackward(_Refused, BackendCase):
     def test_paddle_grad_with_create_graph_is_refused_by_name(self):
         """The message names create_graph (not leaves that are neither arguments nor parameters); every
         output and grad equals eager's."""
+        self.check_double_backward(contextlib.nullcontext())
+
+    def test_paddle_grad_with_create_graph_is_refused_by_name_under_a_recording_capture(self):
+        self.check_double_backward(self.recording())
+
+    def check_double_backward(self, capture_kind):
         def f(x, w):
             u = (paddle.matmul(x, w) ** 2).sum()
             (gx,) = paddle.grad(u, x, create_graph=True)
@@ -190,7 +207,9 @@ class DoubleBackward(_Refused, BackendCase):
             x, w = paddle.randn([4, 3]), paddle.randn([3, 3])
             x.stop_gradient = w.stop_gradient = False
             x_e, w_e = clone_leaf(x), clone_leaf(w)
-            y, y_e = g(x, w), f(x_e, w_e)
+            with capture_kind:
+                y = g(x, w)
+            y_e = f(x_e, w_e)
             y.sum().backward()
             y_e.sum().backward()
             self.assertBitwise([y, x.grad, w.grad], [y_e, x_e.grad, w_e.grad], f"call {k}")
@@ -294,6 +313,13 @@ class PaddleScaler(_Refused, BackendCase):
     def test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu(self):
         """paddle.amp.GradScaler() inside a whole step is refused whether Paddle enabled it (a GPU) or
         turned it off (a CPU place): both backends say what a GPU says."""
+        self.check_scaler(contextlib.nullcontext())
+
+    def test_a_scaler_paddle_disabled_is_refused_under_a_recording_capture(self):
+        """The same through a recording capture: the grads its backward bound are taken back."""
+        self.check_scaler(self.recording())
+
+    def check_scaler(self, capture_kind):
         def make():
             paddle.seed(6)
             model = paddle.nn.Linear(6, 4)
@@ -319,7 +345,8 @@ class PaddleScaler(_Refused, BackendCase):
                                             backend=self.backend))
             return steps[0]
 
-        differential_run(make, [paddle.randn([3, 6]) for _ in range(4)], graph)
+        with capture_kind:
+            differential_run(make, [paddle.randn([3, 6]) for _ in range(4)], graph)
         self.assertRefusedAsTheTableSays(steps[0], "paddle.amp.GradScaler in a whole step")
 
 

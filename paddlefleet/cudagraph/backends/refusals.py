@@ -149,7 +149,9 @@ REFUSALS = (
         "`paddle.grad(u, x, create_graph=True)` inside a graphed function, whose grads require grad",
         "refused in Python where paddle.grad returns", "refused the same way",
         "create_graph=True", "outside the graphed function and graph the parts before and after it",
-        (f"{_REFUSALS}::DoubleBackward::test_paddle_grad_with_create_graph_is_refused_by_name",)),
+        (f"{_REFUSALS}::DoubleBackward::test_paddle_grad_with_create_graph_is_refused_by_name",
+         f"{_REFUSALS}::DoubleBackward::"
+         "test_paddle_grad_with_create_graph_is_refused_by_name_under_a_recording_capture")),
     Refusal(
         "leaf that would lose its grad",
         "uses a tensor that requires grad and is neither an argument nor a parameter of its Layers "
@@ -173,7 +175,8 @@ REFUSALS = (
         "refused in Python: it reads found_inf on the host", "refused the same way, also where Paddle disabled it",
         "paddle.amp.GradScaler", "GraphGradScaler",
         ("tests/step/test_train_step.py::WholeStepRefusalsTest::test_paddle_grad_scaler_is_refused_by_name",
-         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu")),
+         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu",
+         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_under_a_recording_capture")),
     Refusal(
         "grads freed at the end of an accumulation window",
         "a whole step that accumulates grads and frees them with `clear_grad(set_to_zero=False)` when it steps",
