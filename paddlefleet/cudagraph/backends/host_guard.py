@@ -41,6 +41,7 @@ calls of the capturing thread only (captures are thread-local: another thread's 
 
 import contextlib
 import threading
+import types
 
 import paddle
 
@@ -49,7 +50,7 @@ from .host_errors import copy_error, grad_assignment_error, read_error, sync_err
 from .host_marks import mark_host
 from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
 
-__all__ = ["host_guard", "gpu_is_host"]
+__all__ = ["host_guard", "gpu_is_host", "constructor_guarded"]
 
 #: Tensor methods that read a tensor's values on the host.
 _READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__",
@@ -60,6 +61,13 @@ _HOST_DATA = (list, tuple, bool, int, float, complex)
 
 #: Python types whose to_tensor becomes a device fill during capture (NOTE [ Python scalars during capture ]).
 _SCALARS = (bool, int, float)
+
+
+def constructor_guarded():
+    """Whether ``paddle.Tensor(array)`` is refused during a capture: where Paddle's Tensor constructor is a
+    Python function (3.x). Paddle 2.6's is a C slot that rejects Parameter's arguments when called
+    through a Python replacement, so it is left alone there (measured on 2.6.2)."""
+    return isinstance(paddle.Tensor.__dict__.get("__init__"), types.FunctionType)
 
 
 def gpu_is_host(t):
@@ -314,7 +322,8 @@ def host_guard(is_host, host_reads=None):
         for name in ("cuda", "to", "_copy_to"):
             guard.patch(paddle.Tensor, name, guard.move(name))
         guard.patch(paddle.Tensor, "set_value", guard.set_value)
-        guard.patch(paddle.Tensor, "__init__", guard.constructor)
+        if constructor_guarded():
+            guard.patch(paddle.Tensor, "__init__", guard.constructor)
         guard.patch(paddle.Tensor, "copy_", guard.copy_)
         for module in (paddle, paddle.tensor, getattr(paddle.tensor, "creation", None)):
             if module is not None:
