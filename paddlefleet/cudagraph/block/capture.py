@@ -36,7 +36,7 @@ from ..backends import function_errors
 from ..core import state
 from ..core.layer_attrs import AttrWatch, layers_with_sublayers
 from ..core.rng import DrawGuard
-from .double_backward import refuse_create_graph
+from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
@@ -193,7 +193,6 @@ class _BlockCapture:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
             # NOTE [ Random draws seen from generator state ] in core/rng.py.
             rng_guard = DrawGuard(recording=not backend.capture_executes)
-            # NOTE [ Double backward inside a graphed function ] in block/double_backward.py
             with LayerRecorder(snapshot, watch) as recorder, rng_guard, refuse_create_graph():
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
