@@ -10,6 +10,10 @@ writes only under the temp directory, its numbers are not results)::
 
     python tools/bench.py --smoke
 
+Runs split over several processes or machines of one kind (``--configs`` each, ``--out-dir`` each)
+make one report with ``--report-from DIR1,DIR2 --out-dir docs/reports``: their rows, the first
+run's facts (each run also writes benchmarks_run.json: its facts, torch's and the run's).
+
 Per config (tools/benchmark/timing.py: three matmul-only MLPs, each also as 4 graphed blocks) it
 times Paddle eager, autocudagraph with default options and with each speed option, the whole-step
 graph where the package has one, raw replay of one graph of the step (the floor), and torch eager,
@@ -156,6 +160,8 @@ def parse(argv=None):
                         help="skip the torch rows (make_graphed_callables and raw torch graphs); they are marked skipped")
     parser.add_argument("--torch-timeout", type=int, default=300,
                         help="seconds for the torch child process before its rows are given up (default 300)")
+    parser.add_argument("--report-from", help="comma-separated output folders of earlier runs: write one report of them "
+                        "to --out-dir")
     parser.add_argument("--config-timeout", type=int, default=300, help="seconds for one config's Paddle child")
     for hidden in ("--paddle-worker", "--torch-worker"):
         parser.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
@@ -182,6 +188,8 @@ def main():
         return paddle_worker(args)
     if args.pipeline:
         return pipeline_main(args)
+    if args.report_from:
+        return report_from(args)
     from benchmark import report
     from testkit.common import check_smoke_path
 
@@ -207,10 +215,34 @@ def main():
            "elapsed_s": time.perf_counter() - start}
     rows = report.build_rows(configs, paddle, torch, info, run)
     lines, note = report.write(out_dir, rows, info, torch, run)
+    with open(os.path.join(out_dir, "benchmarks_run.json"), "w") as fh:
+        json.dump({"info": info, "torch": {k: v for k, v in torch.items() if k != "configs"}, "run": run}, fh, indent=1)
     print("\n".join(lines))
     print(f"wrote {out_dir}/benchmarks.md and benchmarks.json" + (f"; plot {note}" if note else ", benchmarks.png"),
           file=sys.stderr)
     return 0 if any(result.get("times") for result in paddle.values()) else 1
+
+
+def report_from(args):
+    """``--report-from DIR,...``: one report of the rows of earlier runs (each DIR holds a run's
+    benchmarks.json and benchmarks_run.json), written to ``--out-dir``."""
+    from benchmark import report
+
+    rows, facts = [], []
+    for folder in args.report_from.split(","):
+        with open(os.path.join(folder, "benchmarks.json")) as fh:
+            rows += json.load(fh)
+        with open(os.path.join(folder, "benchmarks_run.json")) as fh:
+            facts.append(json.load(fh))
+    if not args.out_dir:
+        raise SystemExit(f"{TOOL}: --report-from needs --out-dir (where the merged report goes)")
+    info, torch = facts[0]["info"], facts[0]["torch"]
+    run = dict(facts[0]["run"], elapsed_s=sum(f["run"]["elapsed_s"] for f in facts))
+    lines, note = report.write(args.out_dir, rows, info, torch, run)
+    with open(os.path.join(args.out_dir, "benchmarks_run.json"), "w") as fh:
+        json.dump({"info": info, "torch": torch, "run": run, "merged_from": len(facts)}, fh, indent=1)
+    print("\n".join(lines))
+    return 0
 
 
 def pipeline_main(args):

@@ -106,8 +106,9 @@ class OptionsCore:
         capture_hooks: context-manager factories entered around every capture.
 
     Class attributes (not options): ``API``, the name messages start with; ``MIN_WARMUP`` and
-    ``WARMUP_HINT``; ``verify_replays`` and ``max_bytes``, which the phase machine reads and a kind
-    of wrapper without such options leaves at "none" (GraphOptions makes them options).
+    ``WARMUP_HINT``; ``verify_replays``, ``max_bytes`` and ``eager_if_slower``, which the phase
+    machine reads and a kind of wrapper without such options leaves off (GraphOptions makes them
+    options).
     """
 
     warmup_steps: int = 1
@@ -121,6 +122,7 @@ class OptionsCore:
     WARMUP_HINT = "Pass the number of eager calls before capture, e.g. warmup_steps=1."
     verify_replays = 0
     max_bytes = None
+    eager_if_slower = False
 
     def __post_init__(self):
         api = self.API
@@ -179,6 +181,10 @@ class GraphOptions(OptionsCore):
         chain_calls: let consecutive graphed calls that each take the previous one's output
             (``h = layer(h)`` per graphed layer) be replayed as one chain through one autograd
             bridge (NOTE [ Chains of graphed calls ] in chains/chain.py); False: every call alone.
+        eager_if_slower: a key whose graphed calls cost more host time than its eager calls
+            (medians of interleaved forward calls after its capture, NOTE [ Graphed calls that
+            cannot pay ] in core/host_cost.py) runs eagerly from then on; False keeps it graphed
+            (the numbers are still in explain(), and a slower key still warns once).
     """
 
     clone_outputs: bool = True
@@ -189,6 +195,7 @@ class GraphOptions(OptionsCore):
     check_stale_outputs: bool = False
     max_inflight: int = 4
     chain_calls: bool = True
+    eager_if_slower: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -205,6 +212,8 @@ class GraphOptions(OptionsCore):
                     "accumulate_in_graph=True adds grads into p.main_grad / p.grad inside the graph.")
         _check_bool("check_stale_outputs", self.check_stale_outputs,
                     "Pass check_stale_outputs=True to detect reads of overwritten outputs.")
+        _check_bool("eager_if_slower", self.eager_if_slower,
+                    "eager_if_slower=False keeps a key graphed even where its graphed calls were measured slower.")
         _check_bool("chain_calls", self.chain_calls,
                     "chain_calls=False replays every graphed call through a bridge of its own.")
         _check_int("verify_replays", self.verify_replays, 0,

@@ -271,7 +271,9 @@ class ExplainTest(SafetyCase):
         self.assertIn("autocudagraph(block): 2 key(s), 1 holding graphs", text)
         self.assertIn(
             f"key dispatch key (4, 8): replay on {self.backend}; 1 warmup, 1 capture(s), 2 replays; "
-            f"{ok['static_bytes']} static bytes; input copies 2 made, 2 skipped",
+            f"{ok['static_bytes']} static bytes, "
+            + ("pool bytes not measured" if ok["pool_bytes"] is None else f"{ok['pool_bytes']} pool bytes")
+            + "; input copies 2 made, 2 skipped",
             text,
         )
         self.assertIn("key dispatch key (3, 8): fallback", text)
@@ -623,7 +625,8 @@ class MaxBytesTest(SafetyCase):
     def _bytes_per_key(self):
         probe = self.graphed(mm_tagged, warmup_steps=0)
         probe(data(4, 8), data(8, 8), "probe")
-        return probe.stats()["static_bytes"]
+        stats = probe.stats()  # static buffers and graph pools: what max_bytes counts
+        return stats["static_bytes"] + stats["pool_bytes"]
 
     def test_least_recently_used_key_is_evicted_and_captured_again(self):
         per_key = self._bytes_per_key()
@@ -640,7 +643,7 @@ class MaxBytesTest(SafetyCase):
         with f.counters.expect(captures=2, evictions=0):
             call("a")
             call("b")
-        self.assertEqual(f.stats()["static_bytes"], 2 * per_key)
+        self.assertEqual(f.stats()["static_bytes"] + f.stats()["pool_bytes"], 2 * per_key)
         with f.counters.expect(captures=1, evictions=1):  # a third key evicts the least recently used
             call("c")
         self.assertEqual(phases(), {"a": "recapture", "b": "replay", "c": "replay"})
@@ -653,7 +656,7 @@ class MaxBytesTest(SafetyCase):
             call("a", seed=3)
         stats = f.stats()
         self.assertEqual((stats["graphs"], stats["evictions"]), (2, 2))
-        self.assertLessEqual(stats["static_bytes"], 2 * per_key)
+        self.assertLessEqual(stats["static_bytes"] + stats["pool_bytes"], 2 * per_key)
         self.assertEqual(sorted(row["evictions"] for row in f.report()), [0, 1, 1])
         self.assertIn("evicted 1 time(s) (max_bytes)", f.explain())
 
@@ -664,7 +667,8 @@ class MaxBytesTest(SafetyCase):
         x, w = data(4, 8), data(8, 8)
         self.assertBitwise([f(x, w, "a"), f(x, w, "a")], [mm(x, w), mm(x, w)])
         (warned,) = self.runtime_warnings(log)
-        self.assertIn(f"need {per_key} bytes, more than max_bytes={per_key - 1}", str(warned.message))
+        self.assertIn(f"need {per_key} bytes (", str(warned.message))
+        self.assertIn(f"more than max_bytes={per_key - 1}", str(warned.message))
         stats = f.stats()
         self.assertEqual((stats["graphs"], stats["static_bytes"]), (0, 0))
         self.assertEqual(f.report()[0]["phase"], "fallback")

@@ -12,7 +12,12 @@ mix them. Before each runner is built, unused cached device memory is released (
 the reserved bytes noted; after its warmup and first check, ``peak_bytes`` is what it added to the
 reserved memory at its peak (Paddle >= 3 resets the peak counter; on 2.6 the reserved memory only
 grows between two empty_cache calls, so what is reserved afterwards is that peak). It holds the
-runner's model, grads, activations, static buffers and graph pools. ``startup_ms`` is the wall
+runner's model, grads, activations, static buffers and graph pools. ``allocated_bytes`` is the
+allocated (not only reserved) memory it added: at its peak where Paddle can reset the peak
+counter (>= 3), else what it holds after its warmup and check (2.6). ``pool_bytes`` is what its
+graphs' captures reserved, from the wrappers' stats() (NOTE [ Graph pool bytes ] in
+core/entry.py; 0 for eager, and for raw replay the reserved growth across its one capture).
+``startup_ms`` is the wall
 time of its first 3 steps (warmup, capture, first replay for a block with warmup_steps=1, synced)
 with the model's set-up; ``capture_ms`` sums the host time of its captures (``stats()["capture_ms"]``).
 
@@ -33,6 +38,7 @@ import paddle
 
 import paddlefleet.cudagraph as package
 from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph.core import host_cost
 from testkit.common import (
     SPEED_OPTIONS,
     MatMLP,
@@ -56,8 +62,7 @@ class Blocks(paddle.nn.Layer):
 
     def __init__(self, cfg):
         super().__init__()
-        per = cfg.layers // cfg.blocks
-        self.blocks = paddle.nn.LayerList([MatMLP([cfg.width] * (per + 1)) for _ in range(cfg.blocks)])
+        self.blocks = paddle.nn.LayerList([MatMLP(cfg.block_dims()) for _ in range(cfg.blocks)])
 
     def forward(self, x):
         for block in self.blocks:
@@ -76,7 +81,7 @@ class Setup:
 
     def model(self):
         cfg = self.cfg
-        return build((lambda: MatMLP([cfg.width] * (cfg.layers + 1))) if cfg.blocks == 1 else (lambda: Blocks(cfg)), 1)
+        return build((lambda: MatMLP(cfg.block_dims())) if cfg.blocks == 1 else (lambda: Blocks(cfg)), 1)
 
     @staticmethod
     def targets(model):
@@ -119,8 +124,9 @@ class Entry:
     """A runner with its check (returns failure messages; None for an eager baseline with nothing to
     compare against), its counters and its clean-up."""
 
-    def __init__(self, runner, check, counters=None, cleanup=None, capture_ms=None):
+    def __init__(self, runner, check, counters=None, cleanup=None, capture_ms=None, pool_bytes=None):
         self.runner, self.check = runner, check
+        self.pool_bytes = pool_bytes or (lambda: 0)
         self.counters = counters or (lambda: None)
         self.cleanup = cleanup or (lambda: None)
         self.capture_ms = capture_ms or (lambda: [])  # host ms of each key's capture
@@ -143,6 +149,17 @@ class DeviceMemory:
         if reset is not None:
             reset()
         self.base = mod.memory_reserved()
+        reset = getattr(mod, "reset_max_memory_allocated", None)
+        if reset is not None:
+            reset()
+        self.base_allocated = mod.memory_allocated()
+
+    def allocated(self):
+        if not self.cuda:
+            return None
+        mod = paddle.device.cuda
+        top = mod.max_memory_allocated() if hasattr(mod, "reset_max_memory_allocated") else mod.memory_allocated()
+        return int(top - self.base_allocated)
 
     def peak(self):
         if not self.cuda:
@@ -150,6 +167,19 @@ class DeviceMemory:
         mod = paddle.device.cuda
         top = mod.max_memory_reserved() if hasattr(mod, "reset_max_memory_reserved") else mod.memory_reserved()
         return int(top - self.base)
+
+
+def judged_eager(stats):
+    """Eager calls the wrapper chose (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py:
+    calls timed against the graph, and calls of keys whose graphed calls were slower)."""
+    return sum(n for reason, n in stats["eager_reasons"].items()
+               if reason == host_cost.TIMED or "eager_if_slower=False keeps it graphed" in reason)
+
+
+def slower_keys(wrappers):
+    """Keys that run eagerly because their graphed calls were slower than eager."""
+    return sum(1 for w in wrappers for row in w.report()
+               if row["phase"] == "fallback" and "eager_if_slower=False keeps it graphed" in (row["fallback_reason"] or ""))
 
 
 def _key_ms(stats):
@@ -192,7 +222,7 @@ def graphed_entry(s, name, options, keeps_grads=False):
         failures = []
         for i, target in enumerate(targets):
             stats = target.forward.stats()
-            if stats["captures"] < 1 or eager_calls(stats):
+            if stats["captures"] < 1 or eager_calls(stats) - judged_eager(stats):
                 failures.append(f"block {i} is not replaying: {target.forward.explain()}")
         if not keeps_grads:
             return failures + compare(s.snapshot(model), s.reference, "y and grads")
@@ -206,11 +236,13 @@ def graphed_entry(s, name, options, keeps_grads=False):
     def counters():
         stats = [t.forward.stats() for t in targets]
         return {k: sum(st[k] for st in stats) for k in ("captures", "replays")} | \
-            {"eager": sum(eager_calls(st) for st in stats)}
+            {"eager": sum(eager_calls(st) for st in stats), "eager_chosen": sum(judged_eager(st) for st in stats),
+             "keys_eager_as_slower": slower_keys([t.forward for t in targets]), "keys": len(targets)}
 
     return Entry(Runner(name, counting_step, s.sync, short), check, counters,
                  lambda: [t.forward.reset() for t in targets],
-                 lambda: [ms for t in targets for ms in _key_ms(t.forward.stats())])
+                 lambda: [ms for t in targets for ms in _key_ms(t.forward.stats())],
+                 lambda: sum(t.forward.stats()["pool_bytes"] for t in targets))
 
 
 def capture_raw(s, body):
@@ -245,8 +277,10 @@ def raw_entry(s):
     for _ in range(2):
         body()
     start = time.perf_counter()
+    before = paddle.device.cuda.memory_reserved() if s.cuda else 0
     graph, static = capture_raw(s, body)
     took = (time.perf_counter() - start) * 1e3
+    pool = (paddle.device.cuda.memory_reserved() - before) if s.cuda else 0
 
     def check():
         graph.replay()
@@ -254,7 +288,7 @@ def raw_entry(s):
         return compare([t.numpy() for t in static], s.reference, "replayed y and grads")
 
     return Entry(Runner("raw_replay", timed_call(graph.replay), s.sync, short), check, cleanup=graph.reset,
-                 capture_ms=lambda: [took])
+                 capture_ms=lambda: [took], pool_bytes=lambda: pool)
 
 
 class TrainStep:
@@ -308,7 +342,8 @@ def whole_step_entry(s, name, with_sgd):
 
     stats = getattr(graphed, "stats", None)
     return Entry(Runner(name, step, s.sync, short), check, (lambda: dict(stats())) if stats else None,
-                 getattr(graphed, "reset", None), (lambda: _key_ms(stats())) if stats else None)
+                 getattr(graphed, "reset", None), (lambda: _key_ms(stats())) if stats else None,
+                 (lambda: stats().get("pool_bytes", 0)) if stats else None)
 
 
 def eager_sgd_entry(s):
@@ -321,7 +356,8 @@ def eager_sgd_entry(s):
 
 #: Steps whose wall time is a runner's start-up (warmup, capture, first replay of a block).
 STARTUP_STEPS = 3
-RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "startup_ms", "capture_ms")
+RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "allocated_bytes", "pool_bytes", "startup_ms",
+               "capture_ms")
 OPTION_NAMES = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS]
 PER_LAYER_OPTIONS = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS if opt.per_layer]
 NO_OPTIONS = ("options other than chain_calls are timed on the configs of 1 and 4 blocks (each would capture "
@@ -389,6 +425,8 @@ def _build(name, factory, warmup, out, memory, sync):
     out["checks"][name] = _checked(entry)
     sync()
     out["peak_bytes"][name] = memory.peak()
+    out["allocated_bytes"][name] = memory.allocated()
+    out["pool_bytes"][name] = entry.pool_bytes()
     keys = entry.capture_ms()
     if keys:
         out["capture_ms"][name] = {"keys": len(keys), "total_ms": sum(keys), "max_ms": max(keys)}

@@ -10,6 +10,7 @@ from .timing import MODES
 
 LABELS = {"paddle_eager": "Paddle eager", "autocudagraph": "autocudagraph (default)",
           "autocudagraph_step": "autocudagraph_step (whole step)", "raw_replay": "raw replay (floor)",
+          "autocudagraph_chain_calls_false": "autocudagraph, chain_calls=False",
           "torch_eager": "torch eager", "torch_graphed": "torch make_graphed", "torch_raw_replay": "torch raw replay"}
 PLOTTED = list(LABELS)
 

@@ -21,7 +21,11 @@ MODES = ("throughput", "latency")
 class Config:
     """A chain of ``layers`` square matmuls of ``width`` at ``batch`` rows, split into ``blocks``
     equal blocks that are graphed one by one (each its own PyLayer), as a model of several
-    decorated blocks would be."""
+    decorated blocks would be. With ``shape`` (widths of one layer's activations, in units of
+    ``width``), each of the ``layers`` layers is a chain of ``len(shape) - 1`` matmuls of those
+    widths: (1, 1, 1, 1, 1, 4, 1) is a transformer layer's q, k, v, o, up and down projections,
+    one after another (Hopper with Paddle 2.6.2 runs only matmuls and copies: no attention
+    arithmetic, no residual adds, and each tensor used once so that backward adds nothing)."""
 
     name: str
     layers: int
@@ -30,6 +34,17 @@ class Config:
     blocks: int = 1
     launch_bound: bool = True
     options: bool = True  # also time autocudagraph with each speed option (SPEED_OPTIONS)
+    shape: tuple = ()
+
+    def block_dims(self):
+        """The activation widths along one graphed block: its matmuls are consecutive pairs."""
+        if self.shape:
+            per = self.layers // self.blocks
+            return [self.width] + [self.width * m for _ in range(per) for m in self.shape[1:]]
+        return [self.width] * (self.layers // self.blocks + 1)
+
+    def matmuls(self):
+        return (len(self.block_dims()) - 1) * self.blocks
 
     @property
     def per_layer(self):
@@ -44,12 +59,19 @@ class Config:
                                    blocks=blocks)
 
     def describe(self):
+        if self.shape:
+            kinds = "q, k, v, o, up, down" if tuple(self.shape) == TRANSFORMER else f"{len(self.shape) - 1} matmuls"
+            layer = f"{self.layers} layers of {len(self.shape) - 1} matmuls ({kinds}) x {self.width}, batch {self.batch}"
+            return layer + (", one graphed Layer per layer" if self.per_layer else f", {self.blocks} graphed blocks")
         if self.per_layer:
             split = ", one graphed Layer per layer"
         else:
             split = f", {self.blocks} graphed blocks of {self.layers // self.blocks}" if self.blocks > 1 else ""
         return f"{self.layers} x {self.width}, batch {self.batch}{split}"
 
+
+#: One transformer layer's projections: q, k, v, o (width), up (4x width), down.
+TRANSFORMER = (1, 1, 1, 1, 1, 4, 1)
 
 _BASE = [
     Config("mlp16x512_b16", 16, 512, 16),
@@ -59,6 +81,8 @@ _BASE = [
 #: Each decoder layer graphed on its own, the way users start: the options are timed on the
 #: other configs only (each option would capture every layer once more: minutes of a GPU run).
 PER_LAYER = [
+    Config("xformer24x1024_b32_perlayer", 24, 1024, 32, blocks=24, options=False, shape=TRANSFORMER),
+    Config("xformer32x512_b16_perlayer", 32, 512, 16, blocks=32, options=False, shape=TRANSFORMER),
     Config("mlp32x1024_b32_perlayer", 32, 1024, 32, blocks=32, options=False),
     Config("mlp24x2048_b8_perlayer", 24, 2048, 8, blocks=24, options=False),
 ]

@@ -29,7 +29,9 @@ class TorchSetup:
         self.torch, self.cfg, self.dev, self.sync = torch, cfg, dev, sync
         nn = torch.nn
         gen = torch.Generator().manual_seed(1234)
-        self.weights = [torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width ** 0.5 for _ in range(cfg.layers)]
+        dims = cfg.block_dims()
+        self.weights = [[torch.randn(a, b, generator=gen) / a ** 0.5 for a, b in zip(dims[:-1], dims[1:])]
+                        for _ in range(cfg.blocks)]
         self.x = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
         self.dy = torch.randn(cfg.batch, cfg.width, generator=gen).to(dev)
 
@@ -48,8 +50,7 @@ class TorchSetup:
         self.reference = self.snapshot(self.eager, list(self.eager.parameters()))
 
     def model(self):
-        per = self.cfg.layers // self.cfg.blocks
-        blocks = [self.block(self.weights[i * per:(i + 1) * per]) for i in range(self.cfg.blocks)]
+        blocks = [self.block(ws) for ws in self.weights]
         return self.torch.nn.Sequential(*blocks).to(self.dev)
 
     def snapshot(self, call, params):
@@ -126,9 +127,13 @@ class _Memory:
             self.torch.cuda.empty_cache()
             self.torch.cuda.reset_peak_memory_stats()
             self.base = self.torch.cuda.memory_reserved()
+            self.base_allocated = self.torch.cuda.memory_allocated()
 
     def peak(self):
         return int(self.torch.cuda.max_memory_reserved() - self.base) if self.cuda else None
+
+    def allocated(self):
+        return int(self.torch.cuda.max_memory_allocated() - self.base_allocated) if self.cuda else None
 
 
 STARTUP_STEPS = 3
@@ -162,13 +167,14 @@ def _runners(torch, cfg, dev, sync, out, warmup):
         out["checks"][run.name] = check()
         sync()
         out["peak_bytes"][name] = memory.peak()
+        out["allocated_bytes"][name] = memory.allocated()
         pairs.append((run, check))
     return pairs
 
 
 def bench_config(torch, cfg, args, dev, sync):
     print(f"[torch] {cfg.name}", file=sys.stderr, flush=True)
-    out = {"times": {}, "checks": {}, "why_null": {}, "peak_bytes": {}, "startup_ms": {}}
+    out = {"times": {}, "checks": {}, "why_null": {}, "peak_bytes": {}, "allocated_bytes": {}, "startup_ms": {}}
     pairs = _runners(torch, cfg, dev, sync, out, args.warmup)
     sync()
     run_rounds([run for run, _ in pairs], args.rounds, args.steps)

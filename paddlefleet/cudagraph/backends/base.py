@@ -192,6 +192,11 @@ class Backend:
         """Returns an empty Graph that will allocate from ``pool``."""
         raise NotImplementedError
 
+    def reserved_bytes(self):
+        """Device memory reserved by this process now (a capture's pool bytes are what it grows by), or
+        None where there is no device memory to measure (NOTE [ Graph pool bytes ] in core/entry.py)."""
+        return None
+
 
     def describe(self):
         """One line naming the backend and its capabilities."""

@@ -6,6 +6,27 @@ installed Paddle can do instead of comparing version strings:
 * ``core.CUDAGraph.begin_capture_with_pool_id`` (Paddle >= 3.1): the forward and backward
   graphs of one key are captured into one memory pool.
 * without it (Paddle 2.6): every capture gets a private pool.
+
+NOTE [ One pool per key ]
+torch's and TransformerEngine's graphed callables put every graph of a model into one pool: they
+capture all graphs up front, the forwards in call order and the backwards in reverse, and are
+then replayed in that same order, so memory one graph freed at the end of its capture (its
+temporaries) can hold data of a graph captured later, because by the next replay of the first
+graph that data is dead. Graphs here are captured lazily, one key at a time, when a key's first
+call after warmup comes, between eager calls of the other keys, and are replayed in whatever
+order calls come: keys of other shapes, re-captures after an eviction or a moved parameter,
+slots of forwards in flight (NOTE [ Slots ] in block/slots.py), a second grad buffer set
+captured at a later replay. A graph captured later into a shared pool may place what must
+survive until a later replay (its saved activations between forward and backward, its static
+outputs and grad buffers, handed out as aliases: NOTE [ Grad hand-out ] in grads/hand_out_plan.py)
+in memory an earlier graph uses as temporary space, and the earlier graph's next replay then
+overwrites it: silently wrong grads, for example when two micro-batches of different keys are in
+flight or a key of another shape replays between a forward and its backward. So one pool is
+shared only where the order is fixed: by the forward and backward graphs of one key (the
+backward is captured while the forward's saved activations are alive, and no other graph of the
+key replays between them). Sharing across keys would need every key's graphs captured together,
+in call order, before any replays: not what autocudagraph's per-key warmup does. What graphs hold
+is measured instead (NOTE [ Graph pool bytes ] in core/entry.py).
 """
 
 import gc
@@ -240,6 +261,9 @@ class CudaBackend(Backend):
         if place is None:
             place = paddle.CUDAPlace(paddle.distributed.ParallelEnv().device_id)
         return _CudaGraph(place, pool)
+
+    def reserved_bytes(self):
+        return int(paddle.device.cuda.memory_reserved(self._place))
 
     def describe(self):
         sharing = "forward and backward share one pool" if self.shares_pools else (

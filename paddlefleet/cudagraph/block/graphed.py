@@ -132,11 +132,12 @@ class BlockBody(Body):
             with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
                 started = self.hooks.head(self, entry, call)
             if started is not None:
-                entry.host_cost.skip = True  # the hooks' call (a chain's first) is not this key's call alone
+                entry.host_cost.chain_head = True  # timed as a chained call (NOTE [ Graphed calls that cannot pay ])
                 return started
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
-            capture_second_backward(graphs)
+            with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
+                capture_second_backward(graphs)
         if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
             replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         else:

@@ -113,6 +113,8 @@ def _member(body, entry, flags_):
     if (slots is None or len(slots.all) != 1 or entry.verify_left > 0 or not options.chain_calls
             or options.dispatch_key_fn is not None):
         return None
+    if entry.host_cost.judging:  # judged alone first (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)
+        return None
     graphs = slots.all[0]
     if graphs.chain is None:
         graphs.chain = _why_not(graphs)

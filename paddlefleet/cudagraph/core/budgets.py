@@ -1,6 +1,6 @@
 """The budgets of one wrapper (core/lifecycle.py asks; the entries move): ``max_graphs``, the keys
-that may warm up or hold graphs at once, and ``max_bytes``, the static buffers all keys hold
-(least recently used keys are evicted beyond it)."""
+that may warm up or hold graphs at once, and ``max_bytes``, the static buffers and graph pools all
+keys hold (least recently used keys are evicted beyond it; NOTE [ Graph pool bytes ] in core/entry.py)."""
 
 from .entry import Phase
 
@@ -22,14 +22,15 @@ def budget_allows(entries, entry, max_graphs, warn_once):
 
 
 def enforce_max_bytes(entries, entry, budget, warn_once, evicted):
-    """Evicts least recently used keys until the static buffers fit ``budget`` (None: no budget),
+    """Evicts least recently used keys until their static buffers and pools fit ``budget`` (None: no budget),
     calling ``evicted(victim, budget)`` for each; returns False (and moves ``entry`` to eager) when
     ``entry`` alone does not fit."""
     if budget is None:
         return True
-    own = entry.nbytes()
+    own = entry.held_bytes()
     if own > budget:
-        reason = f"its static buffers need {own} bytes, more than max_bytes={budget}"
+        reason = (f"its static buffers and graph pools need {own} bytes ({entry.nbytes()} static, {entry.pool_bytes} "
+                  f"pool), more than max_bytes={budget}")
         entry.fall_back(reason)
         warn_once(
             ("max_bytes", id(entry)),
@@ -38,13 +39,13 @@ def enforce_max_bytes(entries, entry, budget, warn_once, evicted):
         )
         return False
     holders = [e for e in entries.values() if e.has_graphs]
-    total = sum(e.nbytes() for e in holders)
+    total = sum(e.held_bytes() for e in holders)
     for victim in sorted(holders, key=lambda e: e.last_used):
         if total <= budget:
             break
         if victim is entry or victim.backward_pending():
             continue
-        total -= victim.nbytes()
+        total -= victim.held_bytes()
         victim.evict()
         evicted(victim, budget)
     return True

@@ -1,33 +1,65 @@
-"""The host time a key's graphed calls cost against its eager calls, measured, and a warning
-where graphing the block cannot pay.
+"""The host time of a key's graphed calls against its eager calls, measured; a key whose graphed
+calls are slower runs eagerly from then on (``eager_if_slower``).
 
 NOTE [ Graphed calls that cannot pay ]
 A graphed call replaces the launches of a block's kernels by one graph launch, but pays a fixed
 host toll of its own: the key, the replay checks, the input copy, the autograd bridge (Paddle's
 PyLayer apply and, in backward, one grad node handing every grad to autograd) and the output
 hand-out. For a small block (one decoder layer, one matmul) that toll can exceed the launches it
-saves, and graphing makes training slower than eager. So each key times its last warmup call
-(eager) and its first REPLAYS_TIMED replays (forward call, host time, no device sync), and when
-the graphed call's median is not below the eager call, warns once with both numbers and points
-to larger blocks or the whole-step graph. explain() shows the numbers for every key. The eager
-time is that of a warmup call: a first call that paid one-time set-up looks slower, so the
-warning errs towards silence. Timing stops after REPLAYS_TIMED replays (two perf_counter reads a
-call until then). A backend whose replay re-runs the function (simulate) is not timed: its
-graphed calls always cost more than eager ones. The warning is given once per process (a model
-graphed layer by layer would give it once per layer); explain() has every key's numbers. A
-chain's calls (NOTE [ Chains of graphed calls ] in chains/chain.py) are not timed: none of them
-costs what its key alone costs (the chain's first call replays its own graph and applies the one
-bridge; the others are handed their output).
+saves, and graphing makes training slower than eager. So every key is timed, and a key whose
+graphed calls cost more is run eagerly:
+
+* **What is timed.** The host time of the forward call (perf_counter around the call, no device
+  synchronisation): for an eager call the function's own Python and kernel launches, for a
+  graphed call everything the wrapper does (key, checks, input copy, replay, bridge, output
+  copy). The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows
+  with the forward's, and an eager backward launches about twice the forward's kernels.
+* **Interleaved samples.** After its capture, a key's calls alternate: one replay, one eager
+  call, until SAMPLES of each are timed (the first replay, which may pay set-up, is dropped;
+  the eager warmup calls count among the eager samples). Host noise (another process, a
+  garbage collection, clock changes) falls on both sides alike, and each side is the median
+  of its samples, so one slow call decides nothing. The eager calls of this window are eager's
+  own computation: results stay bitwise those of eager; stats() counts them among eager calls
+  with the reason "timed against its graphed calls".
+* **The decision.** When the graphed median is not below the eager median the key runs
+  eagerly from then on (its graphs and static buffers are released; explain() gives both
+  numbers and the reason), with one warning per process. Otherwise it keeps its graphs. Once
+  every key of a wrapper runs eagerly as slower, its later calls skip the key too (ALL_SLOWER:
+  the key costs host time as well; a call of a new shape is then not graphed, reset() measures
+  again).
+* **Chained calls** (NOTE [ Chains of graphed calls ] in chains/chain.py) are judged too: a key
+  joins chains only once judged alone; then its first SAMPLES calls served by a chain are timed
+  and the same rule runs on their median against the same eager median. A chain's first call is
+  not judged in chains: it applies the one bridge of every member, a toll the chain pays once
+  (a first layer judged on it ran eagerly on the H100 although the chain paid); that key keeps
+  the verdict on its calls alone.
+* **Where it is off.** A backend whose replay re-runs the function (simulate) is not timed:
+  its graphed calls always cost more than eager ones. The whole training step is not judged
+  (one graph for the step: the toll is paid once a step). ``eager_if_slower=False`` keeps every
+  key graphed: the numbers are still measured (from the warmup calls and the first replays),
+  shown by explain() and a slower key still warns once. Decisions depend on timing, so the
+  test suite turns the measurement off (tests/conftest.py) except in the tests that drive it
+  with a stand-in clock.
 """
 
 import statistics
 import time
 
-__all__ = ["HostCost", "REPLAYS_TIMED", "measured", "warn_once_per_process"]
+__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "chained", "clock", "measured", "timed_call",
+           "warn_once_per_process"]
 
-#: Replays of a key whose forward host time is measured (after the first, which may pay set-up).
-REPLAYS_TIMED = 16
+#: Timed calls per side (eager, graphed alone, chained) a decision needs.
+SAMPLES = 8
 
+#: The clock calls are timed with (tests put a stand-in here).
+clock = time.perf_counter
+
+#: The reason stats() gives the eager calls timed against a key's graphed calls.
+TIMED = "timed against its graphed calls (eager_if_slower)"
+
+#: The reason of the calls of a wrapper whose every key runs eagerly as slower: they skip the key.
+ALL_SLOWER = "every key of this wrapper was slower graphed than eager: run without a key (eager_if_slower=False keeps " \
+    "it graphed; reset() measures again)"
 
 _warned = []
 
@@ -46,79 +78,174 @@ def warn_once_per_process():
     return True
 
 
+def _median_us(samples):
+    return statistics.median(samples) * 1e6 if samples else None
+
+
 class HostCost:
-    """Host seconds of one key's eager warmup call and of its first replays (``measure`` False:
-    nothing is timed)."""
+    """Host seconds of one key's eager and graphed forward calls, and the decision made on them.
 
-    __slots__ = ("eager_s", "replay_s", "judged", "skip")
+    Args:
+        measure: time this key's calls at all (False: nothing is timed).
+        judge: interleave eager calls after capture and run the key eagerly when its graphed
+            calls are slower (``eager_if_slower``); False: measure and warn only.
+    """
 
-    def __init__(self, measure=True):
-        self.eager_s = None
+    __slots__ = ("eager_s", "replay_s", "chained_s", "measure", "judge", "chain_head", "verdict", "chain_verdict")
+
+    def __init__(self, measure=True, judge=False):
+        self.eager_s = []
         self.replay_s = []
-        self.judged = not measure
-        self.skip = False  # set by a replay that served more than this key's call (a chain's first call)
+        self.chained_s = []
+        self.measure = measure
+        self.judge = measure and judge
+        self.chain_head = False  # set by a replay that started a chain (its sample is a chained one)
+        self.verdict = None if measure else "not timed"  # None while calls alone are timed
+        self.chain_verdict = None if measure else "not timed"
 
-    def timed_warmup(self, warmup, entry, call):
-        """``warmup(entry, call)``, its host time kept as the eager call's."""
-        start = time.perf_counter()
-        out = warmup(entry, call)
-        self.eager_s = time.perf_counter() - start
-        return out
-
-    def timed_replay(self, replay, entry, call, warn_once):
-        """``replay(entry, call)``, timed; once judged, ``warn_once(topic, message)`` where the key cannot
-        pay (once per process)."""
-        start = time.perf_counter()
-        out = replay(entry, call)
-        if self.skip:
-            self.skip = False
-            return out
-        if self.add_replay(time.perf_counter() - start) and self.cannot_pay() and warn_once_per_process():
-            warn_once("cannot_pay", self.warning(entry.label))
-        return out
-
+    # ------------------------------------------------------------------ what the lifecycle asks
     @property
     def timing(self):
-        """True while replays are still timed."""
-        return not self.judged
+        """True while calls of this key alone are still timed."""
+        return self.verdict is None
 
-    def add_replay(self, seconds):
-        """Records one replay's host seconds; returns True when the key has just been judged."""
-        self.replay_s.append(seconds)
-        if len(self.replay_s) <= REPLAYS_TIMED:
-            return False
-        self.judged = True
-        return True
+    @property
+    def judging(self):
+        """True while this key's calls alone decide whether it stays graphed (it joins no chain)."""
+        return self.judge and self.verdict is None
 
+    @property
+    def timing_chained(self):
+        return self.chain_verdict is None and self.verdict == "graphed"
+
+    def wants_eager(self):
+        """True when the next call of this key should run eagerly, as an eager sample."""
+        return self.judging and len(self.eager_s) < SAMPLES and len(self.eager_s) < len(self.replay_s)
+
+    # ------------------------------------------------------------------ timing
+    def timed_eager(self, run, *args):
+        """``run(*args)``, its host time kept as an eager call's."""
+        start = clock()
+        out = run(*args)
+        if self.verdict is None:
+            self.eager_s.append(clock() - start)
+        return out
+
+    def timed_replay(self, replay, entry, call):
+        """``replay(entry, call)``, timed as a graphed call alone (or chained: ``chain_head``)."""
+        start = clock()
+        out = replay(entry, call)
+        seconds = clock() - start
+        if self.chain_head:  # it paid the bridge of every member: not judged in chains
+            self.chain_head = False
+            self.chain_verdict = self.chain_verdict or "head"
+        elif self.verdict is None:
+            self.replay_s.append(seconds)
+            self._judge_alone()
+        return out
+
+    def add_chained(self, seconds):
+        """Records one chained call's host seconds (a chain's first call or a call it served)."""
+        if self.timing_chained:
+            self.chained_s.append(seconds)
+            if len(self.chained_s) >= SAMPLES:
+                self.chain_verdict = "eager" if self._slower(self.chained_s) else "graphed"
+
+    def _judge_alone(self):
+        if len(self.replay_s) <= SAMPLES or (self.judge and len(self.eager_s) < SAMPLES):
+            return
+        if not self.eager_s:  # no eager call was timed (warmup_steps=0, eager_if_slower=False)
+            self.verdict = "unmeasured"
+            return
+        self.verdict = "eager" if self._slower(self.replay_s[1:]) else "graphed"
+
+    def _slower(self, graphed):
+        return _median_us(graphed) >= _median_us(self.eager_s)
+
+    # ------------------------------------------------------------------ results
     def graphed_us(self):
-        timed = self.replay_s[1:]  # the first replay may pay set-up
-        return statistics.median(timed) * 1e6 if timed else None
+        return _median_us(self.replay_s[1:])
+
+    def chained_us(self):
+        return _median_us(self.chained_s)
 
     def eager_us(self):
-        return None if self.eager_s is None else self.eager_s * 1e6
+        return _median_us(self.eager_s)
 
-    def cannot_pay(self):
-        """True when the graphed call costs at least as much host time as the eager one."""
-        graphed, eager = self.graphed_us(), self.eager_us()
-        return graphed is not None and eager is not None and graphed >= eager
+    def slower(self):
+        """"alone" or "chained" when this key's graphed calls (alone, or in chains) were found slower than
+        its eager calls, else None."""
+        if self.verdict == "eager":
+            return "alone"
+        if self.chain_verdict == "eager":
+            return "chained"
+        return None
 
     def describe(self):
-        """``host us per forward call: eager X (warmup), graphed Y (median of N replays)`` or ""."""
-        graphed, eager = self.graphed_us(), self.eager_us()
-        if graphed is None or eager is None:
+        """The measured host times for explain(), or ""."""
+        eager, graphed = self.eager_us(), self.graphed_us()
+        if eager is None or graphed is None:
             return ""
-        return (f"host us per forward call: eager {eager:.1f} (a warmup call), graphed {graphed:.1f} "
-                f"(median of {len(self.replay_s) - 1} replays)")
+        text = (f"host us per forward call: eager {eager:.1f} (median of {len(self.eager_s)}), graphed {graphed:.1f} "
+                f"(median of {len(self.replay_s) - 1})")
+        if self.chained_s:
+            text += f", chained {self.chained_us():.1f} (median of {len(self.chained_s)})"
+        return text
 
-    def warning(self, label):
+    def reason(self):
+        """Why the key runs eagerly (``slower()`` is not None): both numbers and the override."""
+        how = self.slower()
+        graphed = self.graphed_us() if how == "alone" else self.chained_us()
+        calls = "graphed calls" if how == "alone" else "graphed calls in chains"
+        return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {self.eager_us():.1f} "
+                "us per forward call (medians of interleaved calls; eager_if_slower=False keeps it graphed)")
+
+    def warning(self, label, acted):
+        how = self.slower() or "alone"
+        graphed = self.graphed_us() if how == "alone" else self.chained_us()
+        then = ("so it runs eagerly from now on (results are eager's; eager_if_slower=False keeps it graphed)" if acted
+                else "so graphing it makes training slower where the host is the bottleneck")
         return (
-            f"key {label}: a graphed call costs {self.graphed_us():.1f} us of host time against "
-            f"{self.eager_us():.1f} us for the eager call (forward, measured; NOTE [ Graphed calls that cannot pay ] "
-            "in core/host_cost.py). Each graphed call pays a fixed toll (key, checks, copies and Paddle's autograd "
-            "bridge, again in backward), more than this block's kernel launches cost eagerly, so graphing it makes "
-            "training slower where the host is the bottleneck. Graphed calls that each take the previous one's output "
-            "as their first argument (h = layer(h)) are chained through one bridge and do not pay it per call (NOTE "
-            "[ Chains of graphed calls ] in chains/chain.py); a call between them (a residual add, say) stops a chain. "
-            "Otherwise graph larger blocks (several layers in one Layer: autocudagraph on the Layer that calls "
-            "them), or the whole training step with autocudagraph_step."
+            f"key {label}: a graphed call{' in a chain' if how == 'chained' else ''} costs {graphed:.1f} us of host "
+            f"time against {self.eager_us():.1f} us for the eager call (forward, medians), {then}. Each graphed call "
+            "pays a fixed toll (key, checks, copies and Paddle's autograd bridge, again in backward), more than this "
+            "block's kernel launches cost eagerly. Graph larger blocks (several layers in one Layer: autocudagraph "
+            "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "
+            "are in explain()."
         )
+
+
+def timed_call(entry, call, replay, eager, acted):
+    """A call of ``entry``'s key while its host cost is measured: ``replay(entry, call)``, or
+    ``eager(call, TIMED)`` as an eager sample; then ``acted(entry)``."""
+    cost = entry.host_cost
+    if cost.wants_eager():
+        result = cost.timed_eager(eager, call, TIMED)
+    else:
+        result = cost.timed_replay(replay, entry, call)
+    acted(entry)
+    return result
+
+
+def chained(entry, start, result, acted):
+    """``result``, a call a chain served for ``entry`` since ``clock()`` read ``start``, timed while
+    its key's chained calls are; then ``acted(entry)``."""
+    if entry.host_cost.timing_chained:
+        entry.host_cost.add_chained(clock() - start)
+        acted(entry)
+    return result
+
+
+def act(entry, warn_once, entries):
+    """Acts on ``entry``'s verdict once it is made: eager from now on (``eager_if_slower``: the
+    entry falls back with the reason), and ``warn_once(topic, message)`` once per process.
+    Returns ALL_SLOWER when the entry has just fallen back and every key of ``entries`` (its
+    wrapper's) runs eagerly as slower, else None."""
+    cost = entry.host_cost
+    if cost.slower() is None or not entry.has_graphs:
+        return None
+    if cost.judge:
+        entry.fall_back(cost.reason())
+    if warn_once_per_process():
+        warn_once("cannot_pay", cost.warning(entry.label, acted=cost.judge))
+    return ALL_SLOWER if cost.judge and all(e.host_cost.slower() for e in entries) else None

@@ -18,6 +18,7 @@ from ..backends import capture_open, in_whole_step, is_own_error, resolve_backen
 from ..backends.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
+from . import host_cost
 from .call import Call
 from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
@@ -73,6 +74,18 @@ _IN_FLIGHT = (
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
 
+def _nested_reason(warn_once):
+    """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
+    if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
+        return WHOLE_STEP
+    if capture_open():
+        return "called inside another capture"
+    if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py
+        warn_once("saved_hooks", saved_hooks.warning())
+        return saved_hooks.REASON
+    return None
+
+
 class Lifecycle(Reports, Views):
     """The phase machine of one wrapped callable: per key, warmup -> capture -> replay, or eager.
 
@@ -92,6 +105,7 @@ class Lifecycle(Reports, Views):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
+        self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -119,18 +133,23 @@ class Lifecycle(Reports, Views):
             entry.release()
         self._entries.clear()
         self._latest = None
+        self._slower = None
         self._warned.clear()
         self.counters = Counters()
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
+        if self._slower is not None:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+            self.counters.eager(self._slower)
+            return self._body.run(args, kwargs)
         nested = self._nested()
         if nested is not None:
             return self._eager(Call(args, kwargs), nested)
+        start = host_cost.clock()
         served = self._body.shortcut(args, kwargs, self._keys)
         if served is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
             self.counters.chained_calls += 1
-            return self._run_graphs(served[0], None, True, served[1])
+            return host_cost.chained(served[0], start, self._run_graphs(served[0], None, True, served[1]), self._acted)
         if self._options.dispatch_key_fn is not None:
             # One canonical form per call (defaults applied, positional where possible), so that
             # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -152,14 +171,15 @@ class Lifecycle(Reports, Views):
             self._entries.move_to_end(key)
             self._latest = entry
         if entry.phase is Phase.REPLAY:
-            if entry.host_cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-                return entry.host_cost.timed_replay(self._replay, entry, call, self._warn_once)
+            cost = entry.host_cost
+            if cost.timing or cost.timing_chained:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+                return host_cost.timed_call(entry, call, self._replay, self._eager, self._acted)
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
                 entry.warmed_up(call.tensors)
                 self.counters.warmup_calls += 1
-                return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
+                return entry.host_cost.timed_eager(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
             if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
@@ -168,15 +188,10 @@ class Lifecycle(Reports, Views):
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
 
     def _nested(self):
-        """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
-        if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
-            return WHOLE_STEP
-        if capture_open():
-            return "called inside another capture"
-        if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py
-            self._warn_once("saved_hooks", saved_hooks.warning())
-            return saved_hooks.REASON
-        return None
+        return _nested_reason(self._warn_once)
+
+    def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+        self._slower = host_cost.act(entry, self._warn_once, self._entries.values()) or self._slower
 
     def _eager(self, call, reason):
         self.counters.eager(reason)
@@ -199,7 +214,8 @@ class Lifecycle(Reports, Views):
             self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
             self._last_refusal = refused
             return None
-        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named))
+        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named),
+                           eager_if_slower=self._options.eager_if_slower)
         if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
             self._last_refusal = "max_graphs reached"
             return None
@@ -212,7 +228,8 @@ class Lifecycle(Reports, Views):
         start = time.perf_counter()
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
-            graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
+            with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
+                graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
         except Exception as err:  # contained: this key runs eagerly from now on
             _raise_own_error(self.counters, entry, err)  # NOTE [ The function's own exceptions ]
             reason = f"{type(err).__name__}: {err}"
@@ -232,7 +249,7 @@ class Lifecycle(Reports, Views):
         # The training flags of Layers a capture found join every key (keys still in warmup too).
         self._entries = rekeyed(self._entries, self._keys.track(graphs.layers))
         if not enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted):
-            return self._eager(call, "static buffers exceed max_bytes")
+            return self._eager(call, "static buffers and graph pools exceed max_bytes")
         return self._graph_call(entry, call, copy=False)
 
     def _replay(self, entry, call):
@@ -246,7 +263,7 @@ class Lifecycle(Reports, Views):
             entry.to_warmup()  # the blocked warning said why
             entry.warmed_up(call.tensors)
             self.counters.warmup_calls += 1
-            return entry.host_cost.timed_warmup(self._body.warmup, entry, call)
+            return entry.host_cost.timed_eager(self._body.warmup, entry, call)
         if blocked is not None and blocked.action in (Action.RECAPTURE, Action.RECAPTURE_ONCE):
             entry.to_recapture()
             logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, blocked.reason)
@@ -270,7 +287,8 @@ class Lifecycle(Reports, Views):
         entry.remember_inputs(call.tensors)
         named = self._keys.named_arguments(call.args, call.kwargs)
         start = time.perf_counter()
-        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
+            refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
         if refused is not None:
             return self._eager(call, refused)
         logger.info("%s(%s): captured another slot of key %s in %.1f ms on %s", self._body.api, self.__name__,

@@ -162,6 +162,9 @@ def summarize(counters, entries):
     out["grad_copies"] = sum(e.graphs.grad_copies() for e in entries if e.graphs is not None)
     out["capture_ms"] = {e.label: round(e.capture_ms, 2) for e in entries if e.capture_ms is not None}
     out["key_bytes"] = {e.label: e.nbytes() for e in entries if e.has_graphs}
+    # NOTE [ Graph pool bytes ] in core/entry.py: 0 on a backend without device memory (simulate).
+    out["pool_bytes"] = sum(e.pool_bytes for e in entries)
+    out["key_pool_bytes"] = {e.label: e.pool_bytes for e in entries if e.has_graphs}
     out.update(slot_stats(entries))
     return out
 
@@ -189,6 +192,8 @@ def describe_entries(entries):
                 "replays": entry.replays,
                 "fallback_reason": entry.fallback_reason,
                 "static_bytes": entry.nbytes(),
+                "pool_bytes": entry.pool_bytes if entry.backend is not None and
+                entry.backend.reserved_bytes() is not None else None,
                 "input_copies": entry.input_copies,
                 "input_copies_skipped": entry.input_copies_skipped,
                 "evictions": entry.evictions,
@@ -220,7 +225,7 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
     entries = list(entries)
     lines = [
         f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
-        f"{stats['static_bytes']} static bytes"
+        f"{stats['static_bytes']} static bytes, {stats['pool_bytes']} graph pool bytes"
     ]
     backends = {e.backend.describe() for e in entries if e.backend is not None}
     if backends:
@@ -230,7 +235,9 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
         line = (
             f"  key {label}: {row['phase']} on {row['backend']}; "
             f"{row['warmup_calls']} warmup, {row['captures']} capture(s), {row['replays']} replays; "
-            f"{row['static_bytes']} static bytes; input copies {row['input_copies']} made, "
+            f"{row['static_bytes']} static bytes, "
+            f"{'pool bytes not measured' if row['pool_bytes'] is None else str(row['pool_bytes']) + ' pool bytes'}; "
+            f"input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
         if row["slot_bytes"]:

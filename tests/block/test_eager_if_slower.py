@@ -1,0 +1,185 @@
+"""NOTE [ Graphed calls that cannot pay ] in core/host_cost.py: a key whose graphed calls cost more
+host time than its eager calls runs eagerly (eager_if_slower), judged on interleaved calls alone and
+in chains, with a stand-in clock: each eager forward of a layer costs EAGER_US, and each simulated
+graph replay adds what the test says (the simulated replay re-runs the forward, so a replay costs
+EAGER_US plus that)."""
+
+import contextlib
+import unittest
+import warnings
+from unittest import mock
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph.backends import simulated
+from paddlefleet.cudagraph.block import chain_links
+from paddlefleet.cudagraph.core import host_cost
+from testkit.common import MatMLP, build, host_tensor, normal
+
+EAGER_US = 100.0
+
+
+class StandInClock:
+    """Seconds that move only when the test says: a layer's forward and a graph replay."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.alone_us = 0.0  # added by a replay outside a chain run
+        self.chained_us = 0.0  # added by a replay while a chain run is open
+
+    def __call__(self):
+        return self.now
+
+    def add(self, us):
+        self.now += us * 1e-6
+
+
+class TimedMLP(MatMLP):
+    clock = None
+
+    def forward(self, x):
+        if TimedMLP.clock is not None:
+            TimedMLP.clock.add(EAGER_US)
+        return super().forward(x)
+
+
+def layers(n=4, width=8, seed=0):
+    return build(lambda: paddle.nn.LayerList([TimedMLP([width, width]) for _ in range(n)]), seed)
+
+
+def step(model, x, dy):
+    h = x
+    for layer in model:
+        h = layer(h)
+    h.backward(dy)
+    got = [h.numpy()] + [p.grad.numpy() for p in model.parameters()]
+    for p in model.parameters():
+        p.clear_gradient(False)
+    return got
+
+
+class TestEagerIfSlower(unittest.TestCase):
+    def setUp(self):
+        self.clock = StandInClock()
+        self.saved = list(host_cost._warned)
+        host_cost._warned.clear()
+        original = simulated._SimulatedGraph.replay
+        clock = self.clock
+
+        def replay(graph):
+            clock.add(clock.chained_us if chain_links.current_run() is not None else clock.alone_us)
+            return original(graph)
+
+        self.patches = contextlib.ExitStack()
+        self.patches.enter_context(mock.patch.object(simulated._SimulatedGraph, "replay", replay))
+        self.patches.enter_context(mock.patch.object(host_cost, "clock", self.clock))
+        self.patches.enter_context(mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True))
+        self.patches.enter_context(mock.patch.object(TimedMLP, "clock", self.clock))
+
+    def tearDown(self):
+        self.patches.close()
+        host_cost._warned[:] = self.saved
+
+    def run_steps(self, n, **options):
+        """``n`` steps of a graphed model and its eager twin, bitwise equal at every step; returns the
+        graphed model and the warnings given."""
+        graphed, eager = layers(), layers()
+        for layer in graphed:
+            autocudagraph(layer, backend="simulate", **options)
+        draw = normal(1)
+        x, dy = host_tensor(draw(4, 8)), host_tensor(draw(4, 8))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(n):
+                for a, e in zip(step(graphed, x, dy), step(eager, x, dy)):
+                    np.testing.assert_array_equal(a, e, err_msg=f"step {i}")
+        return graphed, [str(w.message) for w in caught if "us of host time" in str(w.message)]
+
+    def test_a_slower_key_runs_eagerly_after_interleaved_calls_with_both_numbers(self):
+        self.clock.alone_us = 30.0  # a replay: 130 us against 100 eager
+        steps = 1 + 1 + (host_cost.SAMPLES + 1) + (host_cost.SAMPLES - 1) + 3
+        model, warned = self.run_steps(steps, chain_calls=False)
+        self.assertEqual(len(warned), 1, warned)  # once per process, not per layer
+        self.assertIn("130.0 us of host time against 100.0 us", warned[0])
+        self.assertIn("runs eagerly from now on", warned[0])
+        for layer in model:
+            stats = layer.forward.stats()
+            self.assertEqual(stats["replays"], host_cost.SAMPLES + 1)
+            # Its one key ran slower graphed: the wrapper's later calls run eagerly without a key.
+            self.assertEqual(stats["eager_reasons"], {host_cost.TIMED: host_cost.SAMPLES - 1, host_cost.ALL_SLOWER: 3})
+            self.assertEqual(stats["graphs"], 0)
+            [row] = layer.forward.report()
+            self.assertEqual(row["fallback_reason"], "its graphed calls cost more host time than its eager calls: 130.0 "
+                             "against 100.0 us per forward call (medians of interleaved calls; eager_if_slower=False "
+                             "keeps it graphed)")
+            text = layer.forward.explain()
+            self.assertIn("host us per forward call: eager 100.0 (median of 8), graphed 130.0 (median of 8)", text)
+        x = host_tensor(normal(2)(6, 8))  # another shape: no key is made for it
+        model[0](x)
+        self.assertEqual(model[0].forward.stats()["keys"], 1)
+        model[0].forward.reset()  # measures again: a new key warms up and is captured
+        model[0](x), model[0](x)
+        self.assertEqual(model[0].forward.stats()["captures"], 1)
+
+    def test_a_faster_key_stays_graphed_and_its_chained_calls_are_judged_too(self):
+        self.clock.alone_us = -40.0
+        self.clock.chained_us = -40.0
+        model, warned = self.run_steps(40)
+        self.assertEqual(warned, [])
+        for k, layer in enumerate(model):
+            [entry] = layer.forward.entries().values()
+            self.assertEqual(entry.phase.value, "replay", layer.forward.explain())
+            self.assertEqual(entry.host_cost.verdict, "graphed")
+            if k == 0:  # the chain's first call pays every member's bridge: not judged in chains
+                self.assertEqual(entry.host_cost.chain_verdict, "head")
+                self.assertIn("graphed 60.0 (median of 8); parameter grads", layer.forward.explain())
+                continue
+            self.assertEqual(entry.host_cost.chain_verdict, "graphed", layer.forward.explain())
+            self.assertIn("graphed 60.0 (median of 8), chained 60.0 (median of 8)", layer.forward.explain())
+        # Steps 3-18 alternate (9 replays, 7 timed eager calls); the chain serves every later step.
+        self.assertEqual([layer.forward.stats()["chained_calls"] for layer in model], [0, 22, 22, 22])
+        self.assertEqual([layer.forward.stats()["eager_calls"] for layer in model], [host_cost.SAMPLES - 1] * 4)
+
+    def test_keys_slower_only_in_chains_run_eagerly(self):
+        self.clock.alone_us = -40.0  # alone: 60 us; the head of a chain too (its replay opens the run)
+        self.clock.chained_us = 20.0  # a call a chain serves: 120 us (the head's own call is not judged in chains)
+        model, warned = self.run_steps(40)
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("a graphed call in a chain costs 120.0 us", warned[0])
+        [head] = model[0].forward.entries().values()
+        self.assertEqual(head.phase.value, "replay", model[0].forward.explain())
+        for layer in model[1:]:
+            [entry] = layer.forward.entries().values()
+            self.assertEqual(entry.phase.value, "fallback", layer.forward.explain())
+            self.assertIn("graphed calls in chains cost more host time than its eager calls: 120.0 against 100.0",
+                          entry.fallback_reason)
+
+    def test_eager_if_slower_false_keeps_the_key_graphed_and_warns_once(self):
+        self.clock.alone_us = 30.0
+        model, warned = self.run_steps(24, chain_calls=False, eager_if_slower=False)
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("graphing it makes training slower", warned[0])
+        for layer in model:
+            stats = layer.forward.stats()
+            self.assertEqual(stats["eager_calls"], 0, layer.forward.explain())
+            self.assertEqual(stats["replays"], 22)
+            self.assertIn("eager 100.0 (median of 1), graphed 130.0 (median of 8)", layer.forward.explain())
+
+    def test_a_backend_whose_replay_reruns_the_function_is_not_timed(self):
+        self.patches.close()  # the measurement as it is (not the suite's: tests/conftest.py)
+        self.patches = contextlib.ExitStack()
+        self.patches.enter_context(mock.patch("paddlefleet.cudagraph.core.entry.measured", host_cost.measured))
+        model, warned = self.run_steps(24, chain_calls=False)
+        self.assertEqual(warned, [])
+        self.assertEqual(model[0].forward.report()[0]["host_cost"], "")
+        self.assertEqual(model[0].forward.stats()["eager_calls"], 0)
+
+    def test_the_option_is_checked(self):
+        with self.assertRaisesRegex(TypeError, "eager_if_slower must be True or False, got 'no'"):
+            autocudagraph(lambda x: x, eager_if_slower="no")
+
+
+if __name__ == "__main__":
+    unittest.main()
