@@ -14,7 +14,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
-from paddlefleet.cudagraph.block import chain_links
+from paddlefleet.cudagraph.chains import links as chain_links
 from paddlefleet.cudagraph.core import host_cost
 from testkit.common import MatMLP, build, host_tensor, normal
 
