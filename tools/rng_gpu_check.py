@@ -135,8 +135,10 @@ def case_uniform(start):
     fn = lambda x: x + paddle.rand(x.shape)  # noqa: E731
     graphed = autocudagraph(fn, backend=BACKEND, warmup_steps=1)
     want, got = run_twice(fn, graphed, start)
-    expected = {"captures": 0, "replays": 0} if BACKEND == "cuda" else {"captures": 1, "replays": 4}
-    return compare("paddle.rand inside the function", got, want, graphed.stats(), expected)
+    # A kernel Paddle does not re-seed on replay is refused on every backend (NOTE [ Random draws
+    # seen from generator state ] in core/rng.py): the key runs eagerly, drawing eager's numbers.
+    return compare("paddle.rand inside the function (refused)", got, want, graphed.stats(),
+                   {"captures": 0, "replays": 0})
 
 
 def case_slots_dropout(start):
