@@ -5,10 +5,12 @@ vision models, their batches and eager training loops."""
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
+
+from .differential import Trainee
 
 __all__ = ["state_of", "graph_all", "paddleformers_skip_reason", "TINY_LLAMA", "tiny_llama", "token_batches",
-           "train_lm", "Rows", "vision_model", "stages", "train_vision", "image_batches"]
+           "train_lm", "llama_step_twins", "Rows", "vision_model", "stages", "train_vision", "image_batches"]
 
 
 def state_of(model):
@@ -61,6 +63,52 @@ def train_lm(model, batches, seed=11, **call):
         opt.clear_grad()
         losses.append(loss.numpy())
     return losses, state_of(model)
+
+
+def _seeded(step, seeds):
+    """``step`` after ``paddle.seed(next(seeds))``: the eager and the graphed twin draw the same dropout
+    masks although their steps interleave on one generator."""
+
+    def run(*args):
+        paddle.seed(next(seeds))
+        return step(*args)
+
+    return run
+
+
+def llama_step_twins(backend):
+    """The whole training step of a tiny LLaMA with attention dropout, global-norm clipping, AdamW with
+    weight decay and a cosine LR schedule, for ``testkit.differential.differential_run``: returns
+    ``(build, graph, after_step, wrappers)``; ``wrappers`` gets the graphed step's wrapper."""
+    wrappers = []
+
+    def build():
+        paddle.seed(5)
+        model = tiny_llama(attention_dropout=0.1)
+        sched = paddle.optimizer.lr.CosineAnnealingDecay(learning_rate=1e-3, T_max=20)
+        opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
+                                     grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+
+        def step(ids):
+            loss = model(ids, labels=ids)[0]
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            return loss
+
+        trainee = Trainee(_seeded(step, iter(range(100, 200))), {"model": model, "opt": opt, "sched": sched})
+        trainee.plain_step, trainee.seeds = step, iter(range(100, 200))
+        return trainee
+
+    def graph(trainee):
+        wrappers.append(autocudagraph_step(trainee.plain_step, optimizers=[trainee.objects["opt"]], backend=backend))
+        return _seeded(wrappers[0], trainee.seeds)
+
+    def after_step(i, eager, graphed):
+        for trainee in (eager, graphed):
+            trainee.objects["sched"].step()
+
+    return build, graph, after_step, wrappers
 
 
 class Rows(paddle.io.Dataset):

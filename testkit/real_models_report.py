@@ -11,12 +11,12 @@ from unittest import mock
 
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
+from paddlefleet.cudagraph import autocudagraph
 
 from .common import bitwise_failures
-from .differential import Trainee, differential_run, state_of as full_state
-from .real_models import (Rows, graph_all, image_batches, paddleformers_skip_reason, stages, state_of, tiny_llama,
-                          token_batches, train_lm, train_vision, vision_model)
+from .differential import differential_run, state_of as full_state
+from .real_models import (Rows, graph_all, image_batches, llama_step_twins, paddleformers_skip_reason, stages, state_of,
+                          tiny_llama, token_batches, train_lm, train_vision, vision_model)
 
 __all__ = ["Row", "ROWS", "run_row", "render", "parse_rows", "HEADER"]
 
@@ -72,43 +72,8 @@ def _llama_model():
     return [graphed.forward.stats()], bitwise_failures(got, want)[1]
 
 
-def _seeded(step, seeds):
-    def run(*args):
-        paddle.seed(next(seeds))
-        return step(*args)
-
-    return run
-
-
 def _llama_step():
-    wrappers = []
-
-    def build():
-        paddle.seed(5)
-        model = tiny_llama(attention_dropout=0.1)
-        sched = paddle.optimizer.lr.CosineAnnealingDecay(learning_rate=1e-3, T_max=20)
-        opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
-                                     grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-
-        def step(ids):
-            loss = model(ids, labels=ids)[0]
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            return loss
-
-        trainee = Trainee(_seeded(step, iter(range(100, 200))), {"model": model, "opt": opt, "sched": sched})
-        trainee.plain_step, trainee.seeds = step, iter(range(100, 200))
-        return trainee
-
-    def graph(trainee):
-        wrappers.append(autocudagraph_step(trainee.plain_step, optimizers=[trainee.objects["opt"]], backend=BACKEND))
-        return _seeded(wrappers[0], trainee.seeds)
-
-    def after_step(i, eager, graphed):
-        for trainee in (eager, graphed):
-            trainee.objects["sched"].step()
-
+    build, graph, after_step, wrappers = llama_step_twins(BACKEND)
     try:
         differential_run(build, token_batches(20), graph, after_step=after_step)
         failures = []

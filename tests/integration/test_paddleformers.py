@@ -15,22 +15,11 @@ from unittest import mock
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
-from testkit.differential import Trainee, assert_same_state, differential_run, state_of
+from paddlefleet.cudagraph import autocudagraph
+from testkit.differential import assert_same_state, differential_run, state_of
 from testkit.harness import BackendCase, for_each_backend
 
-from testkit.real_models import Rows, paddleformers_skip_reason, tiny_llama, token_batches, train_lm
-
-
-def _seeded(step, seeds):
-    """``step`` after ``paddle.seed(next(seeds))``: the eager and the graphed twin draw the same dropout
-    masks although their steps interleave on one generator."""
-
-    def run(*args):
-        paddle.seed(next(seeds))
-        return step(*args)
-
-    return run
+from testkit.real_models import Rows, llama_step_twins, paddleformers_skip_reason, tiny_llama, token_batches, train_lm
 
 
 class _NeedsPaddleFormers(BackendCase):
@@ -57,35 +46,7 @@ class LlamaWholeTest(_NeedsPaddleFormers):
     def test_the_whole_training_step_over_20_steps(self):
         """Forward, loss, backward, global-norm clipping, AdamW with weight decay, a cosine LR schedule
         stepped between steps and attention dropout: every piece of state bitwise after every step."""
-        wrappers = []
-
-        def build():
-            paddle.seed(5)
-            model = tiny_llama(attention_dropout=0.1)
-            sched = paddle.optimizer.lr.CosineAnnealingDecay(learning_rate=1e-3, T_max=20)
-            opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
-                                         grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-
-            def step(ids):
-                loss = model(ids, labels=ids)[0]
-                loss.backward()
-                opt.step()
-                opt.clear_grad()
-                return loss
-
-            trainee = Trainee(_seeded(step, iter(range(100, 200))), {"model": model, "opt": opt, "sched": sched})
-            trainee.plain_step, trainee.seeds = step, iter(range(100, 200))
-            return trainee
-
-        def graph(trainee):
-            wrappers.append(autocudagraph_step(trainee.plain_step, optimizers=[trainee.objects["opt"]],
-                                               backend=self.backend))
-            return _seeded(wrappers[0], trainee.seeds)
-
-        def after_step(i, eager, graphed):
-            for trainee in (eager, graphed):
-                trainee.objects["sched"].step()
-
+        build, graph, after_step, wrappers = llama_step_twins(self.backend)
         differential_run(build, token_batches(20), graph, after_step=after_step)
         self.assertCounters(wrappers[0], captures=1, replays=17, warmup_calls=2, eager=0)
 
