@@ -33,9 +33,11 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import paddle
 
+from paddlefleet.cudagraph import autocudagraph_step
+
 from .common import RECORD, bitwise_failures
 
-__all__ = ["StateMismatch", "Trainee", "assert_same_state", "differential_run", "state_of"]
+__all__ = ["StateMismatch", "Trainee", "assert_same_state", "differential_run", "state_of", "step_grapher"]
 
 
 class StateMismatch(AssertionError):
@@ -199,3 +201,16 @@ def differential_run(build: Callable[[], Trainee], batches, graph: Callable[[Tra
         if after_step is not None:
             after_step(i, eager, graphed)
     return eager, graphed
+
+
+def step_grapher(wrappers, **options):
+    """A ``graph`` for ``differential_run``: ``autocudagraph_step(trainee.step, **options)`` with the
+    trainee's optimizer ``objects["opt"]`` (none if it has none); the wrapper is appended to
+    ``wrappers`` for the test's counters."""
+
+    def graph(trainee):
+        opt = trainee.objects.get("opt")
+        wrappers.append(autocudagraph_step(trainee.step, optimizers=[] if opt is None else [opt], **options))
+        return wrappers[-1]
+
+    return graph

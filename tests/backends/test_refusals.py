@@ -15,12 +15,11 @@ from unittest import mock
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph_step
 from paddlefleet.cudagraph.backends import refusals
 from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 from paddlefleet.cudagraph.core import location
 from testkit.common import MatMLP, build
-from testkit.differential import Trainee, differential_run
+from testkit.differential import Trainee, differential_run, step_grapher
 from testkit.harness import RECORD, BackendCase, MatmulOnlyCase, clone_leaf, for_each_backend, normal
 from testkit.step_gpu import MatmulSGD
 
@@ -263,9 +262,7 @@ class GradAssignedInPlace(MatmulOnlyCase):
         equals eager after every step."""
         steps = []
 
-        def graph(trainee):
-            steps.append(autocudagraph_step(trainee.step, optimizers=[], warmup_steps=1, backend=self.backend))
-            return steps[0]
+        graph = step_grapher(steps, warmup_steps=1, backend=self.backend)
 
         draw = normal(21)
         batches = [(self.tensor(draw(4, 8)), self.tensor(draw(4, 8, scale=0.1))) for _ in range(5)]
@@ -295,10 +292,7 @@ class ClipGradNorm(BackendCase):
 
         steps = []
 
-        def graph(trainee):
-            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
-                                            backend=self.backend))
-            return steps[0]
+        graph = step_grapher(steps, warmup_steps=1, backend=self.backend)
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -340,10 +334,7 @@ class PaddleScaler(_Refused, BackendCase):
 
         steps = []
 
-        def graph(trainee):
-            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
-                                            backend=self.backend))
-            return steps[0]
+        graph = step_grapher(steps, warmup_steps=1, backend=self.backend)
 
         with capture_kind:
             differential_run(make, [paddle.randn([3, 6]) for _ in range(4)], graph)
@@ -372,10 +363,7 @@ class FreedGrads(_Refused, BackendCase):
 
         steps = []
 
-        def graph(trainee):
-            steps.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], warmup_steps=1,
-                                            backend=self.backend))
-            return steps[0]
+        graph = step_grapher(steps, warmup_steps=1, backend=self.backend)
 
         differential_run(make, [(paddle.randn([2, 4]), i % 2 == 1) for i in range(10)], graph)
         self.assertRefusedAsTheTableSays(steps[0], "grads freed at the end of an accumulation window", inside=False)

@@ -12,11 +12,10 @@ import warnings
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph_step
 from paddlefleet.cudagraph.backends.host_guard import host_guard
 from paddlefleet.cudagraph.backends.host_marks import is_marked_host
 from paddlefleet.cudagraph.errors import CaptureError
-from testkit.differential import Trainee, differential_run
+from testkit.differential import Trainee, differential_run, step_grapher
 from testkit.harness import BackendCase, for_each_backend
 
 VALUES = [True, False, 0, 3, -7, 2 ** 40, 2 ** 62 + 1, -2 ** 63, 0.0, -0.0, 0.1, 1 / 3, 65504.0, 1e-8,
@@ -138,9 +137,7 @@ class ScalarsInAGraphTest(BackendCase):
 
             return Trainee(step, {"model": model, "opt": opt})
 
-        def graph(trainee):
-            wrappers.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], backend=self.backend))
-            return wrappers[0]
+        graph = step_grapher(wrappers, backend=self.backend)
 
         differential_run(build, self.batches(6), graph)
         self.assertCounters(wrappers[0], captures=1, replays=3, warmup_calls=2, eager=0)
@@ -164,9 +161,7 @@ class ScalarsInAGraphTest(BackendCase):
 
             return Trainee(step, {"model": model, "opt": opt})
 
-        def graph(trainee):
-            wrappers.append(autocudagraph_step(trainee.step, optimizers=[trainee.objects["opt"]], backend=self.backend))
-            return wrappers[0]
+        graph = step_grapher(wrappers, backend=self.backend)
 
         def after_step(*_):
             knob[0] += 1.0
