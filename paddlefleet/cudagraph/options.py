@@ -182,7 +182,7 @@ class GraphOptions(OptionsCore):
             (``h = layer(h)`` per graphed layer) be replayed as one chain through one autograd
             bridge (NOTE [ Chains of graphed calls ] in chains/chain.py); False: every call alone.
         eager_if_slower: a key whose graphed calls cost more host time than its eager calls
-            (medians of interleaved forward calls after its capture, NOTE [ Graphed calls that
+            (lower quartiles of interleaved forward calls after its capture, NOTE [ Graphed calls that
             cannot pay ] in core/host_cost.py) runs eagerly from then on; False keeps it graphed
             (the numbers are still in explain(), and a slower key still warns once).
     """
