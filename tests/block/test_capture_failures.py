@@ -94,7 +94,7 @@ CASES = {
                                "np.array() of Tensor.get_tensor()", ("simulate", "cuda"), "matmul"),
     "value_shaped_op": (lambda y, u, v: y + 0 * paddle.nonzero(y).shape[0], "paddle.nonzero()", ("simulate", "cuda"),
                         "all"),
-    "random_kernel": (lambda y, u, v: y + 0 * paddle.rand([1]), "random kernel", ("cuda",), "all"),
+    "random_kernel": (lambda y, u, v: y + 0 * paddle.rand([1]), "random kernel", ("simulate", "cuda"), "all"),
     "set_value_numpy": (_set_value_numpy, "Tensor.set_value() of a numpy array", ("simulate", "cuda"), "all"),
     "closure_leaf_needing_grad": (lambda y, u, v: paddle.matmul(y, _closure_leaf()), "neither arguments nor "
                                   "parameters", ("simulate", "cuda"), "all"),  # the leaf's grads add up

@@ -20,8 +20,7 @@ class StepFailures(FailureCase):
     """A whole training step (a MatMLP, an explicit dy, a matmul-made SGD update) with ``inject``
     after the forward: every output and all model state (testkit.differential) equals eager's."""
 
-    not_here = {"random_kernel": "a whole step keeps random kernels (docs/guides/train_step.md); blocks refuse them on cuda",
-                "closure_leaf_needing_grad": "a whole step runs its own backward: any leaf gets its grad as in eager"}
+    not_here = {"closure_leaf_needing_grad": "a whole step runs its own backward: any leaf gets its grad as in eager"}
 
     #: Cases refused only once the step has run (the capture's trace is compared at its end): their
     #: update goes through paddle.optimizer.SGD in optimizers=, which a refused simulated capture takes back.
