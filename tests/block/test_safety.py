@@ -72,7 +72,9 @@ class ScaledBlock(Block):
 
 
 class TrackedScaledBlock(paddle.nn.Layer):
-    """Dropout under a Fleet RNG tracker state, scaled by a host tensor read at capture."""
+    """Dropout, called under a Fleet RNG tracker state (a tracker block inside a graphed function
+    is refused on Paddle 2.6, whose generators keep no state indices), scaled by a host tensor read
+    at capture."""
 
     STATE = "cg_safety_tracked"
     gate = {}
@@ -82,8 +84,7 @@ class TrackedScaledBlock(paddle.nn.Layer):
         self.fc = paddle.nn.Linear(d, d)
 
     def forward(self, x):
-        with get_rng_state_tracker().rng_state(self.STATE):
-            h = paddle.nn.functional.dropout(self.fc(x), 0.5)
+        h = paddle.nn.functional.dropout(self.fc(x), 0.5)
         return h * float(TrackedScaledBlock.gate["scale"])  # host read
 
 
@@ -422,10 +423,9 @@ class VerifyTest(SafetyCase):
 
     def test_mismatch_leaves_the_tracker_rng_as_eager(self):
         # The RNG snapshot taken before a verified call is restored twice on a mismatch (for the
-        # eager re-run, then for the eager call that replaces the replay). Paddle 2.6's
-        # set_states_tracker adopts the dict it is given, so restoring the same dict twice
-        # handed the second restore the states the re-run had advanced (NOTE [ Restoring
-        # the tracker ] in core/state.py).
+        # eager re-run, then for the eager call that replaces the replay); the tracker's states
+        # come back as eager left them. The graphed call runs inside the tracker block: a tracker
+        # block inside the function is refused on Paddle 2.6 (no generator state indices).
         tracker = get_rng_state_tracker()
         start = add_tracker_state(self, TrackedScaledBlock.STATE, 4242)
         eager, graphed = twin_layers(TrackedScaledBlock)
@@ -438,7 +438,8 @@ class VerifyTest(SafetyCase):
             out = []
             for i in range(3):
                 TrackedScaledBlock.gate["scale"] = self.host(float(i + 1))
-                out.append(layer(data(4, 8, seed=i)).detach())
+                with tracker.rng_state(TrackedScaledBlock.STATE):
+                    out.append(layer(data(4, 8, seed=i)).detach())
             with tracker.rng_state(TrackedScaledBlock.STATE):
                 out.append(paddle.rand([4]))
             return out + [paddle.rand([3])]
@@ -447,6 +448,23 @@ class VerifyTest(SafetyCase):
         stats = graphed.forward.stats()
         self.assertEqual((stats["verified_replays"], stats["verify_mismatches"]), (2, 1))
 
+
+class RestoreRngTest(unittest.TestCase):
+    def test_a_snapshot_restored_twice_keeps_its_tracker_states(self):
+        """NOTE [ Restoring the tracker ] in core/state.py: Paddle 2.6's set_states_tracker adopts the
+        dict it is given, so a tracker block that draws between two restores of one snapshot would
+        write its advanced state into the snapshot; the second restore must still give the first's."""
+        from paddlefleet.cudagraph.core import state
+
+        tracker = get_rng_state_tracker()
+        add_tracker_state(self, TrackedScaledBlock.STATE, 4243)
+        snapshot = state.rng_snapshot()
+        draws = []
+        for _ in range(2):
+            state.restore_rng(snapshot)
+            with tracker.rng_state(TrackedScaledBlock.STATE):
+                draws.append(paddle.rand([4]).numpy())
+        np.testing.assert_array_equal(draws[0], draws[1], strict=True)
 
 # ---------------------------------------------------------------------------- 4. host tensors
 @for_each_backend

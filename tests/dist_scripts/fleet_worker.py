@@ -28,6 +28,7 @@ from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
 from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
+from paddlefleet.cudagraph.core.rng import generator_state_indices  # noqa: E402
 
 STEPS = 4
 RANK = 0
@@ -451,7 +452,14 @@ def case_tensor_parallel_layers():
     check_same("final params", a["params"], e["params"])
     check_same("next draws of the default and model_parallel_rng generators", a["rng"], e["rng"])
     s = graphed.forward.stats()
-    if (s["captures"], s["replays"], s["eager_calls"]) != (1, STEPS - 2, 0):
+    # A tracker block inside a graphed function is captured only where generators keep states by
+    # index (3.x); on 2.6 it is refused on every backend (NOTE [ Random draws seen from generator
+    # state ] in core/rng.py) and every call is eager's.
+    if generator_state_indices():
+        phases_ok = (s["captures"], s["replays"], s["eager_calls"]) == (1, STEPS - 2, 0)
+    else:
+        phases_ok = s["captures"] == 0 and any("generator state indices" in r for r in s["eager_reasons"])
+    if not phases_ok:
         raise AssertionError(f"unexpected phases: {s}")
     return {"replicated": digest(o for step in a["outs"] for o in step), "shard": digest([a["params"]["up.weight"]])}
 

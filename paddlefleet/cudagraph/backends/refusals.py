@@ -124,7 +124,7 @@ REFUSALS = (
         "random kernel other than dropout",
         "`paddle.rand`, `randn`, `bernoulli`, `randint` and other random kernels in a graphed block",
         "refused: Paddle re-seeds only dropout on replay, every replay would repeat the capture's numbers",
-        "refused with the stand-in for a recording capture; an executing capture draws afresh on every replay",
+        "refused, as on cuda (its replays, which re-run the function, would draw afresh)",
         "does not re-seed", "Draw them outside the graphed function",
         ("tests/block/test_footguns.py::RecordingCaptureTest::"
          "test_random_kernels_other_than_dropout_run_eagerly_on_cuda",
@@ -133,15 +133,16 @@ REFUSALS = (
         "recompute with dropout",
         "a reentrant `recompute` whose block draws random numbers, inside a graphed call or step",
         "refused: the backward rewinds the RNG and redraws, a replay would draw with a new offset",
-        "refused with the stand-in for a recording capture",
+        "refused, as on cuda (its replays, which re-run the recompute, would redraw the forward's masks)",
         "rewinds the RNG state and then runs the random kernel", "Graph the blocks inside the recompute",
-        ("tests/block/test_footguns.py::RecordingCaptureTest::test_recompute_with_dropout_runs_eagerly_on_cuda",)),
+        ("tests/block/test_footguns.py::RecordingCaptureTest::test_recompute_with_dropout_runs_eagerly_on_cuda",
+         "tests/grads/test_training.py::RecomputeTest::test_layer_calling_recompute_with_dropout_runs_eagerly_like_eager")),
     Refusal(
         "tracker dropout without state indices",
         "dropout under a Fleet tracker `rng_state(name)` block inside a graphed function, on a Paddle without "
         "generator state indices (2.6)",
         "refused: the replay hook advances the caller's state, not the tracker's",
-        "refused with the stand-in for a recording capture",
+        "refused, as on cuda (its replays, which re-run the tracker block, would draw from the tracker's state)",
         "generator state indices", "Graph the code inside the rng_state block",
         ("tests/block/test_footguns.py::RecordingCaptureTest::"
          "test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices",)),

@@ -192,7 +192,7 @@ class _BlockCapture:
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
             # NOTE [ Random draws seen from generator state ] in core/rng.py.
-            rng_guard = DrawGuard(recording=not backend.capture_executes)
+            rng_guard = DrawGuard()
             with LayerRecorder(snapshot, watch) as recorder, rng_guard, refuse_create_graph():
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
             watch.check()
@@ -270,8 +270,7 @@ class _BlockCapture:
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
-        recording = not self.backend.capture_executes
-        guard = DrawGuard(backward=recording, recording=recording)
+        guard = DrawGuard(backward=True)
         try:
             with guard:
                 results = list(bwd.graph.capture(body, self.opts.capture_hooks))

@@ -1,4 +1,4 @@
-"""Whether a recording capture drew random numbers, decided from the generators' state.
+"""Whether a capture drew random numbers a replay would get wrong, decided from the generators' state.
 
 NOTE [ Random draws seen from generator state ]
 A CUDA graph bakes each kernel's arguments at capture, a random kernel's seed and offset
@@ -15,8 +15,8 @@ them changed drew random numbers; so did any change between two ops that no RNG 
 * ``dropout``, ``dropout_`` and ``fused_dropout_add`` (phi's CUDAGraphNodeLauncher parameter
   setters; the same three in Paddle 2.6.2's GPU build and in 3.x): before every replay but the
   first, a host hook advances the generator's offset and patches the kernel's seed and offset;
-* provided, under a capture that only records, it is drawn under the state that was current
-  when the capture began, or the generators keep states by index (``Generator.get_state_index``, Paddle 3.x). Paddle 2.6's
+* provided it is drawn under the state that was current when the capture began, or the
+  generators keep states by index (``Generator.get_state_index``, Paddle 3.x). Paddle 2.6's
   Fleet tracker swaps state *values* in and out of the one generator, and the hook advances
   whatever state is current at replay, i.e. the caller's: a dropout inside a tracker
   ``rng_state(name)`` block in the function would replay from the default stream. 3.x keeps
@@ -26,8 +26,10 @@ them changed drew random numbers; so did any change between two ops that no RNG 
 
 Everything else (``paddle.rand``, ``F.gumbel_softmax``, ``paddle.poisson``, ``Tensor.random_``,
 binomial, standard_gamma, dirichlet, a kernel added by a later Paddle) would replay the
-capture's numbers forever. The check runs during every capture on every backend, so a CPU run
-refuses what a GPU refuses; the reading costs a few microseconds per op, at capture only.
+capture's numbers forever. The check runs during every capture on every backend, and every
+refusal here applies on every backend: the simulated backend, whose replays re-run the function,
+would draw eager's numbers, but a CPU run must refuse what a GPU refuses. The reading costs a
+few microseconds per op, at capture only.
 
 NOTE [ Recompute under CUDA graphs ]
 Reentrant recompute restores the forward's RNG state in its backward and re-runs the block, so
@@ -35,8 +37,8 @@ its dropout draws the forward's masks again. A captured random kernel advances t
 on replay instead of rewinding it: the recomputed dropout would not see the forward's masks and
 the grads would be silently wrong. So a backward capture that sets the RNG state
 (``paddle.set_rng_state``, ``set_cuda_rng_state``, the tracker's ``set_states_tracker``) and
-then draws is refused, whatever the kernel, on a capture that only records (cuda, or simulate
-standing in for it); the simulated backend executes the recompute at every replay.
+then draws is refused, whatever the kernel, on every backend (the simulated backend, which
+re-runs the recompute at every replay and would get it right, refuses it as a GPU must).
 """
 
 import paddle
@@ -118,23 +120,19 @@ def _current_seeds():
 
 
 class DrawGuard:
-    """Watches a recording capture for random draws a replay would get wrong (NOTE [ Random draws
+    """Watches a capture (on every backend) for random draws a replay would get wrong (NOTE [ Random draws
     seen from generator state ]); ``check()`` raises CaptureError naming the first.
 
     Args:
         enabled: False makes the guard a no-op.
         backward: refuse a draw after an RNG setter whatever the kernel (NOTE [ Recompute under
-            CUDA graphs ]): a backward, or a whole step, under a capture that only records.
+            CUDA graphs ]): a backward, or a whole step.
         state_indices: whether the generators keep states by index; None detects it.
-        recording: the capture only records (cuda, or simulate standing in for it): a re-seeded
-            kernel under another state than the caller's is refused where generators keep no
-            state indices (a capture that executes re-runs the tracker block at every replay).
     """
 
-    def __init__(self, enabled=True, backward=False, state_indices=None, recording=True):
+    def __init__(self, enabled=True, backward=False, state_indices=None):
         self.enabled = enabled
         self.backward = backward
-        self.recording = recording
         self.state_indices = generator_state_indices() if state_indices is None else state_indices
         self.problem = None  # (kind, what, where)
         self.rewound = False
@@ -188,7 +186,7 @@ class DrawGuard:
             self._note("after rewind", name)
         elif name not in RESEEDED_OPS:
             self._note("frozen", name)
-        elif self.recording and not self.state_indices and _current_seeds() != self._start_seeds:
+        elif not self.state_indices and _current_seeds() != self._start_seeds:
             self._note("foreign state", name)
 
     def _wrap_setter(self, original, by_index_arg=None):

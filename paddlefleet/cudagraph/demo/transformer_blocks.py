@@ -1,7 +1,7 @@
 """Example models and training loops, shared by the demo and the tests.
 
 The transformer check: a pre-LayerNorm transformer block (self-attention,
-MLP, LayerNorm, dropout in both sub-blocks, the MLP under Fleet's ``recompute``) trained with
+MLP, LayerNorm, dropout in both sub-blocks, the MLP's matmuls under Fleet's ``recompute``) trained with
 AdamW and gradient accumulation, once eagerly and once with the whole block graphed. Both runs
 start from the same parameters, data and seed, so every loss and every final parameter must be
 equal bit for bit::
@@ -61,13 +61,19 @@ class _MLP(paddle.nn.Layer):
         self.fc2 = paddle.nn.Linear(d_ff, d_model)
         self.drop = paddle.nn.Dropout(dropout)
 
+    def body(self, x):
+        """The MLP without its dropout: what the block recomputes."""
+        return self.fc2(F.gelu(self.fc1(x)))
+
     def forward(self, x):
-        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+        return self.drop(self.body(x))
 
 
 class TransformerBlock(paddle.nn.Layer):
-    """Pre-LN block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; the MLP runs under
-    ``paddle.distributed.fleet.utils.recompute`` in training when ``recompute_mlp``."""
+    """Pre-LN block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; the MLP's matmuls run under
+    ``paddle.distributed.fleet.utils.recompute`` in training when ``recompute_mlp``, its dropout
+    after the recompute: a recomputed dropout cannot be graphed (its backward rewinds the RNG and
+    draws again, which a CUDA graph would replay with a new offset), so the block would run eagerly."""
 
     def __init__(self, d_model=32, n_heads=4, d_ff=64, dropout=0.1, recompute_mlp=True):
         super().__init__()
@@ -83,7 +89,7 @@ class TransformerBlock(paddle.nn.Layer):
         if self.recompute_mlp and self.training:
             from paddle.distributed.fleet.utils import recompute
 
-            return x + recompute(self.mlp, h)
+            return x + self.mlp.drop(recompute(self.mlp.body, h))
         return x + self.mlp(h)
 
 

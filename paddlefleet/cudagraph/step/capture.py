@@ -187,8 +187,7 @@ class StepCapture:
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
-        recording = not self.backend.capture_executes
-        guard = DrawGuard(backward=recording, recording=recording)
+        guard = DrawGuard(backward=True)
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
 
