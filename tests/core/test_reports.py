@@ -112,8 +112,11 @@ class ExplainTest(unittest.TestCase):
             opt.clear_grad()
             return loss
 
-        for _ in range(3):
+        for _ in range(6):
             step(paddle.randn([2, 4]))
+        self.assertEqual(step.stats()["replays"], 3)
+        # The calls a GPU sees: two warmup steps and the capture. Its replays run no Python, and the
+        # simulated replays, which do, do not count as calls either.
         self.assertIn("eager calls: 3\n    3 x called inside autocudagraph_step: the whole step's graph holds its work",
                       model[0].explain())
         self.assertIn("whole step, grads cleared inside the step (each call starts without grads)", step.explain())

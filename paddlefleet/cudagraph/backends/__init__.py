@@ -5,8 +5,8 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
-from .base import (Backend, Graph, capture_open, capturing, function_errors, in_own_grad, in_whole_step, is_capturing,
-                   is_own_error, own_error, own_grad, whole_step)
+from .base import (Backend, Graph, capture_open, capturing, function_errors, in_own_grad, in_rerun_replay, in_whole_step,
+                   is_capturing, is_own_error, own_error, own_grad, whole_step)
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -23,6 +23,7 @@ __all__ = [
     "is_capturing",
     "in_own_grad",
     "in_whole_step",
+    "in_rerun_replay",
     "own_grad",
     "whole_step",
     "resolve_backend",

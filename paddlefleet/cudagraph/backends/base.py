@@ -11,7 +11,8 @@ import threading
 from ..errors import CudaGraphError
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_own_grad", "in_whole_step", "own_grad",
-           "whole_step", "function_errors", "capture_open", "own_error", "is_own_error"]
+           "whole_step", "function_errors", "capture_open", "own_error", "is_own_error", "in_rerun_replay",
+           "rerun_replay"]
 
 #: Raised by Graph.replay() on a graph without a capture.
 NOT_CAPTURED = (
@@ -128,6 +129,22 @@ def own_grad():
         yield
     finally:
         _state.own_grads -= 1
+
+
+def in_rerun_replay():
+    """True while a replay that re-runs the captured Python (the simulated backend's) runs in this
+    thread. A GPU replay runs no Python: a graphed callable called there is not a call at all."""
+    return getattr(_state, "rerun_replays", 0) > 0
+
+
+@contextlib.contextmanager
+def rerun_replay():
+    """Marks a replay that re-runs the captured body in this thread (see in_rerun_replay)."""
+    _state.rerun_replays = getattr(_state, "rerun_replays", 0) + 1
+    try:
+        yield
+    finally:
+        _state.rerun_replays -= 1
 
 
 def in_whole_step():

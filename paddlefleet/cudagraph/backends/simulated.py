@@ -32,7 +32,7 @@ import paddle
 
 from .paddle_patches import Patches
 from ..errors import CaptureError
-from .base import NOT_CAPTURED, Backend, Graph, capturing
+from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
 from .host_guard import host_guard
 from .host_marks import is_marked_host, mark_host
 from .value_shapes import check_replay_shapes, refuse_value_shapes
@@ -146,7 +146,7 @@ class _SimulatedGraph(Graph):
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
         # the body re-runs in the capture context (is_capturing() True, hooks entered), and
         # reads of host tensors return what they returned at capture.
-        with capturing(self._hooks), _host_shapes():
+        with capturing(self._hooks), _host_shapes(), rerun_replay():
             if self._host_reads is None:
                 fresh = _flat_tensors(self._body())
             else:

@@ -14,7 +14,7 @@ import warnings
 
 from ..io import arguments
 from . import saved_hooks
-from ..backends import capture_open, in_whole_step, is_own_error, resolve_backend
+from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_error, resolve_backend
 from ..backends.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
@@ -144,6 +144,8 @@ class Lifecycle(Reports, Views):
             return self._body.run(args, kwargs)
         nested = self._nested()
         if nested is not None:
+            if in_rerun_replay():  # a GPU replay of the graph holding this call runs no Python: not counted
+                return self._body.run(args, kwargs)
             return self._eager(Call(args, kwargs), nested)
         start = host_cost.clock()
         served = self._body.shortcut(args, kwargs, self._keys)
