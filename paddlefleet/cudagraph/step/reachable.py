@@ -36,9 +36,7 @@ import types
 
 import paddle
 
-from ..backends.paddle_patches import Patches
-
-__all__ = ["Reachable", "reachable", "InPlaceWrites"]
+__all__ = ["Reachable", "reachable"]
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType, range, slice)
 _LIBRARY_PREFIXES = ("paddle", "numpy", "builtins", "collections", "typing", "functools", "abc", "enum",
@@ -131,65 +129,3 @@ def reachable(roots, limit=LIMIT):
             if hasattr(obj, name):
                 stack.append(getattr(obj, name))
     return found
-
-
-class InPlaceWrites:
-    """While active, copies each tensor an in-place op is handed before the op runs (NOTE [ What
-    a failed simulated capture may have written ]); ``restore()`` writes the copies back.
-
-    Entered outside the op trace (step/host_reads.OpTrace), whose wrappers then call these: the
-    copies are made inside a traced op and are not recorded as ops of the step."""
-
-    def __init__(self):
-        self._saved = {}
-        self._patches = Patches()
-
-    def _save(self, value):
-        if isinstance(value, paddle.Tensor):
-            if id(value) not in self._saved and value._is_initialized():
-                with paddle.no_grad():
-                    self._saved[id(value)] = (value, value.clone())
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                if isinstance(v, paddle.Tensor):
-                    self._save(v)
-
-    def _wrap(self, original):
-        def writing(*args, **kwargs):
-            for value in args:
-                self._save(value)
-            for value in kwargs.values():
-                self._save(value)
-            return original(*args, **kwargs)
-
-        return writing
-
-    def __enter__(self):
-        targets = [paddle._C_ops] + ([paddle._legacy_C_ops] if hasattr(paddle, "_legacy_C_ops") else [])
-        try:
-            for module in targets:
-                for name in [n for n in dir(module) if n.endswith("_") and not n.startswith("_")]:
-                    original = getattr(module, name)
-                    if callable(original):
-                        self._patches.set(module, name, self._wrap(original))
-            tensor = paddle.Tensor
-            names = [n for n in dir(tensor) if n.endswith("_") and not n.startswith("_")] + ["set_value", "__setitem__"]
-            for name in names:
-                original = getattr(tensor, name, None)
-                if callable(original):
-                    self._patches.set(tensor, name, self._wrap(original))
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self._patches.restore()  # an inherited method is deleted again, not pinned
-        return False
-
-    def restore(self):
-        with paddle.no_grad():
-            for t, saved in self._saved.values():
-                if t._is_initialized():
-                    t.copy_(saved, False)
-        self._saved = {}

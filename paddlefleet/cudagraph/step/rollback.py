@@ -29,7 +29,8 @@ import paddle
 from ..core import state
 from .grad_slots import grad_ptr
 from .optimizer_state import load_scheduler_state, optimizer_params, state_tensors
-from .reachable import InPlaceWrites, reachable
+from ..core.in_place_writes import InPlaceWrites
+from .reachable import reachable
 
 __all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "GradValues", "LayerWatch", "Rollback", "step_params"]
 
