@@ -449,6 +449,39 @@ class VerifyTest(SafetyCase):
         self.assertEqual((stats["verified_replays"], stats["verify_mismatches"]), (2, 1))
 
 
+
+@for_each_backend
+class OutsideWritesTest(SafetyCase):
+    """NOTE [ RNG across capture ] in block/capture.py: a tensor the function updates in place outside
+    its Layers' buffers is updated once per call, at the capture call too, as on a GPU."""
+
+    def test_in_place_updates_outside_the_layers_apply_once_per_call(self):
+        def make():
+            return {"total": paddle.zeros([2]), "seen": paddle.ones([2]), "rows": paddle.zeros([3, 2]),
+                    "last": paddle.zeros([2]), "window": paddle.zeros([4])}
+
+        def updates(held):
+            def accumulate(x):
+                with paddle.no_grad():
+                    held["total"].add_(x.sum(0))  # a dict attribute's tensor
+                    held["seen"].scale_(0.5)
+                    held["rows"][1] = x[0]  # __setitem__
+                    paddle.assign(x[2], output=held["last"])
+                    held["window"][1:3].add_(x[1])  # through a view made here
+                return x * 2.0
+
+            return accumulate
+
+        state, eager_state = make(), make()
+        accumulate, eager = updates(state), updates(eager_state)
+
+        f = self.graphed(accumulate, warmup_steps=1)
+        for i in range(4):
+            x = data(3, 2, seed=i)
+            self.assertBitwise(f(x), eager(x), f"call {i}")
+            self.assertBitwise(list(state.values()), list(eager_state.values()), f"call {i}")
+        self.assertEqual((f.stats()["captures"], f.stats()["replays"]), (1, 2))
+
 class RestoreRngTest(unittest.TestCase):
     def test_a_snapshot_restored_twice_keeps_its_tracker_states(self):
         """NOTE [ Restoring the tracker ] in core/state.py: Paddle 2.6's set_states_tracker adopts the

@@ -6,7 +6,14 @@ Warmup calls are ordinary eager calls: they consume random numbers exactly as ea
 The simulated backend *executes* the body while capturing, so it restores every RNG state
 after capture; the capture call then replays, consuming what the eager call would. A CUDA
 capture only records: Paddle's random kernels read the generator when captured and advance it
-on every later replay, so the generator is left as the capture moved it.
+on every later replay, so the generator is left as the capture moved it. The same holds for
+what the function writes in place: a capture that executes the body writes the Layers' buffers
+(put back by BufferSnapshot) and any other tensor it updates in place (a closure's, a global's,
+a dict attribute's); InPlaceWrites (core/in_place_writes.py) copies each tensor an in-place op is
+handed during the capture and writes the copies back after it, so the capture call's replay
+applies each update once, as on a GPU (a view shares its tensor's memory: writing the view's copy
+back restores the tensor too). Not covered: a kernel that writes an input under a name not ending
+in ``_`` (BatchNorm's statistics: buffers, restored by BufferSnapshot).
 
 NOTE [ Backward body ]
 The backward graph is captured from ``paddle.grad(outputs, leaves, grad_outputs)`` run under a
@@ -34,6 +41,7 @@ import paddle
 
 from ..backends import function_errors
 from ..core import state
+from ..core.in_place_writes import InPlaceWrites
 from ..core.layer_attrs import AttrWatch, layers_with_sublayers
 from ..core.rng import DrawGuard
 from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
@@ -72,6 +80,8 @@ class CaptureRequest:
         last_inputs: weak references to the previous call's tensors (NOTE [ Adopted inputs ]).
         warn_once: ``(topic, message)`` -> None, the wrapper's once-per-topic warning.
         label: the key's readable label, for messages.
+        writes: InPlaceWrites of a capture that executes the function (NOTE [ RNG across capture ]),
+            set by capture_block.
     """
 
     fn: Callable[..., Any]
@@ -83,6 +93,7 @@ class CaptureRequest:
     last_inputs: Optional[list]
     warn_once: Callable[[Any, str], None]
     label: str
+    writes: Optional[InPlaceWrites] = None
 
 
 def capture_block(request):
@@ -92,12 +103,18 @@ def capture_block(request):
         check_rebuild(value, f"argument {name}")
     strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
+    # NOTE [ RNG across capture ]: what the function writes in place while a capture executes it is written back.
+    if request.backend.capture_executes:
+        request = dataclasses.replace(request, writes=InPlaceWrites())
     with CAPTURE_LOCK:
         try:
             return _capture_with_retry(request, grad_mode)
         except BaseException:
             paddle.set_grad_enabled(grad_mode)  # the eager re-run computes in the call's grad mode
             raise
+        finally:
+            if request.writes is not None:
+                request.writes.restore()
 
 
 def _capture_with_retry(request, grad_mode):
@@ -127,6 +144,7 @@ class _BlockCapture:
     def __init__(self, request, by_grad):
         self.fn = request.fn
         self.owner = request.owner
+        self.writes = request.writes
         self.opts = request.options
         self.backend = request.backend
         self.call = request.call
@@ -176,7 +194,7 @@ class _BlockCapture:
 
         def forward_body():
             trace = OpTrace() if traced else contextlib.nullcontext()
-            with trace, paddle.set_grad_enabled(grad_enabled), function_errors():
+            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
             live["replayed" if "spec" in live else "trace"] = trace if traced else None
@@ -222,6 +240,11 @@ class _BlockCapture:
             # A failed capture leaves RNG as the eager re-run that replaces it expects.
             if backend.capture_executes or not captured:
                 state.restore_rng(rng)
+
+    def _capture_writes(self, live):
+        """What copies the capture run's in-place writes (NOTE [ RNG across capture ]); entered
+        outside the op trace, so the copies are no ops of it. A replay (``live`` has run) copies none."""
+        return self.writes if self.writes is not None and "spec" not in live else contextlib.nullcontext()
 
     def _watch_layers(self):
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
