@@ -60,6 +60,12 @@ def _changing_host_value(y, u, v):
     return paddle.matmul(y, paddle.full([8, 8], _KNOB[0]))  # its value is a kernel argument
 
 
+def _setitem_numpy(y, u, v):
+    t = paddle.zeros([8, 8])
+    t[1] = HOST[0]
+    return paddle.matmul(y, t)
+
+
 def _set_value_numpy(y, u, v):
     t = paddle.zeros([8, 8])
     t.set_value(HOST)
@@ -96,6 +102,7 @@ CASES = {
                         "all"),
     "random_kernel": (lambda y, u, v: y + 0 * paddle.rand([1]), "random kernel", ("simulate", "cuda"), "all"),
     "set_value_numpy": (_set_value_numpy, "Tensor.set_value() of a numpy array", ("simulate", "cuda"), "all"),
+    "setitem_numpy": (_setitem_numpy, "Tensor.__setitem__() of a numpy array", ("simulate", "cuda"), "all"),
     "closure_leaf_needing_grad": (lambda y, u, v: paddle.matmul(y, _closure_leaf()), "neither arguments nor "
                                   "parameters", ("simulate", "cuda"), "all"),  # the leaf's grads add up
     "changing_host_value": (_changing_host_value, "host value that changes", ("simulate", "cuda"), "all"),

@@ -7,8 +7,10 @@ GPU): explicit ``y.backward(dy)``, every output and grad bitwise against an eage
 step (the step cases with testkit's differential checker).
 """
 
+import unittest
 import warnings
 
+import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
@@ -197,3 +199,55 @@ class StepValueCases(MatmulOnlyCase):
         step, messages = self.run_step(self.build_step(Outer), 6, change)
         self.assertCounters(step, captures=2, replays=2, eager=0)
         self.assertTrue(any("attribute 'times' of Outer.inner" in m for m in messages), messages)
+
+
+class SetItemScalarTest(unittest.TestCase):
+    """``t[i] = v`` with a Python scalar runs in C++ without a ``_C_ops`` call: the value is a kernel
+    argument a GPU replay keeps from its capture. The simulated backend traces it as an op (block
+    replays and whole steps alike) and runs eagerly where it changes; a numpy value is a host copy,
+    refused (tests/block/test_capture_failures.py's setitem_numpy)."""
+
+    def test_a_scalar_written_with_setitem_that_changes_runs_eagerly_on_simulate(self):
+        knob = [1.0]
+
+        def fill_row(x):
+            t = x * 1.0
+            t[1] = knob[0]
+            return t
+
+        graphed = autocudagraph(fill_row, backend="simulate", warmup_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(5):
+                knob[0] = 1.0 if i < 3 else float(i)
+                x = paddle.ones([3, 2])
+                np.testing.assert_array_equal(graphed(x).numpy(), fill_row(x).numpy(), strict=True)
+        stats = graphed.stats()
+        # Call 3 replays, sees the new value and hands out eager's result instead; call 4 runs eagerly.
+        self.assertEqual((stats["captures"], stats["replays"]), (1, 2), graphed.explain())
+        messages = " ".join(str(c.message) for c in caught)
+        self.assertIn("Tensor.__setitem__", messages)
+        self.assertIn("On a GPU this replay would reuse the capture's value", messages)
+
+    def test_a_whole_step_whose_setitem_scalar_changes_is_refused_at_capture(self):
+        knob = [1.0]
+        w = paddle.create_parameter([2, 2], "float32")
+        opt = paddle.optimizer.SGD(0.1, parameters=[w])
+
+        def step(x):
+            t = paddle.matmul(x, w)
+            t[0] = knob[0]
+            loss = t.sum()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            return loss
+
+        graphed = autocudagraph_step(step, optimizers=[opt], backend="simulate", warmup_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(4):
+                knob[0] = float(i)
+                graphed(paddle.ones([2, 2]))
+        self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
+        self.assertIn("Tensor.__setitem__", graphed.explain())

@@ -253,6 +253,19 @@ class _Guard(RawTensorGuard):
 
         return set_value
 
+    def setitem(self, original):
+        guard = self
+
+        def __setitem__(self, item, value):
+            # A numpy array or a list is copied from host memory into the tensor (Paddle's
+            # SetTensorFromPyArray); a Python scalar is a kernel argument, frozen like any other.
+            if not guard.is_host(self) and (type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+                                            or isinstance(value, (list, tuple))):
+                raise copy_error(f"Tensor.__setitem__() of {what_value(value)}")
+            return guard.allowed(original, self, item, value)
+
+        return __setitem__
+
     def copy_(self, original):
         guard = self
 
@@ -322,6 +335,7 @@ def host_guard(is_host, host_reads=None):
         for name in ("cuda", "to", "_copy_to"):
             guard.patch(paddle.Tensor, name, guard.move(name))
         guard.patch(paddle.Tensor, "set_value", guard.set_value)
+        guard.patch(paddle.Tensor, "__setitem__", guard.setitem)
         if constructor_guarded():
             guard.patch(paddle.Tensor, "__init__", guard.constructor)
         guard.patch(paddle.Tensor, "copy_", guard.copy_)

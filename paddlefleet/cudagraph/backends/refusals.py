@@ -72,13 +72,14 @@ REFUSALS = (
     Refusal(
         "host-to-device copy",
         "copies host data to the device: `paddle.to_tensor(array)`, `paddle.Tensor(array)`, `paddle.assign(array)`, "
-        "`t.set_value(array)`, a CPU tensor's `.cuda()` / `.to('gpu')`, `t.get_tensor().set(array, place)`",
+        "`t.set_value(array)`, `t[i] = array` (or a list), a CPU tensor's `.cuda()` / `.to('gpu')`, "
+        "`t.get_tensor().set(array, place)`",
         _GUARD + "; a graph could never replay it with new values (`paddle.Tensor(array)`: on Paddle 3.x; Paddle "
         "2.6's constructor cannot be wrapped)", _SAME,
         "copies host data to the device", "Create the tensor outside the graphed function",
         tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
               for n in ("to_tensor_numpy", "to_tensor_host_tensor", "tensor_constructor_numpy", "assign_numpy",
-                        "set_value_numpy"))),
+                        "set_value_numpy", "setitem_numpy"))),
     Refusal(
         "device synchronize",
         "`paddle.device.synchronize()`, `paddle.device.cuda.synchronize()`",

@@ -9,7 +9,8 @@ a global - reaches the device as a kernel argument or as a choice of kernels, an
 repeats the capture-time choice. Two checks make that visible instead of silent:
 
 * ``OpTrace`` records every Paddle op the step calls (``paddle._C_ops``, ``_legacy_C_ops``,
-  the Tensor operators implemented in C++, ``paddle.to_tensor``) with its non-tensor arguments.
+  the Tensor operators implemented in C++, ``t[i] = v``, ``paddle.to_tensor``) with its non-tensor
+  arguments.
   The capture's trace must equal the last warmup step's: a differing argument or op sequence
   means the step reads a host value that changes, and the capture is refused naming the op,
   both values and the user's line. On the simulated backend every replay re-runs the step's
@@ -170,6 +171,8 @@ class OpTrace:
                 # A replacement that stands for a native operator (backends/simulated.py) is traced as it.
                 if original is not None and type(getattr(original, "__native__", original)).__name__ in _NATIVE:
                     self._patches.set(paddle.Tensor, name, self._wrap(f"Tensor.{name}", original))
+            # ``t[i] = v`` runs in C++ (no _C_ops call): its index and scalar value are kernel arguments.
+            self._patches.set(paddle.Tensor, "__setitem__", self._wrap("Tensor.__setitem__", paddle.Tensor.__setitem__))
             self._patches.set(paddle, "to_tensor", self._wrap("paddle.to_tensor", paddle.to_tensor))
         except BaseException:
             self._restore()
