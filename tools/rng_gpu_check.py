@@ -7,7 +7,7 @@ and exits 2 when the kernels do not run)::
     python tools/rng_gpu_check.py                 # cuda backend on the GPU
     python tools/rng_gpu_check.py --backend simulate   # CPU smoke test of the script
 
-Cases (NOTE [ Random draws seen from generator state ] in core/rng.py, NOTE [ Generator state
+Cases (NOTE [ Random draws seen from generator state ] in guards/rng.py, NOTE [ Generator state
 index after replay ] in backends/cuda.py):
 
 1. dropout on the default generator: masks equal eager call by call and differ per replay;
@@ -41,7 +41,7 @@ import paddle.nn.functional as F  # noqa: E402
 from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
-from paddlefleet.cudagraph.core import rng  # noqa: E402
+from paddlefleet.cudagraph.guards import rng  # noqa: E402
 from paddlefleet.cudagraph.options import ENV_BACKEND  # noqa: E402
 from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 
@@ -136,7 +136,7 @@ def case_uniform(start):
     graphed = autocudagraph(fn, backend=BACKEND, warmup_steps=1)
     want, got = run_twice(fn, graphed, start)
     # A kernel Paddle does not re-seed on replay is refused on every backend (NOTE [ Random draws
-    # seen from generator state ] in core/rng.py): the key runs eagerly, drawing eager's numbers.
+    # seen from generator state ] in guards/rng.py): the key runs eagerly, drawing eager's numbers.
     return compare("paddle.rand inside the function (refused)", got, want, graphed.stats(),
                    {"captures": 0, "replays": 0})
 

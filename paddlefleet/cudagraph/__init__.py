@@ -23,23 +23,24 @@ except ImportError as _err:
         "(README.md, section 'Install on a GPU'; check with 'python -m paddlefleet.cudagraph doctor')."
     ) from _err
 
-from .core import cross_entropy, layer_attrs, saved_hooks  # noqa: F401  (cross_entropy registers its device decisions)
+from .core import cross_entropy  # noqa: F401  (cross_entropy registers its device decisions)
+from .guards import layer_attrs, paddle_patches, saved_hooks
 from .grads import hook_registry
 from .chains import outputs as chain_outputs
 from .api import autocudagraph
-from .backends import is_capturing, paddle_patches
+from .backends import is_capturing
 from .step.grad_scaler import GraphGradScaler
 from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBackwardError, StaleOutputError
 from .options import GraphOptions
 from .step.graphed_step import autocudagraph_step
 
 # The patches that stay for the rest of the process, installed by the first wrapper, not by this import
-# (NOTE [ Paddle patches ] in backends/paddle_patches.py):
+# (NOTE [ Paddle patches ] in guards/paddle_patches.py):
 paddle_patches.on_first_wrapper(
     hook_registry.install,  # NOTE [ Grad consumers ] in grads/hook_registry.py
-    saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py: calls under them run eagerly
+    saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py: calls under them run eagerly
     chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in chains/outputs.py
-    layer_attrs.install,  # NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py
+    layer_attrs.install,  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
 )
 
 __all__ = [

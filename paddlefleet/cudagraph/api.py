@@ -6,7 +6,7 @@ import weakref
 
 import paddle
 
-from .backends.paddle_patches import install_process_patches
+from .guards.paddle_patches import install_process_patches
 from .block.graphed import GraphedCallable
 from .chains.entry import CHAINS
 from .options import GraphOptions, check_option_names
@@ -282,7 +282,7 @@ def autocudagraph(target=None, **options):
     """
     check_option_names("autocudagraph", options, [f.name for f in dataclasses.fields(GraphOptions)])
     opts = GraphOptions(**options)
-    install_process_patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py: a method's wrappers come later
+    install_process_patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py: a method's wrappers come later
     if target is None:
         return lambda t: _wrap(t, opts)
     return _wrap(target, opts)

@@ -1,4 +1,4 @@
-"""NOTE [ Host access during capture ] (backends/host_guard.py): the guard itself, on both backends."""
+"""NOTE [ Host access during capture ] (guards/host_guard.py): the guard itself, on both backends."""
 
 import threading
 import unittest
@@ -6,15 +6,15 @@ import unittest
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph.backends.host_guard import host_guard
-from paddlefleet.cudagraph.backends.host_marks import is_marked_host, mark_host
+from paddlefleet.cudagraph.guards.host_guard import host_guard
+from paddlefleet.cudagraph.guards.host_marks import is_marked_host, mark_host
 from paddlefleet.cudagraph.errors import CaptureError
 
 from tests.block.test_capture_failures import HOST
 
 
 class HostGuardTest(unittest.TestCase):
-    """NOTE [ Host access during capture ] in backends/host_guard.py, directly."""
+    """NOTE [ Host access during capture ] in guards/host_guard.py, directly."""
 
     def entry_points(self):
         tensor = {name: paddle.Tensor.__dict__.get(name) for name in dir(paddle.Tensor)}

@@ -1,10 +1,10 @@
-"""backends/paddle_patches.py: every patch is put back exactly, in order, whatever happens."""
+"""guards/paddle_patches.py: every patch is put back exactly, in order, whatever happens."""
 
 import unittest
 
 import paddle
 
-from paddlefleet.cudagraph.backends.paddle_patches import Patches, patched
+from paddlefleet.cudagraph.guards.paddle_patches import Patches, patched
 
 
 class _Base:

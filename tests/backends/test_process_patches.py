@@ -1,4 +1,4 @@
-"""NOTE [ Paddle patches ] (backends/paddle_patches.py): importing paddlefleet.cudagraph replaces
+"""NOTE [ Paddle patches ] (guards/paddle_patches.py): importing paddlefleet.cudagraph replaces
 nothing of Paddle; the first wrapper installs the process-wide patches, and only those."""
 
 import json
@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
                                               "Tensor._register_grad_hook", "Tensor._remove_grad_hook",
                                               "PyLayer.apply", "core.eager.run_partial_grad")}
     import paddlefleet.cudagraph as cg
-    from paddlefleet.cudagraph.backends import paddle_patches
+    from paddlefleet.cudagraph.guards import paddle_patches
     after_import = snapshot()
     report = {
         "import": changed(before, after_import),

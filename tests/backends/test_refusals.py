@@ -1,4 +1,4 @@
-"""NOTE [ One table of refusals ] in backends/refusals.py: the table, its guide page, and the rows
+"""NOTE [ One table of refusals ] in guards/refusals.py: the table, its guide page, and the rows
 whose cases live here, on both backends (the matmul-only ones also run on a GPU:
 tools/gpu_check.py). Every refused case checks eager's results bit for bit, the message's words
 and fix from the table, and that the warning names this file's line, never a frame of Paddle or
@@ -15,9 +15,9 @@ from unittest import mock
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph.backends import refusals
+from paddlefleet.cudagraph.guards import refusals
 from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
-from paddlefleet.cudagraph.core import location
+from paddlefleet.cudagraph.guards import location
 from testkit.common import MatMLP, build
 from testkit.differential import Trainee, differential_run, step_grapher
 from testkit.harness import RECORD, BackendCase, MatmulOnlyCase, clone_leaf, for_each_backend, normal

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError, is_capturing
-from paddlefleet.cudagraph.backends.host_guard import constructor_guarded
+from paddlefleet.cudagraph.guards.host_guard import constructor_guarded
 from testkit.common import cuda_skip_reason
 from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, normal
 

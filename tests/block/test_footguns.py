@@ -672,7 +672,7 @@ class RecordingCaptureTest(unittest.TestCase):
         warnings of the capture."""
         from unittest import mock
 
-        from paddlefleet.cudagraph.core import rng
+        from paddlefleet.cudagraph.guards import rng
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
         device = paddle_device("cpu")
@@ -695,7 +695,7 @@ class RecordingCaptureTest(unittest.TestCase):
         return [str(c.message) for c in caught]
 
     def test_random_kernels_other_than_dropout_run_eagerly_on_cuda(self):
-        # NOTE [ Random draws seen from generator state ] in core/rng.py; the simulated backend
+        # NOTE [ Random draws seen from generator state ] in guards/rng.py; the simulated backend
         # stands in for a recording capture with capture_executes=False.
         def noisy(x):
             return x + paddle.rand(x.shape)
@@ -708,7 +708,7 @@ class RecordingCaptureTest(unittest.TestCase):
 
     def test_every_random_function_runs_eagerly_on_cuda(self):
         # Decided from the generators' state, not from names (NOTE [ Random draws seen from
-        # generator state ] in core/rng.py): each function is refused at capture, never captured.
+        # generator state ] in guards/rng.py): each function is refused at capture, never captured.
         from tests.grads.test_training import random_draws
 
         for name, draw in random_draws():
@@ -764,7 +764,7 @@ class SimulatedReplayTest(unittest.TestCase):
         # (here masked_select, with the list of refused ops emptied) changes shape at a replay.
         from unittest import mock
 
-        from paddlefleet.cudagraph.backends import value_shapes
+        from paddlefleet.cudagraph.guards import value_shapes
 
         device = paddle_device("cpu")
         device.__enter__()

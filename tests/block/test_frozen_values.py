@@ -1,5 +1,5 @@
 """Python values a replay would freeze, seen: a plain attribute of a graphed Layer or of any
-sublayer changed after capture (NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py),
+sublayer changed after capture (NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py),
 a parameter of a whole step frozen or unfrozen, a plain attribute of a Layer a step calls.
 
 Matmul-only (MatmulOnlyCase: conftest marks them ``gpu_safe``, tools/gpu_check.py runs them on a

@@ -1,4 +1,4 @@
-"""Python scalars inside a capture (NOTE [ Python scalars during capture ] in backends/host_guard.py).
+"""Python scalars inside a capture (NOTE [ Python scalars during capture ] in guards/host_guard.py).
 
 ``paddle.to_tensor(<Python bool, int or float>)`` inside a capture becomes a device fill with eager's
 value, dtype, shape, place and stop_gradient, so ``paddle.where(mask, 0.0, finfo.min)`` and model code
@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph.backends.host_guard import host_guard
-from paddlefleet.cudagraph.backends.host_marks import is_marked_host
+from paddlefleet.cudagraph.guards.host_guard import host_guard
+from paddlefleet.cudagraph.guards.host_marks import is_marked_host
 from paddlefleet.cudagraph.errors import CaptureError
 from testkit.differential import Trainee, differential_run, step_grapher
 from testkit.harness import BackendCase, for_each_backend

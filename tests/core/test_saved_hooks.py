@@ -12,7 +12,7 @@ import paddle
 from paddle.distributed.fleet.utils import recompute
 
 from paddlefleet.cudagraph import is_capturing
-from paddlefleet.cudagraph.core import saved_hooks
+from paddlefleet.cudagraph.guards import saved_hooks
 
 from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, params_of, twin_layers
 

@@ -1,6 +1,6 @@
 """The package's shape, measured from its source (no import, no Paddle): size limits, folders,
-no test kit inside, no import cycles, backends that import nothing above them, every Paddle
-patch through backends/paddle_patches.py, and every module-level mutable object listed in
+no test kit inside, no import cycles, guards at the bottom and backends above them only, every Paddle
+patch through guards/paddle_patches.py, and every module-level mutable object listed in
 docs/design/architecture.md ("Module-level state")."""
 
 import ast
@@ -15,7 +15,7 @@ MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
 ARCHITECTURE = PACKAGE.parents[1] / "docs" / "design" / "architecture.md"
 TEST_KIT_IMPORTS = {"unittest", "pytest", "parameterized", "testkit"}
-PATCHES = f"{NAME}.backends.paddle_patches"
+PATCHES = f"{NAME}.guards.paddle_patches"
 
 
 def _modules():
@@ -195,16 +195,23 @@ class StructureTest(unittest.TestCase):
                 visit(node, [])
         self.assertEqual(cycles, [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles))
 
-    def test_backends_import_nothing_above_them(self):
-        allowed = (f"{NAME}.backends", f"{NAME}.errors")
+    def _above(self, room, allowed):
         above = []
         for name, (path, tree) in self.modules.items():
-            if not name.startswith(f"{NAME}.backends"):
+            if not name.startswith(f"{NAME}.{room}"):
                 continue
             for dep in _imports(name, path, tree, self.modules):
-                if not dep.startswith(allowed):
+                if not dep.startswith(tuple(f"{NAME}.{a}" for a in allowed)):
                     above.append(f"{name} imports {dep}")
-        self.assertEqual(above, [], "backends sit at the bottom: they may import only backends/ and errors")
+        return above
+
+    def test_backends_import_nothing_above_them(self):
+        self.assertEqual(self._above("backends", ("backends", "guards", "errors")), [],
+                         "backends sit above guards only: they may import backends/, guards/ and errors")
+
+    def test_guards_sit_at_the_bottom(self):
+        self.assertEqual(self._above("guards", ("guards", "errors")), [],
+                         "guards (what a capture intercepts) sit at the bottom: they may import only guards/ and errors")
 
     def test_chains_sit_between_block_and_step_and_the_api(self):
         """chains/ is built above block/ (which reaches it only through block/hooks.py's interface, filled
@@ -240,7 +247,7 @@ class StructureTest(unittest.TestCase):
                         root = root.value
                     if target is not root and isinstance(root, ast.Name) and root.id in ("paddle", "core"):
                         sites.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(target)} =")
-        self.assertEqual(sites, [], "replace Paddle attributes through backends/paddle_patches.py (Patches, patched)")
+        self.assertEqual(sites, [], "replace Paddle attributes through guards/paddle_patches.py (Patches, patched)")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_
 sys.path.insert(0, os.environ.get("PADDLEFLEET_ROOT", os.getcwd()))
 from job import run_cases  # noqa: E402  (this script's folder is on sys.path)
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
-from paddlefleet.cudagraph.core.rng import generator_state_indices  # noqa: E402
+from paddlefleet.cudagraph.guards.rng import generator_state_indices  # noqa: E402
 
 STEPS = 4
 RANK = 0
@@ -454,7 +454,7 @@ def case_tensor_parallel_layers():
     s = graphed.forward.stats()
     # A tracker block inside a graphed function is captured only where generators keep states by
     # index (3.x); on 2.6 it is refused on every backend (NOTE [ Random draws seen from generator
-    # state ] in core/rng.py) and every call is eager's.
+    # state ] in guards/rng.py) and every call is eager's.
     if generator_state_indices():
         phases_ok = (s["captures"], s["replays"], s["eager_calls"]) == (1, STEPS - 2, 0)
     else:

@@ -22,7 +22,8 @@ from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from paddle.distributed.fleet.utils import recompute
 from parameterized import parameterized
 
-from paddlefleet.cudagraph.core import rng, state
+from paddlefleet.cudagraph.core import state
+from paddlefleet.cudagraph.guards import rng
 from paddlefleet.cudagraph.errors import CaptureError
 
 from testkit.harness import (
@@ -152,7 +153,7 @@ class TrackerCase(BackendCase):
     def tracker_blocks_captured(self):
         """Whether a tracker rng_state block inside a graphed function is captured here: not with a
         Paddle without generator state indices, on any backend (NOTE [ Random draws seen from
-        generator state ] in core/rng.py), where the key runs eagerly instead."""
+        generator state ] in guards/rng.py), where the key runs eagerly instead."""
         return rng.generator_state_indices()
 
     def reseed(self, seed=11):
@@ -744,7 +745,7 @@ class RecomputeTest(TrackerCase):
         return log + [params_of(model), rng_draws()]
 
     def assertRefusedAsRewinding(self, wrapper):
-        """NOTE [ Recompute under CUDA graphs ] in core/rng.py: refused on every backend (the simulated
+        """NOTE [ Recompute under CUDA graphs ] in guards/rng.py: refused on every backend (the simulated
         one would re-run the recompute and get it right, but a GPU replay would not)."""
         stats = wrapper.stats()
         self.assertEqual((stats["captures"], stats["replays"]), (0, 0), wrapper.explain())

@@ -21,7 +21,7 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 PATH = re.compile(r"^(?:\.?[\w-]+/)*[\w.-]+\.(?:py|md|txt|json|png|pth|sh|cfg|toml)$")
 # Folders a repository path starts with (anything else, e.g. paddleformers/..., is another project's).
 REPO_DIRS = ("paddlefleet/", "tools/", "tests/", "testkit/", "docs/", ".ci/", "core/", "io/", "block/", "grads/",
-             "step/", "demo/", "backends/")
+             "step/", "demo/", "backends/", "guards/", "chains/")
 PATHS_UNCHECKED = ()
 ARCHITECTURE = "docs/design/architecture.md"
 MODULE = re.compile(r"^paddlefleet\.cudagraph(?:\.\w+)+$")

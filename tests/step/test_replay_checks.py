@@ -16,7 +16,7 @@ from paddlefleet.cudagraph import autocudagraph_step
 from paddlefleet.cudagraph.core.body import Action
 from paddlefleet.cudagraph.core.call import Call
 from paddlefleet.cudagraph.step.grad_slots import CLOSED, grad_ptr
-from paddlefleet.cudagraph.step.host_reads import BindingWatch, OpTrace
+from paddlefleet.cudagraph.guards.host_reads import BindingWatch, OpTrace
 
 SCALE = 1.0  # a global the step reads (rebound by the tests)
 

@@ -161,7 +161,7 @@ class StepFailureAfterBackward(MatmulOnlyCase):
 
 
 class GradAssignment(MatmulOnlyCase):
-    """NOTE [ Assigning a grad during capture ] in backends/host_guard.py."""
+    """NOTE [ Assigning a grad during capture ] in guards/host_guard.py."""
 
     def test_assigning_a_grad_inside_a_whole_step_is_refused_and_stays_eager_exact(self):
         """p.grad = t inside the step is refused at capture on both backends (a GPU fails it with

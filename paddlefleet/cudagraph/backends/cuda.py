@@ -37,8 +37,8 @@ import paddle
 from ..errors import CaptureError, CudaGraphError
 from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capturing
-from .host_guard import gpu_is_host, host_guard
-from .value_shapes import refuse_value_shapes
+from ..guards.host_guard import gpu_is_host, host_guard
+from ..guards.value_shapes import refuse_value_shapes
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
 

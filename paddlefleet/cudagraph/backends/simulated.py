@@ -30,12 +30,12 @@ import contextlib
 
 import paddle
 
-from .paddle_patches import Patches
+from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
-from .host_guard import host_guard
-from .host_marks import is_marked_host, mark_host
-from .value_shapes import check_replay_shapes, refuse_value_shapes
+from ..guards.host_guard import host_guard
+from ..guards.host_marks import is_marked_host, mark_host
+from ..guards.value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -77,7 +77,7 @@ def refuse_host_sync(host_reads=None):
 
 #: Tensor methods whose result is a host tensor where every tensor operand is one (NOTE [ Shapes
 #: are host tensors ]). A replaced native operator keeps the native one as ``__native__``, so that a
-#: whole step's op trace (step/host_reads.py) still records it.
+#: whole step's op trace (guards/host_reads.py) still records it.
 _HOST_PRESERVING = ("__getitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                     "__floordiv__", "__truediv__", "__mod__", "__neg__")
 
@@ -102,7 +102,7 @@ def _all_marked(args, kwargs):
 def _host_shapes():
     """NOTE [ Shapes are host tensors ]: ``paddle.shape`` results, and what indexing or Python
     arithmetic makes of them, are marked as host tensors until the block exits."""
-    with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+    with Patches() as patches:  # NOTE [ Paddle patches ] in guards/paddle_patches.py
         shape = paddle.shape
         for module in (paddle, paddle.tensor, getattr(paddle.tensor, "attribute", None)):
             if module is not None and getattr(module, "shape", None) is shape:

@@ -9,7 +9,7 @@ capture only records: Paddle's random kernels read the generator when captured a
 on every later replay, so the generator is left as the capture moved it. The same holds for
 what the function writes in place: a capture that executes the body writes the Layers' buffers
 (put back by BufferSnapshot) and any other tensor it updates in place (a closure's, a global's,
-a dict attribute's); InPlaceWrites (core/in_place_writes.py) copies each tensor an in-place op is
+a dict attribute's); InPlaceWrites (guards/in_place_writes.py) copies each tensor an in-place op is
 handed during the capture and writes the copies back after it, so the capture call's replay
 applies each update once, as on a GPU (a view shares its tensor's memory: writing the view's copy
 back restores the tensor too). Not covered: a kernel that writes an input under a name not ending
@@ -41,9 +41,9 @@ import paddle
 
 from ..backends import function_errors
 from ..core import state
-from ..core.in_place_writes import InPlaceWrites
-from ..core.layer_attrs import AttrWatch, layers_with_sublayers
-from ..core.rng import DrawGuard
+from ..guards.in_place_writes import InPlaceWrites
+from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
+from ..guards.rng import DrawGuard
 from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
@@ -54,7 +54,7 @@ from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_no
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
-from ..step.host_reads import OpTrace
+from ..guards.host_reads import OpTrace
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -123,7 +123,7 @@ def _capture_with_retry(request, grad_mode):
         return _BlockCapture(request, by_grad=True).run()
     except _GradBodyFailed as failed:
         # Paddle leaves grad mode off when a saved-tensors unpack hook raised inside paddle.grad
-        # (NOTE [ Saved-tensors hooks ] in core/saved_hooks.py): the retry must see the call's mode.
+        # (NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py): the retry must see the call's mode.
         paddle.set_grad_enabled(grad_mode)
         # NOTE [ Backward body ]: paddle.grad refused; capture again with backward().
         logger.debug("autocudagraph(%s): paddle.grad backward body failed: %r", fn, failed.error)
@@ -209,7 +209,7 @@ class _BlockCapture:
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            # NOTE [ Random draws seen from generator state ] in core/rng.py.
+            # NOTE [ Random draws seen from generator state ] in guards/rng.py.
             rng_guard = DrawGuard()
             with LayerRecorder(snapshot, watch) as recorder, rng_guard, refuse_create_graph():
                 outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
@@ -292,7 +292,7 @@ class _BlockCapture:
     def _capture_backward(self, graphs, body):
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool)
-        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
+        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
         guard = DrawGuard(backward=True)
         try:
             with guard:

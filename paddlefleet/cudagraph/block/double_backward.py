@@ -18,7 +18,7 @@ import contextlib
 from paddle.base import core
 
 from ..backends import in_own_grad
-from ..backends.paddle_patches import Patches
+from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
 
 __all__ = ["refuse_create_graph"]
@@ -49,6 +49,6 @@ def refuse_create_graph():
             raise _error()
         return grads
 
-    with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+    with Patches() as patches:  # NOTE [ Paddle patches ] in guards/paddle_patches.py
         patches.set(core.eager, "run_partial_grad", run_partial_grad)
         yield

@@ -39,7 +39,7 @@ from paddle.autograd import PyLayer
 from paddle.base import core
 
 from ..backends import in_own_grad
-from ..backends.paddle_patches import install_for_process
+from ..guards.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 
 __all__ = ["BridgeArgs", "inside_paddle_grad", "install", "note_pending", "one_slot"]
@@ -135,7 +135,7 @@ def _waiting():
 
 def install(check=None):
     """Wraps ``core.eager.run_partial_grad`` once per process (NOTE [ Paddle patches ] in
-    backends/paddle_patches.py); ``check(inputs)`` runs first (not for the package's own) and may raise."""
+    guards/paddle_patches.py); ``check(inputs)`` runs first (not for the package's own) and may raise."""
     partial_grad = core.eager.run_partial_grad
 
     def run_partial_grad(outputs, inputs, *args, **kwargs):

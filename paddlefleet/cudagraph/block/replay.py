@@ -26,8 +26,8 @@ from .bridge import GraphedFunction, bridge_args, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import route_hooks
 from ..core.body import Action, Blocked
-from ..core.layer_attrs import attr_message
-from ..core.location import user_call_site
+from ..guards.layer_attrs import attr_message
+from ..guards.location import user_call_site
 from ..io.nested import unflatten
 
 __all__ = ["replay_blocker", "run_graphs"]
@@ -55,7 +55,7 @@ def replay_blocker(graphs, call, check_inputs):
     if moved is not None:
         return Blocked(Action.RECAPTURE, moved)
     changed = graphs.attrs.changed() if graphs.attrs is not None else None
-    if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py
+    if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
         return Blocked(Action.RECAPTURE, *attr_message(changed))
     if graphs.accumulators is not None:
         shared = graphs.accumulators.shared_now()

@@ -3,7 +3,7 @@
 NOTE [ A replay that changes shape ]
 The simulated backend re-runs the function on every replay. When those results differ in shape
 from the capture's (an op whose output shape depends on tensor values that the capture did not
-refuse, NOTE [ Shapes from tensor values ] in backends/value_shapes.py), the replay raises
+refuse, NOTE [ Shapes from tensor values ] in guards/value_shapes.py), the replay raises
 ReplayShapeError before copying anything into the static buffers. The call must then return
 what eager returns and leave the state eager leaves, but the failed replay already ran the
 function once: it drew random numbers and updated Layer buffers (BatchNorm statistics). So a
@@ -17,7 +17,7 @@ A CUDA graph replays its capture's kernels with the Python values they were laun
 simulated backend re-runs the function, so a value that changed since capture (a global, a
 closure, a dict changed in place) reaches its ops and the replay looks right on a CPU where a
 GPU would be silently wrong. So on a backend whose capture executes, the forward runs under
-``OpTrace`` (step/host_reads.py) at capture and at every replay: the op names and their scalar
+``OpTrace`` (guards/host_reads.py) at capture and at every replay: the op names and their scalar
 arguments. A replay whose trace differs from the capture's is one a GPU would have got wrong:
 its result (eager's) stands, the key runs eagerly from the next call on, and the warning names
 the op, both values and the user's line. ``verify_replays`` does not count such a replay as
@@ -30,7 +30,7 @@ import paddle
 
 from ..core import state
 from ..core.body import Action, Blocked
-from ..step.host_reads import describe_trace_difference
+from ..guards.host_reads import describe_trace_difference
 from ..errors import ReplayShapeError
 
 __all__ = ["state_restored_on_refusal", "simulated_trace_check"]

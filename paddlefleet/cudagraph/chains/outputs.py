@@ -15,7 +15,7 @@ Paddle) and retains the grad where asked; ``remove()`` of such a hook works as u
 
 import paddle
 
-from ..backends.paddle_patches import install_for_process
+from ..guards.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 from ..grads import hook_registry
 from ..grads.handles import copy
@@ -87,7 +87,7 @@ def _drop_hook(t, hook_id):
 def install():
     """Lets chains take hooks and retain_grads(), and wraps paddle.grad (NOTE [ paddle.grad through a
     graphed call ] in block/partial_grad.py), once per process (NOTE [ Paddle patches ] in
-    backends/paddle_patches.py)."""
+    guards/paddle_patches.py)."""
     hook_registry.set_taker(_take_hook, _drop_hook)
     retain = paddle.Tensor.retain_grads
 

@@ -17,7 +17,7 @@ whether a batch holds an ignored label changes from batch to batch. (Paddle 3.x 
 ``ignore_index >= 0``, a Python int: nothing to do there.)
 
 While our capture is open, a whole step runs (its warmup, capture and replays must trace the same
-ops: NOTE [ Host values of a step ] in step/host_reads.py) or a simulated replay re-runs Python,
+ops: NOTE [ Host values of a step ] in guards/host_reads.py) or a simulated replay re-runs Python,
 ``cross_entropy`` is replaced by one that decides on the device and gives eager's bits for both
 outcomes. Paddle's own function still computes the per-sample loss (``reduction="none"``); only
 the mean is taken here, with eager's kernels on eager's inputs:
@@ -58,7 +58,7 @@ import paddle
 from paddle import _C_ops
 
 from ..backends.base import own_grad, register_device_decisions
-from ..backends.paddle_patches import Patches
+from ..guards.paddle_patches import Patches
 
 __all__ = ["device_decisions", "needed"]
 

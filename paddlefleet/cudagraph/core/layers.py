@@ -5,7 +5,7 @@ import threading
 
 import paddle
 
-from ..backends.paddle_patches import Patches
+from ..guards.paddle_patches import Patches
 
 __all__ = [
     "CAPTURE_LOCK",
@@ -29,7 +29,7 @@ class LayerRecorder:
         self._seen = set()
         self._snapshot = snapshot
         self._watch = watch
-        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
 
     def __enter__(self):
         original = paddle.nn.Layer.__call__

@@ -13,9 +13,9 @@ import traceback
 import warnings
 
 from ..io import arguments
-from . import saved_hooks
+from ..guards import saved_hooks
 from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_error, resolve_backend
-from ..backends.paddle_patches import install_process_patches
+from ..guards.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
 from . import host_cost
@@ -23,7 +23,7 @@ from .call import Call
 from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
-from .location import user_location, user_stacklevel
+from ..guards.location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
 from .stats import Counters, Reports
 from .views import Views
@@ -80,7 +80,7 @@ def _nested_reason(warn_once):
         return WHOLE_STEP
     if capture_open():
         return "called inside another capture"
-    if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in core/saved_hooks.py
+    if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py
         warn_once("saved_hooks", saved_hooks.warning())
         return saved_hooks.REASON
     return None
@@ -98,7 +98,7 @@ class Lifecycle(Reports, Views):
     __signature__ = BoundSignature()  # what inspect.signature() shows: see BoundSignature
 
     def __init__(self, body, fn):
-        install_process_patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py: the first wrapper
+        install_process_patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py: the first wrapper
         self._body = body
         self._entries = collections.OrderedDict()
         self._warned = set()

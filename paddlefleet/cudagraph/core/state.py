@@ -8,6 +8,8 @@ import contextlib
 
 import paddle
 
+from ..guards.rng import _tracker
+
 
 __all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch"]
 
@@ -34,15 +36,6 @@ def _enum_int(value):
         return value
 
 
-def _tracker():
-    try:
-        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
-    except ImportError:  # pragma: no cover - Paddle without fleet
-        return None
-    try:
-        return get_rng_state_tracker()
-    except Exception:  # pragma: no cover - tracker not initialised in this process
-        return None
 
 
 def rng_snapshot():

@@ -19,7 +19,7 @@ import warnings
 
 import paddle
 
-from .location import user_stacklevel
+from ..guards.location import user_stacklevel
 
 __all__ = ["Counters", "Reports", "describe_entries", "describe_call", "distinct_labels", "explain", "slot_stats", "summarize"]
 

@@ -12,7 +12,7 @@ static buffer survives). Two consumers may keep it:
   empty" (NOTE [ Paddle .grad handles ] in grads/handles.py); GradPlan handles that case;
 * a gradient hook that stores the tensor it gets (e.g. for logging). Paddle does not list a
   tensor's hooks, so this module records them: from the first wrapper on (NOTE [ Paddle patches ]
-  in backends/paddle_patches.py) it wraps ``Tensor._register_grad_hook`` (which
+  in guards/paddle_patches.py) it wraps ``Tensor._register_grad_hook`` (which
   ``Tensor.register_hook`` calls) and ``Tensor._remove_grad_hook``. A parameter with a hook that
   may keep its grad gets a copy.
 
@@ -33,7 +33,7 @@ import weakref
 
 import paddle
 
-from ..backends.paddle_patches import install_for_process
+from ..guards.paddle_patches import install_for_process
 from .handles import routed
 
 __all__ = ["install", "may_keep", "generation", "describe", "set_taker"]

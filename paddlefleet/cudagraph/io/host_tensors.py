@@ -19,7 +19,7 @@ a GPU. The simulated backend runs everything on the CPU, so there a test marks h
 import numpy as np
 import paddle
 
-from ..backends.host_marks import any_marked, is_marked_host, mark_host
+from ..guards.host_marks import any_marked, is_marked_host, mark_host
 from ..errors import CudaGraphError
 from .nested import MAX_HOST_KEY_ELEMENTS
 from .static_inputs import numel

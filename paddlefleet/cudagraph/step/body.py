@@ -7,7 +7,7 @@ The step function runs inside a *step scope* in every phase: the optimizers' lea
 fill is suppressed and the rate fed from the host before the run (NOTE [ Learning rate under a
 step graph ] in step/optimizer_state.py), and grad clears follow the wrapper's grad-slot mode (NOTE
 [ Grad slots across steps ] in step/grad_slots.py). Warmup steps are eager steps that also record
-what the step does on the host (NOTE [ Host values of a step ] in step/host_reads.py) and whether
+what the step does on the host (NOTE [ Host values of a step ] in guards/host_reads.py) and whether
 it created state (NOTE [ Persistent state of a step ] in step/rollback.py). The capture runs the
 step on static copies of the batch's tensors (or on the tensors themselves where it adopts them:
 NOTE [ Adopted inputs of a step ] in
@@ -26,7 +26,7 @@ from ..backends import whole_step
 from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
-from .host_reads import BindingWatch, OpTrace, describe_trace_difference
+from ..guards.host_reads import BindingWatch, OpTrace, describe_trace_difference
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)

@@ -29,15 +29,15 @@ import contextlib
 import paddle
 
 from ..core import state
-from ..core.rng import DrawGuard
-from ..backends.paddle_patches import Patches
+from ..guards.rng import DrawGuard
+from ..guards.paddle_patches import Patches
 from ..backends import function_errors
 from ..errors import CaptureError
 from .grad_scaler import live_scalers
 from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
-from .host_reads import OpTrace, describe_trace_difference
+from ..guards.host_reads import OpTrace, describe_trace_difference
 from ..core.layers import LayerRecorder
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
@@ -63,7 +63,7 @@ def _refuse_paddle_scaler():
     optimizer: call optimizer.step() there, or use GraphGradScaler).
     """
     classes = [c for c in (getattr(paddle.amp, "GradScaler", None), getattr(paddle.amp, "AmpScaler", None)) if c]
-    with Patches() as patches:  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+    with Patches() as patches:  # NOTE [ Paddle patches ] in guards/paddle_patches.py
         for cls in classes:
             for name in ("step", "minimize", "update"):
                 if cls.__dict__.get(name) is not None:
@@ -186,7 +186,7 @@ class StepCapture:
 
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
-        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in core/rng.py.
+        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
         guard = DrawGuard(backward=True)
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)

@@ -37,8 +37,8 @@ import contextlib
 import paddle
 
 from ..backends.base import is_capturing
-from ..backends.paddle_patches import patched
-from ..core.location import user_call_site
+from ..guards.paddle_patches import patched
+from ..guards.location import user_call_site
 from ..errors import CaptureError
 from .optimizer_state import optimizer_params
 
@@ -136,7 +136,7 @@ class GradSlots:
                     grad.zero_()
             return None
 
-        # NOTE [ Paddle patches ] in backends/paddle_patches.py
+        # NOTE [ Paddle patches ] in guards/paddle_patches.py
         with patched((paddle.Tensor, "backward", backward), (paddle.autograd, "backward", backward_fn),
                      (paddle.Tensor, "clear_gradient", clear)):
             yield record

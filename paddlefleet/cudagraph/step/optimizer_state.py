@@ -42,8 +42,8 @@ import warnings
 import numpy as np
 import paddle
 
-from ..backends.host_marks import is_marked_host, mark_host
-from ..backends.paddle_patches import Patches
+from ..guards.host_marks import is_marked_host, mark_host
+from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
 
 __all__ = [

@@ -9,7 +9,7 @@ a step ] in step/capture.py), did the grads change between calls (closed mode: a
 outside the step), was the grad storage the graph adds into released (persistent mode), was a
 parameter the step reaches (its Layers' and its optimizers') frozen or unfrozen (``stop_gradient``:
 the graph would keep computing and applying the capture's grads), or did a plain attribute of a
-Layer the step called change (NOTE [ Layer attributes a replay freezes ] in core/layer_attrs.py)? These
+Layer the step called change (NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py)? These
 answers cost host time on every call, and a replayed step should cost little more than the graph
 launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
 the tensors and the addresses they must still have, and a bindings check
@@ -27,9 +27,9 @@ import operator
 import paddle
 
 from ..core.body import Action, Blocked
-from ..core.layer_attrs import AttrWatch, attr_message, layers_with_sublayers
+from ..guards.layer_attrs import AttrWatch, attr_message, layers_with_sublayers
 from .grad_slots import CLOSED, grad_ptr
-from .host_reads import BindingWatch, short_repr
+from ..guards.host_reads import BindingWatch, short_repr
 
 __all__ = ["ReplayChecks", "binding_message"]
 

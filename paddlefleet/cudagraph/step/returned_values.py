@@ -23,7 +23,7 @@ a kept value differs from the capture's (a GPU would have returned the capture's
 
 import paddle
 
-from ..backends.paddle_patches import Patches
+from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
 from ..io.nested import const_names, flatten
 

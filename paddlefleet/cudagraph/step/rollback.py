@@ -29,7 +29,7 @@ import paddle
 from ..core import state
 from .grad_slots import grad_ptr
 from .optimizer_state import load_scheduler_state, optimizer_params, state_tensors
-from ..core.in_place_writes import InPlaceWrites
+from ..guards.in_place_writes import InPlaceWrites
 from .reachable import reachable
 
 __all__ = ["EXTRA_WARMUPS", "fingerprint", "describe_changes", "GradValues", "LayerWatch", "Rollback", "step_params"]

@@ -224,7 +224,7 @@ def render():
     lines = [
         "# What a capture refuses",
         "",
-        "<!-- generated from paddlefleet/cudagraph/backends/refusals.py by render(); "
+        "<!-- generated from paddlefleet/cudagraph/guards/refusals.py by render(); "
         "tests/backends/test_refusals.py checks it is current -->",
         "",
         "A refused capture is ended cleanly, the call returns eager's result, the key runs eagerly from then on "

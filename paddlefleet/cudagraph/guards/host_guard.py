@@ -31,7 +31,7 @@ fill writes that value, so the result has eager's bits, dtype, shape ([]), place
 stop_gradient. The value is a kernel argument: a replay writes the capture-time value, as for
 every Python scalar a graphed function uses (``x * 0.5``). Python lists, numpy arrays and numpy
 scalars stay refused: they are data. The fill happens in ``_to_tensor_non_static``, below the
-public ``paddle.to_tensor``, so the whole-step op trace (step/host_reads.py) records the user's
+public ``paddle.to_tensor``, so the whole-step op trace (guards/host_reads.py) records the user's
 call with the user's arguments at warmup and at capture alike; where this Paddle lacks that
 function, scalars stay refused.
 
@@ -110,7 +110,7 @@ class _Guard(RawTensorGuard):
                 return current(*args, **kwargs)
             return checked(*args, **kwargs)
 
-        self.patches.set(owner, name, entry)  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+        self.patches.set(owner, name, entry)  # NOTE [ Paddle patches ] in guards/paddle_patches.py
 
     def allowed(self, original, *args, **kwargs):
         """Runs an allowed call; the patched calls it makes (to_tensor's own _copy_to) pass."""
@@ -347,7 +347,7 @@ def host_guard(is_host, host_reads=None):
         if creation is not None and hasattr(creation, "_to_tensor_non_static"):
             guard.patch(creation, "_to_tensor_non_static", guard.scalar_fill)
             guard.fills_scalars = True
-        patch_raw_tensors(guard)  # raw tensors, device and stream waits (backends/raw_tensors.py)
+        patch_raw_tensors(guard)  # raw tensors, device and stream waits (guards/raw_tensors.py)
         guard.patch_grad_setter()
         yield
     finally:

@@ -25,7 +25,7 @@ reason in ``explain()``), in the forward and in recompute's re-run alike, which 
 Paddle keeps one pair of hooks per process and has no getter (``core.eager`` offers only
 ``register_saved_tensors_hooks`` and ``reset_saved_tensors_hooks``; ``saved_tensors_hooks`` calls
 the first on enter and the second on exit, also when nested). ``install()`` wraps those two functions
-when the first wrapper is made (NOTE [ Paddle patches ] in backends/paddle_patches.py) and mirrors that
+when the first wrapper is made (NOTE [ Paddle patches ] in guards/paddle_patches.py) and mirrors that
 state from then on. Hooks registered before that are not seen: make the first wrapper outside any
 ``saved_tensors_hooks`` block (wrappers are made when the model is set up, before training runs a
 recompute, which is where these hooks are registered).
@@ -35,7 +35,7 @@ import threading
 
 from paddle.base import core
 
-from ..backends.paddle_patches import install_for_process
+from .paddle_patches import install_for_process
 
 __all__ = ["active", "REASON", "warning"]
 
@@ -73,7 +73,7 @@ def _wrap(name, registered):
 
     tracked._paddlefleet_saved_hooks = True
     tracked.__wrapped__ = original
-    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+    install_for_process(core.eager, name, tracked)  # NOTE [ Paddle patches ] in guards/paddle_patches.py
 
 
 def install():

@@ -44,7 +44,7 @@ re-runs the recompute at every replay and would get it right, refuses it as a GP
 import paddle
 
 from .location import user_call_site
-from ..backends.paddle_patches import Patches
+from .paddle_patches import Patches
 
 __all__ = ["DrawGuard", "generator_state_indices", "RESEEDED_OPS"]
 
@@ -136,7 +136,7 @@ class DrawGuard:
         self.state_indices = generator_state_indices() if state_indices is None else state_indices
         self.problem = None  # (kind, what, where)
         self.rewound = False
-        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
         self._gens = None
         self._last = None
         self._start_seeds = None
@@ -284,6 +284,12 @@ class DrawGuard:
 
 
 def _tracker():
-    from .state import _tracker as tracker
-
-    return tracker()
+    """Fleet's RNG state tracker, or None (Paddle without Fleet, or no tracker in this process)."""
+    try:
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+    except ImportError:  # pragma: no cover - Paddle without fleet
+        return None
+    try:
+        return get_rng_state_tracker()
+    except Exception:  # pragma: no cover - tracker not initialised in this process
+        return None

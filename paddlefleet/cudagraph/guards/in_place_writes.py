@@ -4,7 +4,7 @@ step/reachable.py)."""
 
 import paddle
 
-from ..backends.paddle_patches import Patches
+from .paddle_patches import Patches
 
 __all__ = ["InPlaceWrites"]
 

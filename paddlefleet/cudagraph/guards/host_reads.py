@@ -23,7 +23,7 @@ repeats the capture-time choice. Two checks make that visible instead of silent:
 
 Only the thread that runs the step is traced: another thread's ops (a DataLoader's prefetch thread
 collating the next batch with ``paddle.to_tensor``) are not part of the step, and a capture is
-thread-local (NOTE [ Host access during capture ] in backends/host_guard.py).
+thread-local (NOTE [ Host access during capture ] in guards/host_guard.py).
 
 Limits: ops reached without Python (custom C++ operators, the DataParallel reducer) are not
 traced; a value that changes only every N steps is caught at capture only if it changed
@@ -42,9 +42,9 @@ import types
 import numpy as np
 import paddle
 
-from ..backends.host_marks import is_marked_host
-from ..core.location import _is_library
-from ..backends.paddle_patches import Patches
+from .host_marks import is_marked_host
+from .location import _is_library
+from .paddle_patches import Patches
 
 __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
@@ -129,7 +129,7 @@ class OpTrace:
         self.host_ops = []
         self._on_gpu = on_gpu
         self._where = where
-        self._patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
         self._depth = 0
         self._thread = threading.get_ident()  # the step's thread: other threads' ops are theirs
 

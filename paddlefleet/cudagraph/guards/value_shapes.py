@@ -130,7 +130,7 @@ def refuse_value_shapes(is_host):
     """Makes the calls of NOTE [ Shapes from tensor values ] raise CaptureError until the block
     exits; ``is_host(t)`` tells a host tensor, whose calls are allowed."""
     ops = paddle._C_ops
-    patches = Patches()  # NOTE [ Paddle patches ] in backends/paddle_patches.py
+    patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
     try:
         for name in VALUE_SHAPED_OPS:
             if hasattr(ops, name):

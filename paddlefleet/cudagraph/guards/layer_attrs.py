@@ -25,7 +25,7 @@ or a write to ``__dict__``); a graph replays the capture's value of those.
 import numpy as np
 import paddle
 
-from ..backends.paddle_patches import install_for_process
+from .paddle_patches import install_for_process
 
 __all__ = ["install", "AttrWatch", "layers_with_sublayers"]
 
