@@ -19,8 +19,9 @@ from .backends import ENV_BACKEND, cuda_available, pool_sharing_supported, resol
 __all__ = ["run_doctor"]
 
 INSTALL_HINT = (
-    "README.md, section 'Install on a GPU': PyPI's paddlepaddle-gpu 2.6.2 has kernels up to sm_86 (Ampere); "
-    "Hopper (sm_90) and newer need a Paddle 3.x GPU build from Paddle's package index."
+    "README.md, section 'Install on a GPU': install a Paddle 3.x GPU build from Paddle's package index for your "
+    "CUDA version (any GPU it has a build for; Hopper sm_90 and newer need one); PyPI's paddlepaddle-gpu 2.6.2, "
+    "with kernels up to sm_86 (Ampere) only, is the fallback."
 )
 
 

@@ -215,6 +215,29 @@ class ReportNumbersTest(unittest.TestCase):
         self.assertNotIn("75 of 75", report("gpu_check.md").text)
 
 
+class InstallSectionTest(unittest.TestCase):
+    """README's install advice: Paddle 3.x wherever a build exists, 2.6.2 the fallback, the differences linked."""
+
+    def test_paddle_3_is_recommended_and_2_6_2_is_the_fallback_with_the_differences_linked(self):
+        text = read("README.md")
+        install = text.split("\n## Install on a GPU\n", 1)[1].split("\n## ", 1)[0]
+        self.assertIn("**Use Paddle 3.x on any GPU it has a build for**", install)
+        rows = [line for line in install.splitlines() if line.startswith("| recommended") or line.startswith("| fallback")]
+        self.assertEqual(len(rows), 2, install)
+        self.assertIn("Paddle 3.x GPU build", rows[0])
+        self.assertIn("paddlepaddle-gpu==2.6.2", rows[1])
+        self.assertLess(install.index("Paddle 3.x GPU build"), install.index("paddlepaddle-gpu==2.6.2"))
+        self.assertIn("[docs/guides/compat.md](docs/guides/compat.md) lists every\ndifference", install)
+        for difference in ("PaddleFormers 1.2 does not import", "cannot share one memory pool", "tracker"):
+            self.assertIn(difference, install.replace("\n", " "))
+
+    def test_the_doctor_gives_the_same_advice(self):
+        from paddlefleet.cudagraph.doctor import INSTALL_HINT
+
+        self.assertLess(INSTALL_HINT.index("Paddle 3.x GPU build"), INSTALL_HINT.index("2.6.2"))
+        self.assertIn("is the fallback", INSTALL_HINT)
+
+
 # ---------------------------------------------------------------------------- paths
 PATH = re.compile(r"(?<![\w./-])((?:\.ci|docs|tools|tests|testkit|paddlefleet|core|io|block|chains|grads|step|backends|"
                   r"guards|integrations|demo)/[\w./-]*\w|requirements[\w-]*\.txt|setup\.py|README\.md)")
