@@ -39,6 +39,28 @@ class HostGuardTest(unittest.TestCase):
             host.get_tensor().set(HOST[0, :2], paddle.CPUPlace())
         self.assertEqual(np.array(device_tensor.get_tensor()).tolist(), [1.0, 1.0], "readable again after the guard")
 
+    def test_printing_a_device_tensor_is_refused_naming_print_not_numpy(self):
+        """print(t), str(t), repr(t), '%s' % t, f"{t}" and format(t) read the values through numpy(): the refusal
+        names what the user wrote; a host tensor prints as in eager."""
+        device_tensor = paddle.ones([2])
+        scalar = paddle.ones([])
+        host = mark_host(paddle.ones([2]))
+        printed = (print, str, repr, lambda t: "%s" % t)
+        formatted = (lambda t: f"{t}", lambda t: format(t, ""))
+        with host_guard(is_marked_host):
+            for tensor in (device_tensor, scalar):
+                for call in printed:
+                    with self.assertRaisesRegex(CaptureError, r"^autocudagraph: print\(t\), str\(t\) or repr\(t\) of "
+                                                r"a device tensor was called during capture\..*Print the call's output "
+                                                r"after the call"):
+                        call(tensor)
+                for call in formatted:
+                    with self.assertRaisesRegex(CaptureError, r"an f-string or format\(\) of a device tensor"):
+                        call(tensor)
+            self.assertIn("1.", str(host))
+            self.assertIn("1.", f"{host}")
+        self.assertIn("1.", str(device_tensor), "printable again after the guard")
+
     def test_stream_and_event_waits_are_refused(self):
         """Stream and Event waits and queries never reach the device during a capture (a CPU build has the
         classes, not the streams: the unbound methods are called with a stand-in)."""

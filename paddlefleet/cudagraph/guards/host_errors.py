@@ -3,7 +3,7 @@ what was called, why a capturing CUDA stream refuses it, and the fix."""
 
 from ..errors import CaptureError
 
-__all__ = ["D2H_FIX", "H2D_FIX", "read_error", "copy_error", "sync_error", "sync_object_error",
+__all__ = ["D2H_FIX", "H2D_FIX", "read_error", "print_error", "copy_error", "sync_error", "sync_object_error",
            "grad_assignment_error", "what_value"]
 
 D2H_FIX = "Keep host reads out of the graphed function, or move them after the call."
@@ -16,6 +16,16 @@ def read_error(what):
         f"autocudagraph: {what} was called during capture. It reads a device tensor on the host, which waits "
         "for the device; a capturing CUDA stream refuses that (CUDA error 900/906) and the capture breaks. "
         + D2H_FIX
+    )
+
+
+def print_error(what):
+    """``print(t)``, ``str(t)``, an f-string of ``t``: named as the user wrote it, not as the numpy() it calls."""
+    return CaptureError(
+        f"autocudagraph: {what} of a device tensor was called during capture. Printing or formatting a tensor "
+        "reads its values on the host, which waits for the device; a capturing CUDA stream refuses that (CUDA "
+        "error 900/906) and the capture breaks, and a replay would not print anyway (it runs no Python). Print "
+        "the call's output after the call, or print shapes and dtypes (t.shape) instead of values."
     )
 
 

@@ -46,7 +46,7 @@ import types
 import paddle
 
 from .paddle_patches import Patches
-from .host_errors import copy_error, grad_assignment_error, read_error, sync_error, what_value
+from .host_errors import copy_error, grad_assignment_error, print_error, read_error, sync_error, what_value
 from .host_marks import mark_host
 from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
 
@@ -55,6 +55,11 @@ __all__ = ["host_guard", "gpu_is_host", "constructor_guarded"]
 #: Tensor methods that read a tensor's values on the host.
 _READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__complex__",
           "__array__", "cpu", "pin_memory")
+
+#: Tensor methods that print or format a tensor's values (they read it on the host through numpy()), and how
+#: the refusal names them: what the user wrote, not the numpy() Paddle calls.
+_FORMATS = {"__str__": "print(t), str(t) or repr(t)", "__repr__": "print(t), str(t) or repr(t)",
+            "__format__": "an f-string or format()"}
 
 #: Python values that are host data (paddle.Tensor(value) copies them to the device).
 _HOST_DATA = (list, tuple, bool, int, float, complex)
@@ -133,6 +138,19 @@ class _Guard(RawTensorGuard):
                 return guard.allowed(original, self, *args, **kwargs)
 
             return read
+
+        return make
+
+    def formatted(self, name):
+        guard = self
+
+        def make(original):
+            def formatted(self, *args, **kwargs):
+                if not guard.is_host(self):
+                    raise print_error(_FORMATS[name])
+                return original(self, *args, **kwargs)  # its numpy() goes through read(): host_reads sees it
+
+            return formatted
 
         return make
 
@@ -332,6 +350,8 @@ def host_guard(is_host, host_reads=None):
     try:
         for name in _READS:
             guard.patch(paddle.Tensor, name, guard.move(name) if name == "cpu" else guard.read(name))
+        for name in _FORMATS:
+            guard.patch(paddle.Tensor, name, guard.formatted(name))
         for name in ("cuda", "to", "_copy_to"):
             guard.patch(paddle.Tensor, name, guard.move(name))
         guard.patch(paddle.Tensor, "set_value", guard.set_value)
