@@ -144,3 +144,26 @@ class BrokenCudaCapture(unittest.TestCase):
         self.assertIsInstance(error, CaptureError)
         self.assertIn("paddle.to_tensor() of a numpy array", str(error))
         self.assertEqual((fake.paddle_capturing, fake.resets), (False, 1), "ended cleanly, not broken")
+
+
+class CurrentStreamTest(unittest.TestCase):
+    """The capture stream's handle is read through paddle.device.current_stream (Paddle 2.6 and 3.x), not the
+    deprecated paddle.device.cuda.current_stream, whose DeprecationWarning reached users' logs on every capture.
+    Stand-ins: on a CPU build Paddle's own call segfaults."""
+
+    def test_the_current_api_is_used_where_it_exists(self):
+        self.assertTrue(callable(getattr(paddle.device, "current_stream", None)), "both Paddles have it")
+        place = object()
+        current = mock.Mock(return_value=types.SimpleNamespace(cuda_stream=1234))
+        deprecated = mock.Mock(side_effect=AssertionError("the deprecated API was called"))
+        with mock.patch.object(paddle.device, "current_stream", current), \
+                mock.patch.object(paddle.device.cuda, "current_stream", deprecated):
+            self.assertEqual(cuda_backend._stream_handle(place), 1234)
+        current.assert_called_once_with(place)
+        deprecated.assert_not_called()
+
+    def test_the_old_api_only_where_the_current_one_is_missing(self):
+        stream = types.SimpleNamespace(stream_base=types.SimpleNamespace(cuda_stream=99))
+        with mock.patch.object(paddle.device, "current_stream", None), \
+                mock.patch.object(paddle.device.cuda, "current_stream", mock.Mock(return_value=stream)):
+            self.assertEqual(cuda_backend._stream_handle(object()), 99)

@@ -81,10 +81,17 @@ def _indexed_generator(place):
     return generator if hasattr(generator, "get_state_index") else None
 
 
+def _current_stream_api():
+    """``paddle.device.current_stream`` (Paddle 2.6 and 3.x); ``paddle.device.cuda.current_stream``, deprecated
+    since Paddle 2.5 (it warns on every call), only where the former is missing."""
+    current = getattr(paddle.device, "current_stream", None)
+    return current if current is not None else paddle.device.cuda.current_stream
+
+
 def _stream_handle(place):
     """The raw handle (an int) of the stream Paddle captures on, or None when unknown."""
     try:
-        stream = paddle.device.cuda.current_stream(place)
+        stream = _current_stream_api()(place)
         handle = getattr(stream, "cuda_stream", None)
         if handle is None:
             handle = getattr(getattr(stream, "stream_base", None), "cuda_stream", None)
