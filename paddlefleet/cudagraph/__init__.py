@@ -14,14 +14,28 @@ import logging as _logging
 # capture (README.md, section "Logging").
 _logging.getLogger(__name__).setLevel(_logging.WARNING)
 
+
+def _without_paddle(err):
+    """What importing the package raises where ``import paddle`` failed: an ImportError saying what to install,
+    or, under ``python -m paddlefleet.cudagraph`` (doctor, demo), SystemExit with that text and no traceback."""
+    import sys
+
+    missing = isinstance(err, ModuleNotFoundError) and err.name == "paddle"
+    what = "Paddle is not installed" if missing else f"Paddle is installed but does not import ({err})"
+    text = (f"{what}: paddlefleet.cudagraph needs PaddlePaddle. Install one build: 'pip install paddlepaddle' on a "
+            "CPU; on a GPU a Paddle 3.x GPU build for your CUDA version from Paddle's package index ('pip install "
+            "paddlepaddle-gpu -i https://www.paddlepaddle.org.cn/packages/stable/cu126/', cu118 or cu129 for other "
+            "CUDA versions), or PyPI's 'paddlepaddle-gpu==2.6.2' as the fallback up to Ampere (README.md, section "
+            "'Install on a GPU'). Then check with 'python -m paddlefleet.cudagraph doctor'.")
+    argv = list(getattr(sys, "orig_argv", ()))
+    command = "-m" in argv[:-1] and argv[argv.index("-m") + 1] in (__name__, __name__ + ".__main__")
+    return SystemExit(text) if command else ImportError(text)
+
+
 try:
     import paddle  # noqa: F401
 except ImportError as _err:
-    raise ImportError(
-        f"paddlefleet.cudagraph needs PaddlePaddle, which is not importable here ({_err}). Install one build: "
-        "'pip install paddlepaddle' (CPU) or a GPU build, paddlepaddle-gpu, matching your GPU and CUDA version "
-        "(README.md, section 'Install on a GPU'; check with 'python -m paddlefleet.cudagraph doctor')."
-    ) from _err
+    raise _without_paddle(_err) from _err
 
 from .core import cross_entropy  # noqa: F401  (cross_entropy registers its device decisions)
 from .guards import layer_attrs, paddle_patches, saved_hooks

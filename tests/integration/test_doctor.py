@@ -75,8 +75,39 @@ class TestDoctorWithKernelsThatFail(unittest.TestCase):
             rc, text = run()
         self.assertEqual(rc, 1, text)
         self.assertIn("Paddle kernels: FAIL do NOT run on this GPU: OSError: (External) CUDA error(209)", text)
-        self.assertIn("Hopper (sm_90) and newer need a Paddle 3.x GPU build", text)
+        self.assertIn("Hopper sm_90 and newer need one", text)
 
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DoctorWithoutPaddleTest(unittest.TestCase):
+    """``python -m paddlefleet.cudagraph doctor`` where Paddle is not installed says so and how to install it, with
+    no traceback (a sitecustomize on PYTHONPATH hides paddle from the child before anything imports)."""
+
+    def run_without_paddle(self, *argv):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as hide:
+            with open(os.path.join(hide, "sitecustomize.py"), "w") as fh:
+                fh.write("import sys\nsys.modules['paddle'] = None  # import paddle: ModuleNotFoundError\n")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([hide, ROOT]))
+            return subprocess.run([sys.executable, "-m", "paddlefleet.cudagraph", *argv], capture_output=True,
+                                  text=True, timeout=120, cwd=ROOT, env=env)
+
+    def test_doctor_says_paddle_is_not_installed_and_how_to_install_it(self):
+        proc = self.run_without_paddle("doctor")
+        self.assertEqual(proc.returncode, 1, proc.stdout + proc.stderr)
+        self.assertTrue(proc.stderr.startswith("Paddle is not installed: paddlefleet.cudagraph needs PaddlePaddle."),
+                        proc.stderr)
+        self.assertIn("'pip install paddlepaddle' on a CPU", proc.stderr)
+        self.assertIn("a Paddle 3.x GPU build for your CUDA version", proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)
+        self.assertEqual(proc.stdout, "")
+
+    def test_the_demo_says_the_same(self):
+        proc = self.run_without_paddle("demo")
+        self.assertEqual(proc.returncode, 1, proc.stdout + proc.stderr)
+        self.assertTrue(proc.stderr.startswith("Paddle is not installed"), proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)

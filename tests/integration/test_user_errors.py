@@ -149,8 +149,8 @@ class ImportWithoutPaddleTest(unittest.TestCase):
         code = "import sys; sys.modules['paddle'] = None; import paddlefleet.cudagraph"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
         self.assertNotEqual(proc.returncode, 0)
-        self.assertIn("paddlefleet.cudagraph needs PaddlePaddle", proc.stderr)
-        self.assertIn("'pip install paddlepaddle' (CPU) or a GPU build, paddlepaddle-gpu", proc.stderr)
+        self.assertIn("ImportError: Paddle is not installed: paddlefleet.cudagraph needs PaddlePaddle", proc.stderr)
+        self.assertIn("'pip install paddlepaddle' on a CPU; on a GPU a Paddle 3.x GPU build", proc.stderr)
         self.assertIn("Install on a GPU", proc.stderr)
 
 

@@ -58,8 +58,8 @@ _READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__inde
 
 #: Tensor methods that print or format a tensor's values (they read it on the host through numpy()), and how
 #: the refusal names them: what the user wrote, not the numpy() Paddle calls.
-_FORMATS = {"__str__": "print(t), str(t) or repr(t)", "__repr__": "print(t), str(t) or repr(t)",
-            "__format__": "an f-string or format()"}
+_FORMATS = (("__str__", "print(t), str(t) or repr(t)"), ("__repr__", "print(t), str(t) or repr(t)"),
+            ("__format__", "an f-string or format()"))
 
 #: Python values that are host data (paddle.Tensor(value) copies them to the device).
 _HOST_DATA = (list, tuple, bool, int, float, complex)
@@ -141,13 +141,13 @@ class _Guard(RawTensorGuard):
 
         return make
 
-    def formatted(self, name):
+    def formatted(self, what):
         guard = self
 
         def make(original):
             def formatted(self, *args, **kwargs):
                 if not guard.is_host(self):
-                    raise print_error(_FORMATS[name])
+                    raise print_error(what)
                 return original(self, *args, **kwargs)  # its numpy() goes through read(): host_reads sees it
 
             return formatted
@@ -350,8 +350,8 @@ def host_guard(is_host, host_reads=None):
     try:
         for name in _READS:
             guard.patch(paddle.Tensor, name, guard.move(name) if name == "cpu" else guard.read(name))
-        for name in _FORMATS:
-            guard.patch(paddle.Tensor, name, guard.formatted(name))
+        for name, what in _FORMATS:
+            guard.patch(paddle.Tensor, name, guard.formatted(what))
         for name in ("cuda", "to", "_copy_to"):
             guard.patch(paddle.Tensor, name, guard.move(name))
         guard.patch(paddle.Tensor, "set_value", guard.set_value)
