@@ -171,6 +171,33 @@ class TrainerTest(_NeedsPaddleFormers):
         self.assertIn("release_grads", trainer.cudagraph_explain())
         self.assertEqual(trainer.cudagraph_stats(), [])
 
+    def test_backend_none_on_a_cpu_warns_once(self):
+        """The Trainer's graphed steps with ``backend=None`` on a CPU run eagerly; the end-of-training warning saying
+        so reaches the user once: through this package's logger where a handler shows it, else through the
+        Trainer's log (both at once printed it twice)."""
+        import logging
+
+        from paddleformers.utils import log as pf_log
+
+        ours = logging.getLogger("paddlefleet.cudagraph.integrations.paddleformers")
+        for shown_by_ours in (True, False):
+            records = []
+            handler = logging.Handler()
+            handler.emit = records.append
+            trainer_log = mock.Mock(wraps=pf_log.logger)
+            with mock.patch.object(pf_log, "logger", trainer_log), \
+                    mock.patch.object(ours, "hasHandlers", lambda: shown_by_ours):
+                ours.addHandler(handler)
+                try:
+                    _run_trainer(self.graphed_cls, steps=2, cudagraph="step", cudagraph_options={})
+                finally:
+                    ours.removeHandler(handler)
+            said = [r.getMessage() for r in records] + [c.args[0] for c in trainer_log.warning.call_args_list]
+            eager = [m for m in said if m.startswith("autocudagraph: calls ran eagerly")]
+            self.assertEqual(len(eager), 1, (shown_by_ours, said))
+            self.assertIn("no GPU tensors or no CUDA build (backend=None runs eagerly)", eager[0])
+            self.assertEqual(len(records) == 1, shown_by_ours, said)
+
     def test_a_bad_mode_names_the_argument(self):
         from paddleformers.trainer import TrainingArguments
 

@@ -193,12 +193,16 @@ class CudaGraphTrainerMixin:
 
 
 def _log(level, message):
-    """Writes to the Trainer's log (PaddleFormers' logger, which takes one formatted message) and to
-    this module's logger."""
-    getattr(logger, level)("%s", message)
+    """Writes ``message`` once: to this module's logger where one of its handlers shows it (the program
+    configured logging, or a test captures it), else to the Trainer's log (PaddleFormers' logger, which takes
+    one formatted message), else to this module's logger. Both at once printed every line twice."""
+    if logger.isEnabledFor(getattr(logging, level.upper())) and logger.hasHandlers():
+        getattr(logger, level)("%s", message)
+        return
     try:
         from paddleformers.utils.log import logger as trainer_logger
     except ImportError:
+        getattr(logger, level)("%s", message)
         return
     getattr(trainer_logger, level)(message)
 
