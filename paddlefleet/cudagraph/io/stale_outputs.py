@@ -8,19 +8,26 @@ stale and releases their storage handle (the static buffer itself is untouched).
 
 * passing a stale tensor to any graphed call raises StaleOutputError naming the replay that
   overwrote it (checked before anything else reads the tensor);
-* any Paddle op or backward that reads it fails loudly ("Tensor holds no memory") instead of
-  reading the new values: this also covers autograd, e.g. ``loss = (y * w).sum()`` whose
-  backward would otherwise use the overwritten ``y``;
-* not detected: ``y.numpy()`` returns an empty array and ``print(y)`` shows "Not
-  initialized" (Paddle's behaviour for a tensor without storage); ``y.shape`` still reads;
-  views taken from ``y`` before the overwrite (``y[0]``, ``y.reshape(...)``, ``y.T``) share the
-  static buffer's storage through their own handle and silently read the new values, in
-  autograd too. Clone an output before taking views you keep across calls.
+* any Paddle op or backward that reads it fails instead of reading the new values, with the same
+  StaleOutputError: this also covers autograd, e.g. ``loss = (y * w).sum()`` whose backward would
+  otherwise use the overwritten ``y``. Paddle itself only says "Tensor holds no memory" there, so
+  from the first stale output on, every ``paddle._C_ops`` / ``_legacy_C_ops`` op, the Tensor
+  operators Paddle implements in C++ and the backward entry points are wrapped for the rest of the
+  process (``_translate_for_process``): a wrapper adds one Python call per op, and turns Paddle's
+  error into StaleOutputError (the stale output among the op's arguments, or for a backward the
+  stale outputs alive). ``y.numpy()``, ``y.item()``, ``print(y)`` and the other host reads of a
+  stale output, which Paddle answers with an empty or uninitialised array, raise it too;
+* not detected: ``y.shape`` still reads; views taken from ``y`` before the overwrite (``y[0]``,
+  ``y.reshape(...)``, ``y.T``) share the static buffer's storage through their own handle and
+  silently read the new values, in autograd too. Clone an output before taking views you keep
+  across calls.
 """
 
+import functools
 import weakref
 
 from ..errors import StaleOutputError
+from ..guards.paddle_patches import install_for_process
 
 __all__ = ["StaleOutputs", "check_fresh"]
 
@@ -67,8 +74,100 @@ class StaleOutputs:
             key = id(t)
             _stale[key] = (weakref.ref(t, lambda _, key=key: _forget(key)), message)
             t._clear_data()
+            _translate_for_process()
 
     def hand_out(self, outputs, copies=()):
         """Remembers (weakly) the aliases given to the caller by this replay; ``copies``: indices
         of outputs handed out as copies (host outputs), which no replay overwrites."""
         self._handed = [(i, weakref.ref(o)) for i, o in enumerate(outputs) if i not in copies]
+
+
+# ---------------------------------------------------------------------------- Paddle's errors, translated
+#: Paddle's words for a tensor without storage.
+_NO_MEMORY = ("holds no memory", "not initialized")
+#: Tensor operators, some implemented in C++, some (``__getitem__``) reaching C++ without a _C_ops call.
+_OPERATORS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__div__", "__rdiv__", "__floordiv__", "__mod__", "__pow__", "__rpow__", "__matmul__", "__lt__",
+              "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__or__", "__xor__", "__getitem__",
+              "__neg__")
+#: Host reads Paddle answers without an error for a tensor without storage.
+_READS = ("numpy", "item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__", "__str__",
+          "__repr__", "__format__")
+# Whether _translate_for_process ran (NOTE [ Stale outputs ]).
+_translating = {"installed": False}
+
+
+def _stale_message(values):
+    for value in values:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            rec = _stale.get(id(t))
+            if rec is not None and rec[0]() is t:
+                return rec[1]
+    return None
+
+
+def _why(args, kwargs):
+    found = _stale_message(list(args) + list(kwargs.values()))
+    if found is not None:
+        return found
+    alive = [rec[1] for rec in list(_stale.values()) if rec[0]() is not None]
+    return (f"autocudagraph: Paddle found a tensor without storage ('Tensor holds no memory') while {len(alive)} "
+            "output(s) of graphed calls that a later replay overwrote are alive: this op or backward read one of "
+            "them (autograd saved it before the overwrite). The latest: " + (alive[-1] if alive else "-"))
+
+
+def _translated(original):
+    """``original`` whose "Tensor holds no memory" error, while stale outputs are alive, is a StaleOutputError."""
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as err:
+            if _stale and not isinstance(err, StaleOutputError) and any(w in str(err) for w in _NO_MEMORY):
+                raise StaleOutputError(_why(args, kwargs)) from err
+            raise
+
+    call.__native__ = getattr(original, "__native__", original)  # op traces treat it as the native op
+    return call
+
+
+def _checked_read(original):
+    """A host read of a stale output raises instead of returning an empty or uninitialised array."""
+
+    @functools.wraps(original)
+    def read(self, *args, **kwargs):
+        if _stale:
+            found = _stale_message((self,))
+            if found is not None:
+                raise StaleOutputError(found)
+        return original(self, *args, **kwargs)
+
+    read.__native__ = getattr(original, "__native__", original)
+    return read
+
+
+def _translate_for_process():
+    """Wraps Paddle's ops, C++ Tensor operators, host reads and backward entry points, once per process, at the
+    first stale output (NOTE [ Stale outputs ])."""
+    if _translating["installed"]:
+        return
+    _translating["installed"] = True
+    import paddle
+    from paddle.base import core
+
+    for module in (paddle._C_ops, getattr(paddle, "_legacy_C_ops", None)):
+        for name in dir(module) if module is not None else ():
+            op = getattr(module, name)
+            if not name.startswith("_") and callable(op) and not isinstance(op, type):
+                install_for_process(module, name, _translated(op))
+    tensor = paddle.Tensor
+    for name in _OPERATORS:
+        if name in tensor.__dict__:
+            install_for_process(tensor, name, _translated(tensor.__dict__[name]))
+    for name in _READS:
+        if name in tensor.__dict__:
+            install_for_process(tensor, name, _checked_read(tensor.__dict__[name]))
+    for name in ("run_backward", "run_partial_grad"):
+        if hasattr(core.eager, name):
+            install_for_process(core.eager, name, _translated(getattr(core.eager, name)))
