@@ -22,7 +22,7 @@ TESTS = {
     "the default dtype": ("tests/core/test_key_parts.py",),
     "random draws": ("tests/block/test_capture_failures.py",),
     "host reads and copies": ("tests/backends/test_host_guard.py",),
-    "host side effects": ("tests/block/test_frozen_values.py",),
+    "host side effects": ("tests/guards/test_python_output.py::PythonOutputTest",),
 }
 
 

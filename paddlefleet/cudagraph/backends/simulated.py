@@ -35,6 +35,7 @@ from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
 from ..guards.host_guard import host_guard
 from ..guards.host_marks import is_marked_host, mark_host
+from ..guards.python_output import python_output
 from ..guards.value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -131,7 +132,8 @@ class _SimulatedGraph(Graph):
         host_reads = _HostReads()
         # NOTE [ Shapes from tensor values ] in value_shapes.py
         # NOTE [ Host access during capture ] in host_guard.py
-        with capturing(hooks), _host_shapes(), host_guard(is_marked_host, host_reads), \
+        # NOTE [ Python output on replay ] in guards/python_output.py: warns after the capture.
+        with python_output(), capturing(hooks), _host_shapes(), host_guard(is_marked_host, host_reads), \
                 refuse_value_shapes(is_marked_host):
             result = body()
         self._body = body
