@@ -1,11 +1,14 @@
 """What every tool in tools/ does first: refuse the cuda backend where there is no GPU (exit 2,
 naming --backend simulate), and pick small smoke defaults for a simulated run."""
 
+import contextlib
 import sys
+import warnings
 
 import paddle
 
-__all__ = ["BACKEND_HELP", "NO_GPU_EXIT", "no_gpu_reason", "require_gpu", "sized", "sized_help"]
+__all__ = ["BACKEND_HELP", "NO_GPU_EXIT", "no_gpu_reason", "require_gpu", "sized", "sized_help", "expected_refusals",
+           "refusal_lines"]
 
 #: --help of every tool's --backend.
 BACKEND_HELP = ("cuda (default): run on this machine's GPU (exits 2 where there is none); simulate: a CPU smoke run "
@@ -50,3 +53,28 @@ def sized(value, backend, full, smoke):
 def sized_help(text, full, smoke):
     """``text`` with both defaults, for --help."""
     return f"{text} (default {full}; {smoke} with --backend simulate)"
+
+
+@contextlib.contextmanager
+def expected_refusals():
+    """For a case that makes autocudagraph refuse a capture on purpose: its RuntimeWarnings (``autocudagraph...``)
+    are kept in the list this yields, to print with ``refusal_lines()`` as expected, instead of reaching stderr
+    as ``RuntimeWarning:`` lines that read like a failure; any other warning is shown as usual."""
+    caught, refusals = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield refusals
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning) and str(w.message).startswith("autocudagraph"):
+            refusals.append(str(w.message))
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def refusal_lines(refusals, indent="    "):
+    """``expected refusal: <warning>`` lines, each warning cut to its first sentence after the wrapper's name."""
+    lines = []
+    for message in refusals:
+        head = message.split(". ", 1)[0]
+        lines.append(f"{indent}expected refusal: {head if len(head) <= 300 else head[:297] + '...'}")
+    return lines

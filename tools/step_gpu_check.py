@@ -37,7 +37,7 @@ import numpy.random  # noqa: E402,F401  (before paddle: Paddle 2.6 with NumPy 2 
 import paddle  # noqa: E402
 
 from testkit.step_gpu import refused_capture_check, whole_step_check  # noqa: E402
-from testkit.cli import BACKEND_HELP, require_gpu, sized, sized_help  # noqa: E402
+from testkit.cli import BACKEND_HELP, expected_refusals, refusal_lines, require_gpu, sized, sized_help  # noqa: E402
 from testkit.common import device  # noqa: E402
 
 #: (full size on a GPU, smoke size with --backend simulate)
@@ -58,8 +58,9 @@ def main(argv=None):
     with device("gpu" if args.backend == "cuda" else "cpu"):
         results = whole_step_check(width=args.width, layers=args.layers, batch=args.batch, steps=args.steps,
                                    backend=args.backend, timed_steps=args.timed_steps)
-        refused = refused_capture_check(width=min(args.width, 256), layers=min(args.layers, 4), batch=args.batch,
-                                        backend=args.backend)
+        with expected_refusals() as refusals:  # the case refuses its capture on purpose
+            refused = refused_capture_check(width=min(args.width, 256), layers=min(args.layers, 4),
+                                            batch=args.batch, backend=args.backend)
     print(f"paddle {paddle.__version__}, backend {args.backend}, MatMLP {args.layers} x {args.width}, "
           f"batch {args.batch}")
     ok = True
@@ -75,7 +76,9 @@ def main(argv=None):
     print(f"  refused_capture (matmul SGD + EMA outside the optimizer, capture refused after the step ran): "
           f"{verdict}; warmup {s['warmup_calls']}, captures {s['captures']}, eager {s['eager_calls']} "
           f"{s['eager_reasons'] or ''}")
-    ok = ok and refused["equal"] and s["captures"] == 0 and s["eager_calls"] == 6
+    for line in refusal_lines(refusals):
+        print(line)
+    ok = ok and refused["equal"] and s["captures"] == 0 and s["eager_calls"] == 6 and len(refusals) == 1
     results["refused_capture"] = refused
     if args.json:
         with open(args.json, "w") as fh:

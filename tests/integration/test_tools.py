@@ -68,7 +68,7 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
 # ----------------------------------------------------------------------------- every tool on a CPU
 #: Tools that run on a CPU by design (no --backend): not asked for a GPU below. cpu_host_time.py times
 #: host work; real_models_report.py writes docs/reports/real_models.md on the simulated backend.
-CPU_TOOLS = ["cpu_host_time.py", "real_models_report.py"]
+CPU_TOOLS = ["cpu_host_time.py", "readme_table.py", "real_models_report.py"]
 TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
 SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
          "bench.py": "--steps"}
@@ -145,12 +145,19 @@ def test_step_gpu_check_smoke_defaults_are_small():
     rc, log = run_tool("step_gpu_check.py", "--backend", "simulate", timeout=120)
     assert rc == 0, log[-3000:]
     assert "MatMLP 4 x 32, batch 8" in log and log.count("bitwise equal to eager") == 3, log[-3000:]
+    # The refused_capture case refuses on purpose: its warning is labelled, not a RuntimeWarning that reads like a failure.
+    assert "RuntimeWarning" not in log, log[-3000:]
+    assert re.search(r"\n    expected refusal: autocudagraph_step\(EmaMatmulStep\): capture of key .* failed: "
+                     r"CaptureError: autocudagraph_step: the step reads a host value that changes between steps", log), log
 
 
 def test_rng_gpu_check_smoke_runs_every_case():
     rc, log = run_tool("rng_gpu_check.py", "--backend", "simulate", timeout=120)
     assert rc == 0, log[-3000:]
     assert log.count("[PASS]") == 5 and "[FAIL]" not in log, log[-3000:]
+    assert "RuntimeWarning" not in log and "    warning: " not in log, log[-3000:]
+    assert re.search(r"\[PASS\] paddle.rand inside the function \(refused\).*\n    expected refusal: "
+                     r"autocudagraph\(<lambda>\): capture of key .* failed: CaptureError: .*random kernel 'uniform'", log), log
 
 
 def test_real_models_bench_smoke_reports_bitwise_with_replays():
