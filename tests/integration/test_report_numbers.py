@@ -231,6 +231,11 @@ class InstallSectionTest(unittest.TestCase):
         for difference in ("PaddleFormers 1.2 does not import", "cannot share one memory pool", "tracker"):
             self.assertIn(difference, install.replace("\n", " "))
 
+    def test_the_readme_says_how_long_the_suite_takes(self):
+        try_it = read("README.md").split("\n## Try it", 1)[1].split("\n## ", 1)[0]
+        self.assertIn("<!-- suite time: measured on the current suite", try_it)
+        self.assertRegex(try_it, r"The suite takes about \d+ minutes with set-up on two CPU cores \(Paddle \d\.\d")
+
     def test_the_doctor_gives_the_same_advice(self):
         from paddlefleet.cudagraph.doctor import INSTALL_HINT
 
