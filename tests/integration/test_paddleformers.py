@@ -7,6 +7,7 @@ PaddleFormers is optional (``pip install --no-deps -r requirements-real-models.t
 not import (Paddle 2.6.2) every test here skips with the reason.
 """
 
+import os
 import tempfile
 import unittest
 import warnings
@@ -186,7 +187,9 @@ class TrainerTest(_NeedsPaddleFormers):
             handler.emit = records.append
             trainer_log = mock.Mock(wraps=pf_log.logger)
             with mock.patch.object(pf_log, "logger", trainer_log), \
-                    mock.patch.object(ours, "hasHandlers", lambda: shown_by_ours):
+                    mock.patch.object(ours, "hasHandlers", lambda: shown_by_ours), \
+                    mock.patch.dict(os.environ, {}, clear=False):
+                os.environ.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)  # backend=None itself, not the override
                 ours.addHandler(handler)
                 try:
                     _run_trainer(self.graphed_cls, steps=2, cudagraph="step", cudagraph_options={})
