@@ -167,7 +167,17 @@ def whole_step():
 
 
 class Graph:
-    """One captured graph. Subclasses implement ``capture``, ``replay`` and ``reset``."""
+    """One captured graph. Subclasses implement ``capture``, ``replay`` and ``reset``.
+
+    Attributes:
+        pool_bytes: device bytes its capture made the process reserve (its pool), or None where the
+            backend measures none (backends/pool_memory.py; NOTE [ What a key holds ] in core/memory.py).
+        cache_released: cached allocator bytes given back right before its capture (NOTE [ Allocator
+            cache before a capture ] in backends/pool_memory.py).
+    """
+
+    pool_bytes = None
+    cache_released = 0
 
     def capture(self, body, hooks=()):
         """Captures ``body()`` and returns what it returned (the static results).

@@ -38,6 +38,7 @@ from ..errors import CaptureError, CudaGraphError
 from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from .host_guard import gpu_is_host, host_guard
+from .pool_memory import CaptureMeter, reserved
 from .value_shapes import refuse_value_shapes
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
@@ -183,7 +184,8 @@ class _CudaGraph(Graph):
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            with capturing(hooks):
+            # NOTE [ Allocator cache before a capture ] in pool_memory.py: released, then the pool measured.
+            with capturing(hooks), CaptureMeter(self, lambda: reserved(self._place)):
                 return self._capture(body)
         finally:
             if was_enabled:

@@ -35,6 +35,7 @@ from ..errors import CaptureError
 from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
 from .host_guard import host_guard
 from .host_marks import is_marked_host, mark_host
+from .pool_memory import results_bytes
 from .value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -121,7 +122,8 @@ def _flat_tensors(result):
 
 
 class _SimulatedGraph(Graph):
-    def __init__(self):
+    def __init__(self, pool_model=False):
+        self._pool_model = pool_model
         self._body = None
         self._hooks = ()
         self._static = None
@@ -138,6 +140,8 @@ class _SimulatedGraph(Graph):
         self._hooks = tuple(hooks)
         self._static = _flat_tensors(result)
         self._host_reads = host_reads if host_reads.values else None
+        if self._pool_model:  # SimulatedBackend.pool_model
+            self.pool_bytes = results_bytes(self._static)
         return result
 
     def replay(self):
@@ -172,12 +176,15 @@ class SimulatedBackend(Backend):
     name = "simulate"
     shares_pools = True
     capture_executes = True
+    #: Give every graph a modelled pool: the bytes of the static results its capture made, where a
+    #: GPU pool holds them (backends/pool_memory.results_bytes). Off: pools are not measured.
+    pool_model = False
 
     def new_pool(self):
         return None
 
     def new_graph(self, pool):
-        return _SimulatedGraph()
+        return _SimulatedGraph(self.pool_model)
 
     def describe(self):
         return "simulate (CPU, static-buffer semantics, host syncs refused during capture)"

@@ -40,7 +40,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import paddle
 
 from ..backends import function_errors
-from ..core import state
+from ..core import memory, state
 from ..core.in_place_writes import InPlaceWrites
 from ..core.layer_attrs import AttrWatch, layers_with_sublayers
 from ..core.rng import DrawGuard
@@ -344,6 +344,7 @@ def capture_second_backward(graphs):
             if backend.capture_executes:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
     sets.add_second(graph, recipe.plan(results))
+    memory.grown()  # max_bytes is checked again (NOTE [ What a key holds ] in core/memory.py)
 
 
 def _refuse_objects_holding_tensors(out_consts):

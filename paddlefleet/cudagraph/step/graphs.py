@@ -8,6 +8,7 @@ from typing import Any, List, Optional
 from paddle import _C_ops
 
 from ..core.body import Graphs
+from ..core.memory import footprint
 from .grad_slots import CLOSED, PERSISTENT
 from ..io.static_inputs import nbytes
 
@@ -61,6 +62,10 @@ class StepGraphs(Graphs):
     def nbytes(self):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
         return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
+
+    def footprint(self):
+        """Bytes held, by component (NOTE [ What a key holds ] in core/memory.py: the grads live in the pool)."""
+        return footprint(self.static_inputs, self.static_outputs, graphs=[self.graph])
 
     def hand_out(self):
         """Detached copies of the static outputs, which the next replay overwrites (the graph's
