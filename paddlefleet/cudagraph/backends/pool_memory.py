@@ -26,19 +26,24 @@ def _cuda_module():
 
 
 def reserved(place=None):
-    """Device bytes Paddle's allocators have reserved now (all pools together)."""
-    return int(_cuda_module().memory_reserved(place))
+    """Device bytes Paddle's allocators have reserved now (all pools together), or None where this
+    Paddle cannot say (a CPU build: its capture is a stand-in)."""
+    try:
+        return int(_cuda_module().memory_reserved(place))
+    except Exception:  # no device memory to measure: nothing is measured, the capture goes on
+        return None
 
 
 def release_cache(measure=reserved):
     """Gives Paddle's cached, unused device blocks back (NOTE [ Allocator cache before a capture ]);
-    returns the bytes given back, 0 where this Paddle has no ``empty_cache``."""
+    returns the bytes given back, 0 where this Paddle has no ``empty_cache`` or no device memory."""
     empty = getattr(_cuda_module(), "empty_cache", None)
-    if empty is None:
+    before = measure() if empty is not None else None
+    if before is None:
         return 0
-    before = measure()
     empty()
-    return max(before - measure(), 0)
+    after = measure()
+    return 0 if after is None else max(before - after, 0)
 
 
 def results_bytes(tensors):
@@ -81,6 +86,7 @@ class CaptureMeter:
         return self
 
     def __exit__(self, kind, value, tb):
-        if kind is None:
-            self.graph.pool_bytes = max(self.measure() - self.before, 0)
+        after = self.measure() if kind is None and self.before is not None else None
+        if after is not None:
+            self.graph.pool_bytes = max(after - self.before, 0)
         return False
