@@ -108,7 +108,10 @@ def _checks():
     if not cuda:
         shared_text = "n/a (a CPU build has no CUDA graphs)"
     elif shared:
-        shared_text = "yes: the forward and backward graphs of a key share one memory pool"
+        shared_text = ("yes: a key's forward and backward graphs share one memory pool where its backward hands out "
+                       "copies (clone_param_grads=True, or accumulate_in_graph=True); otherwise, and between keys "
+                       "(captured lazily, replayed in any order), each graph keeps its own, since a later replay could "
+                       "overwrite what another graph still holds")
     else:
         shared_text = "no: each graph gets its own memory pool (Paddle < 3.1; correct, uses more memory)"
     rows.append(("pool sharing", err or shared_text, None))

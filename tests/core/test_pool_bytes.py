@@ -1,6 +1,6 @@
 """NOTE [ Graph pool bytes ] in core/entry.py: each capture's device memory, per key, in stats(),
-explain() and max_bytes; on the simulated backend with a stand-in for the device's reserved memory
-(each graph captured reserves POOL bytes)."""
+explain() and max_bytes; on the simulated backend with a stand-in for a measured pool (each graph
+captured reserves POOL bytes, holding its static results: NOTE [ What a key holds ] in core/memory.py)."""
 
 import contextlib
 import unittest
@@ -17,10 +17,9 @@ POOL = 1000
 
 
 class StandInMemory:
-    """Reserved device bytes that grow by POOL with every graph captured."""
+    """Every graph captured measures a pool of POOL bytes, as a GPU capture measures its own."""
 
     def __init__(self):
-        self.reserved = 0
         self.graphs = 0
 
     def patches(self):
@@ -29,13 +28,13 @@ class StandInMemory:
 
         def capture(graph, body, hooks=()):
             memory.graphs += 1
-            memory.reserved += POOL
-            return original(graph, body, hooks)
+            result = original(graph, body, hooks)
+            graph.pool_bytes = POOL
+            return result
 
         stack = contextlib.ExitStack()
         stack.enter_context(mock.patch.object(simulated._SimulatedGraph, "capture", capture))
-        stack.enter_context(mock.patch.object(simulated.SimulatedBackend, "reserved_bytes",
-                                              lambda backend: memory.reserved))
+        stack.enter_context(mock.patch.object(simulated.SimulatedBackend, "reserved_bytes", lambda backend: 0))
         return stack
 
 
@@ -87,8 +86,10 @@ class TestPoolBytes(unittest.TestCase):
         probe, _ = self.graphed()
         with memory.patches():
             steps(probe, [4, 4])
-        static = probe.forward.stats()["static_bytes"]
-        held = static + 2 * POOL
+        [mem] = probe.forward.stats()["key_memory"].values()
+        outside = mem["inputs"] + mem["grad_outputs"]  # the outputs and grads live in the pools
+        held = outside + 2 * POOL
+        self.assertEqual(mem["held"], held)
         graphed, eager = self.graphed(max_bytes=held - 1)  # the static buffers alone would fit
         with memory.patches():
             for got, want in zip(steps(graphed, [4, 4, 4]), steps(eager, [4, 4, 4])):
@@ -96,12 +97,13 @@ class TestPoolBytes(unittest.TestCase):
                     np.testing.assert_array_equal(a, e)
         [row] = graphed.forward.report()
         self.assertEqual(row["phase"], "fallback")
-        self.assertIn(f"need {held} bytes ({static} static, {2 * POOL} pool), more than max_bytes={held - 1}",
+        self.assertIn(f"need {held} bytes (holds {held}: inputs {mem['inputs']}", row["fallback_reason"])
+        self.assertIn(f"pools {2 * POOL} (the outputs and grads inside)), more than max_bytes={held - 1}",
                       row["fallback_reason"])
         # Room for the larger key's buffers and pools: the two keys evict each other.
         with memory.patches():
             steps(probe, [6, 6])
-        larger = max(probe.forward.stats()["key_bytes"].values()) + 2 * POOL
+        larger = max(m["held"] for m in probe.forward.stats()["key_memory"].values())
         graphed, _ = self.graphed(max_bytes=larger)
         with memory.patches():
             steps(graphed, [4, 4, 6, 6, 4, 6])

@@ -78,6 +78,28 @@ class TestDoctorWithKernelsThatFail(unittest.TestCase):
         self.assertIn("Hopper sm_90 and newer need one", text)
 
 
+class TestDoctorPoolSharing(unittest.TestCase):
+    """Which pool sharing applies (NOTE [ Sharing a pool safely ] in backends/shared_pool.py)."""
+
+    def gpu_report(self, shared):
+        with mock.patch.object(doctor, "_build", return_value=(True, "CUDA build (CUDA 12.0, cuDNN 8.9)")), \
+                mock.patch.object(doctor, "_gpu", return_value=(1, "NVIDIA H100, compute capability 9.0 (sm_90)")), \
+                mock.patch.object(doctor, "_kernels_run", return_value=None), \
+                mock.patch.object(doctor, "cuda_available", return_value=True), \
+                mock.patch.object(doctor, "pool_sharing_supported", return_value=shared), \
+                mock.patch.object(doctor, "_backend_choice", return_value="cuda for GPU tensors"):
+            return run()[1]
+
+    def test_shared_pools_are_named_with_when_they_apply(self):
+        text = self.gpu_report(True)
+        self.assertIn("pool sharing: yes: a key's forward and backward graphs share one memory pool where its "
+                      "backward hands out copies (clone_param_grads=True, or accumulate_in_graph=True)", text)
+        self.assertIn("between keys (captured lazily, replayed in any order), each graph keeps its own", text)
+
+    def test_private_pools_on_paddle_without_pool_ids(self):
+        self.assertIn("pool sharing: no: each graph gets its own memory pool (Paddle < 3.1", self.gpu_report(False))
+
+
 if __name__ == "__main__":
     unittest.main()
 

@@ -498,6 +498,76 @@ class GradSafetyCases(TwinCase):
             release_grads(g, e)
 
 
-for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases):
+class MemoryCases(TwinCase):
+    """NOTE [ What a key holds ] in core/memory.py: each key's bytes by component, on a GPU measured per
+    graph (its pool, the allocator cache released before it: NOTE [ Allocator cache before a capture ])."""
+
+    def check_footprint(self, wrapper):
+        """Each key's components add up to what max_bytes counts; on cuda its pools were measured and
+        hold at least its static outputs and grads. Returns the keys' components."""
+        memory = list(wrapper.stats()["key_memory"].values())
+        self.assertTrue(memory, wrapper.explain())
+        for mem in memory:
+            if self.backend == "cuda":
+                self.assertIsNotNone(mem["pool"], wrapper.explain())
+                self.assertGreaterEqual(mem["pool"], mem["outputs"] + mem["grads"], wrapper.explain())
+                self.assertEqual(mem["held"], mem["inputs"] + mem["grad_outputs"] + mem["pool"])
+            else:
+                self.assertEqual(mem["held"], mem["inputs"] + mem["outputs"] + mem["grad_outputs"] + mem["grads"])
+        return memory
+
+    def test_per_layer_keys_account_for_their_pools_and_the_released_cache(self):
+        dims = [64, 256, 64]
+        pairs = [self.twins(lambda: MatMLP(dims), 140 + i) for i in range(4)]
+        for g, _ in pairs:
+            self.graphed(g, warmup_steps=1)
+        draw = normal(14)
+        for k in range(4):
+            xn, dyn = draw(32, 64), draw(32, 64)
+            outs = []
+            for side in (0, 1):
+                x = self.tensor(xn, grad=True)
+                h = x
+                for pair in pairs:
+                    h = pair[side](h)
+                h.backward(self.tensor(dyn))
+                outs.append([h, x.grad] + [grads_of(pair[side]) for pair in pairs])
+                release_grads(*[pair[side] for pair in pairs])
+            self.assertBitwise(outs[0], outs[1], f"step {k}")
+        memory = [m for g, _ in pairs for m in self.check_footprint(g.forward)]
+        released = sum(m["cache_released"] for m in memory)
+        if self.backend == "cuda":
+            self.assertGreater(released, 0, "the eager warmup left cached blocks that the first capture released")
+        RECORD.notes.append(f"held {sum(m['held'] for m in memory)} B, pools {sum(m['pool'] or 0 for m in memory)} B, "
+                            f"cache released {released} B, reserved now {paddle.device.cuda.memory_reserved() if self.backend == 'cuda' else '-'} B")
+
+    def test_a_whole_step_accounts_for_its_pool(self):
+        from paddlefleet.cudagraph import autocudagraph_step
+
+        g, e = self.twins(lambda: MatMLP([64, 256, 64]), 150)
+
+        def make(model):
+            def step(x, dy):
+                y = model(x)
+                y.backward(dy)
+                release_grads(model)
+                return y
+            return step
+
+        graphed = autocudagraph_step(make(g), optimizers=[], warmup_steps=1, backend=self.backend)
+        eager = make(e)
+        draw = normal(15)
+        for k in range(4):
+            xn, dyn = draw(32, 64), draw(32, 64)
+            self.assertBitwise(graphed(self.tensor(xn), self.tensor(dyn)), eager(self.tensor(xn), self.tensor(dyn)),
+                               f"step {k}")
+        self.assertBitwise(grads_of(g), grads_of(e), "grads (released)")
+        [mem] = self.check_footprint(graphed)
+        RECORD.notes.append(f"whole step held {mem['held']} B, pool {mem['pool']} B, cache released {mem['cache_released']} B")
+
+
+for _base in (KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases,
+              MemoryCases):
     globals().update(backend_variants(_base))
-del TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases, _base, _option
+del (TwinCase, KernelCases, CallCases, KeyCases, SpeedOptionCases, PatternCases, PipelineCases, GradSafetyCases,
+     MemoryCases, _base, _option)

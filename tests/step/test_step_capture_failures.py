@@ -3,8 +3,10 @@ tests/block/test_capture_failures.py, which holds the blocks' half) x {simulate,
 failed step capture takes back. Every output and all model state equal an eager twin's.
 """
 
+import unittest
 from unittest import mock
 
+import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph_step
@@ -158,6 +160,32 @@ class StepFailureAfterBackward(MatmulOnlyCase):
         with mock.patch.object(SimulatedBackend, "capture_executes", False):
             graphed = self._run()
         self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
+
+
+class RecordingGradValues(unittest.TestCase):
+    """NOTE [ What a failed recording capture leaves ] in step/rollback.py: a recording capture keeps
+    device grads by their storage, a copy of none (a GPU stood in for by a place check)."""
+
+    def test_device_grads_are_kept_by_storage_and_put_back_after_a_clear(self):
+        from paddlefleet.cudagraph.step import rollback
+
+        lin, other = paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 3)
+        lin(paddle.ones([2, 3])).sum().backward()
+        params = [lin.weight, lin.bias, other.weight]
+        ptrs, values = [p.grad.data_ptr() for p in params[:2]], [p.grad.numpy().copy() for p in params[:2]]
+        with mock.patch.object(rollback, "_on_host", lambda t: False):
+            kept = rollback.GradValues(params, recording=True)
+        self.assertEqual([saved.data_ptr() for _, saved in kept._grads[:2]], ptrs)  # no copy made
+        # What a recording capture's Python does: a clear frees one grad, a backward binds a new one.
+        lin.weight.clear_gradient(False)
+        other(paddle.ones([2, 3])).sum().backward()
+        kept.restore()
+        for p, want in zip(params, values):
+            np.testing.assert_array_equal(p.grad.numpy(), want)
+        self.assertEqual(lin.bias.grad.data_ptr(), ptrs[1])
+        self.assertTrue(other.weight.grad is None or not other.weight.grad._is_initialized())
+        copied = rollback.GradValues(params[:1])  # a capture that executes: values copied
+        self.assertNotEqual(copied._grads[0][1].data_ptr(), lin.weight.grad.data_ptr())
 
 
 class GradAssignment(MatmulOnlyCase):

@@ -9,18 +9,21 @@ has it; raw replay of one graph of the whole step (the floor).
 NOTE [ Peak memory and start-up per runner ]
 Runners of a config live side by side (they are timed interleaved), so a process-wide peak would
 mix them. Before each runner is built, unused cached device memory is released (empty_cache) and
-the reserved bytes noted; after its warmup and first check, ``peak_bytes`` is what it added to the
-reserved memory at its peak (Paddle >= 3 resets the peak counter; on 2.6 the reserved memory only
-grows between two empty_cache calls, so what is reserved afterwards is that peak). It holds the
-runner's model, grads, activations, static buffers and graph pools. ``allocated_bytes`` is the
-allocated (not only reserved) memory it added: at its peak where Paddle can reset the peak
-counter (>= 3), else what it holds after its warmup and check (2.6). ``pool_bytes`` is what its
-graphs' captures reserved, from the wrappers' stats() (NOTE [ Graph pool bytes ] in
-core/entry.py; 0 for eager, and for raw replay the reserved growth across its one capture).
-``startup_ms`` is the wall
-time of its first 3 steps (warmup, capture, first replay for a block with warmup_steps=1, synced)
-with the model's set-up; ``capture_ms`` sums the host time of its captures (``stats()["capture_ms"]``).
-
+the reserved bytes noted; after its warmup, before its first check (an eager twin a check builds is
+not the runner's memory), ``peak_bytes`` is what it added to the reserved memory at its peak: Paddle
+>= 3 resets the peak counter; on 2.6 the reserved memory only grows between two releases, so the
+peak is the larger of what is reserved then and what was reserved right before each release the
+package made before a capture (NOTE [ Allocator cache before a capture ] in
+backends/pool_memory.py: a per-layer runner's eager warmup may peak before its graphs are
+captured). It holds the runner's model, grads, activations, static buffers and graph pools.
+``allocated_bytes`` is the allocated (not only reserved) memory it added: at its peak where Paddle
+can reset the peak counter (>= 3), else what it holds after its warmup (2.6). ``pool_bytes`` is
+what its graphs' captures reserved, from the wrappers' stats() (NOTE [ Graph pool bytes ] in
+core/entry.py; 0 for eager, and for raw replay the reserved growth across its one capture), and
+``held_bytes`` all a wrapper's graphs hold by the package's own accounting (NOTE [ What a key
+holds ] in core/memory.py: static buffers outside the pools and the pools). Raw replay releases
+the allocator's cache before its capture, as the package does, so that its row is the floor of
+memory too. ``startup_ms`` is the wall
 NOTE [ Bench checks ]
 Every runner's results are compared bit for bit with an eager reference of the same step after
 its warmup and again after it was timed, and every graphed runner's counters must show a capture
@@ -29,6 +32,7 @@ check is recorded in the row next to the time, never dropped. A runner that cann
 option this version lacks, a kernel this GPU lacks, an error) gets a null time and the reason.
 """
 
+import contextlib
 import gc
 import sys
 import time
@@ -124,9 +128,10 @@ class Entry:
     """A runner with its check (returns failure messages; None for an eager baseline with nothing to
     compare against), its counters and its clean-up."""
 
-    def __init__(self, runner, check, counters=None, cleanup=None, capture_ms=None, pool_bytes=None):
+    def __init__(self, runner, check, counters=None, cleanup=None, capture_ms=None, pool_bytes=None, held_bytes=None):
         self.runner, self.check = runner, check
         self.pool_bytes = pool_bytes or (lambda: 0)
+        self.held_bytes = held_bytes or (lambda: None)  # NOTE [ What a key holds ] in core/memory.py
         self.counters = counters or (lambda: None)
         self.cleanup = cleanup or (lambda: None)
         self.capture_ms = capture_ms or (lambda: [])  # host ms of each key's capture
@@ -137,7 +142,27 @@ class DeviceMemory:
     runner ]); None without CUDA (a smoke run)."""
 
     def __init__(self, cuda):
-        self.cuda, self.base = cuda, None
+        self.cuda, self.base, self.high = cuda, None, 0
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Notes what is reserved right before every release the package makes (Paddle 2.6 has no
+        peak counter to reset: NOTE [ Peak memory and start-up per runner ])."""
+        mod = paddle.device.cuda if self.cuda else None
+        release = getattr(mod, "empty_cache", None)
+        if release is None:
+            yield
+            return
+
+        def noted():
+            self.high = max(self.high, mod.memory_reserved())
+            release()
+
+        mod.empty_cache = noted
+        try:
+            yield
+        finally:
+            mod.empty_cache = release
 
     def start(self):
         if not self.cuda:
@@ -148,7 +173,7 @@ class DeviceMemory:
         reset = getattr(mod, "reset_max_memory_reserved", None)
         if reset is not None:
             reset()
-        self.base = mod.memory_reserved()
+        self.base = self.high = mod.memory_reserved()
         reset = getattr(mod, "reset_max_memory_allocated", None)
         if reset is not None:
             reset()
@@ -165,7 +190,8 @@ class DeviceMemory:
         if not self.cuda:
             return None
         mod = paddle.device.cuda
-        top = mod.max_memory_reserved() if hasattr(mod, "reset_max_memory_reserved") else mod.memory_reserved()
+        top = mod.max_memory_reserved() if hasattr(mod, "reset_max_memory_reserved") else max(
+            mod.memory_reserved(), self.high)
         return int(top - self.base)
 
 
@@ -242,7 +268,8 @@ def graphed_entry(s, name, options, keeps_grads=False):
     return Entry(Runner(name, counting_step, s.sync, short), check, counters,
                  lambda: [t.forward.reset() for t in targets],
                  lambda: [ms for t in targets for ms in _key_ms(t.forward.stats())],
-                 lambda: sum(t.forward.stats()["pool_bytes"] for t in targets))
+                 lambda: sum(t.forward.stats()["pool_bytes"] for t in targets),
+                 lambda: sum(t.forward.stats()["held_bytes"] for t in targets))
 
 
 def capture_raw(s, body):
@@ -276,6 +303,8 @@ def raw_entry(s):
 
     for _ in range(2):
         body()
+    if s.cuda:  # as the package does before a capture (NOTE [ Peak memory and start-up per runner ])
+        paddle.device.cuda.empty_cache()
     start = time.perf_counter()
     before = paddle.device.cuda.memory_reserved() if s.cuda else 0
     graph, static = capture_raw(s, body)
@@ -320,7 +349,7 @@ def whole_step_entry(s, name, with_sgd):
         raise Unavailable(NO_STEP)
     if with_sgd and s.cuda and cuda_skip_reason("all"):
         raise Unavailable(f"an SGD update needs Paddle's arithmetic kernels: {cuda_skip_reason('all')}")
-    body, twin = TrainStep(s.model(), with_sgd), TrainStep(s.model(), with_sgd)
+    body, twins = TrainStep(s.model(), with_sgd), []  # the eager twin is made by the first check (not this runner's memory)
     graphed = make(body, optimizers=body.optimizers, warmup_steps=2, backend=s.backend)
     counted, timed = [0], timed_call(graphed, s.x, s.dy)
 
@@ -329,6 +358,7 @@ def whole_step_entry(s, name, with_sgd):
         return timed()
 
     def check():  # with an update the twin catches up; then both take one more step
+        twin = twins[0] if twins else twins.append(TrainStep(s.model(), with_sgd)) or twins[0]
         while with_sgd and twin.calls < counted[0]:
             twin(s.x, s.dy)
         counted[0] += 1
@@ -343,7 +373,8 @@ def whole_step_entry(s, name, with_sgd):
     stats = getattr(graphed, "stats", None)
     return Entry(Runner(name, step, s.sync, short), check, (lambda: dict(stats())) if stats else None,
                  getattr(graphed, "reset", None), (lambda: _key_ms(stats())) if stats else None,
-                 (lambda: stats().get("pool_bytes", 0)) if stats else None)
+                 (lambda: stats().get("pool_bytes", 0)) if stats else None,
+                 (lambda: stats().get("held_bytes")) if stats else None)
 
 
 def eager_sgd_entry(s):
@@ -356,7 +387,8 @@ def eager_sgd_entry(s):
 
 #: Steps whose wall time is a runner's start-up (warmup, capture, first replay of a block).
 STARTUP_STEPS = 3
-RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "allocated_bytes", "pool_bytes", "startup_ms",
+RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "allocated_bytes", "pool_bytes", "held_bytes",
+               "startup_ms",
                "capture_ms")
 OPTION_NAMES = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS]
 PER_LAYER_OPTIONS = [f"autocudagraph_{opt.name}" for opt in SPEED_OPTIONS if opt.per_layer]
@@ -402,31 +434,34 @@ def _checked(entry):
 
 def _build(name, factory, warmup, out, memory, sync):
     """The runner's Entry, warmed up and checked, or None with the reason in ``out``; its peak
-    memory, start-up and capture times go to ``out`` too (NOTE [ Peak memory and start-up per
-    runner ])."""
+    memory (before the check: NOTE [ Peak memory and start-up per runner ]), start-up and capture
+    times go to ``out`` too."""
     memory.start()
     start = time.perf_counter()
-    try:
-        entry = factory()
-    except Unavailable as why:
-        out["why_null"][name] = str(why)
-        return None
-    except Exception as err:  # noqa: BLE001 - this runner's failure must not stop the others
-        out["why_null"][name] = f"could not be set up: {short(err)}"
-        return None
-    entry.runner.warm(STARTUP_STEPS)
-    sync()
-    out["startup_ms"][name] = (time.perf_counter() - start) * 1e3
-    entry.runner.warm(max(warmup - STARTUP_STEPS, 0))
+    with memory.watching():
+        try:
+            entry = factory()
+        except Unavailable as why:
+            out["why_null"][name] = str(why)
+            return None
+        except Exception as err:  # noqa: BLE001 - this runner's failure must not stop the others
+            out["why_null"][name] = f"could not be set up: {short(err)}"
+            return None
+        entry.runner.warm(STARTUP_STEPS)
+        sync()
+        out["startup_ms"][name] = (time.perf_counter() - start) * 1e3
+        entry.runner.warm(max(warmup - STARTUP_STEPS, 0))
+        sync()
     if entry.runner.error:
         out["why_null"][name] = f"failed in warmup: {entry.runner.error}"
         entry.cleanup()
         return None
-    out["checks"][name] = _checked(entry)
-    sync()
     out["peak_bytes"][name] = memory.peak()
     out["allocated_bytes"][name] = memory.allocated()
     out["pool_bytes"][name] = entry.pool_bytes()
+    out["held_bytes"][name] = entry.held_bytes()
+    out["checks"][name] = _checked(entry)
+    sync()
     keys = entry.capture_ms()
     if keys:
         out["capture_ms"][name] = {"keys": len(keys), "total_ms": sum(keys), "max_ms": max(keys)}

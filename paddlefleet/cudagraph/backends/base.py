@@ -167,7 +167,21 @@ def whole_step():
 
 
 class Graph:
-    """One captured graph. Subclasses implement ``capture``, ``replay`` and ``reset``."""
+    """One captured graph. Subclasses implement ``capture``, ``replay`` and ``reset``.
+
+    Attributes:
+        pool_bytes: device bytes its capture made the process reserve (its pool), or None where the
+            backend measures none (backends/pool_memory.py; NOTE [ What a key holds ] in core/memory.py).
+        cache_released: cached allocator bytes given back right before its capture (NOTE [ Allocator
+            cache before a capture ] in backends/pool_memory.py).
+        live: () -> whether it holds data a later step still reads, set by its owner, or None: never;
+            what: words naming it (NOTE [ Sharing a pool safely ] in backends/shared_pool.py).
+    """
+
+    pool_bytes = None
+    cache_released = 0
+    live = None
+    what = ""
 
     def capture(self, body, hooks=()):
         """Captures ``body()`` and returns what it returned (the static results).

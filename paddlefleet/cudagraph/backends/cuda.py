@@ -3,8 +3,8 @@
 This is the only module that imports ``paddle.device.cuda.graphs``. It detects what the
 installed Paddle can do instead of comparing version strings:
 
-* ``core.CUDAGraph.begin_capture_with_pool_id`` (Paddle >= 3.1): the forward and backward
-  graphs of one key are captured into one memory pool.
+* ``core.CUDAGraph.begin_capture_with_pool_id`` (Paddle >= 3.1): graphs can be captured into one
+  memory pool; a key's forward and backward share one where that is safe (NOTE [ One pool per key ]).
 * without it (Paddle 2.6): every capture gets a private pool.
 
 NOTE [ One pool per key ]
@@ -12,21 +12,25 @@ torch's and TransformerEngine's graphed callables put every graph of a model int
 capture all graphs up front, the forwards in call order and the backwards in reverse, and are
 then replayed in that same order, so memory one graph freed at the end of its capture (its
 temporaries) can hold data of a graph captured later, because by the next replay of the first
-graph that data is dead. Graphs here are captured lazily, one key at a time, when a key's first
-call after warmup comes, between eager calls of the other keys, and are replayed in whatever
-order calls come: keys of other shapes, re-captures after an eviction or a moved parameter,
-slots of forwards in flight (NOTE [ Slots ] in block/slots.py), a second grad buffer set
-captured at a later replay. A graph captured later into a shared pool may place what must
-survive until a later replay (its saved activations between forward and backward, its static
-outputs and grad buffers, handed out as aliases: NOTE [ Grad hand-out ] in grads/hand_out_plan.py)
-in memory an earlier graph uses as temporary space, and the earlier graph's next replay then
-overwrites it: silently wrong grads, for example when two micro-batches of different keys are in
-flight or a key of another shape replays between a forward and its backward. So one pool is
-shared only where the order is fixed: by the forward and backward graphs of one key (the
-backward is captured while the forward's saved activations are alive, and no other graph of the
-key replays between them). Sharing across keys would need every key's graphs captured together,
-in call order, before any replays: not what autocudagraph's per-key warmup does. What graphs hold
-is measured instead (NOTE [ Graph pool bytes ] in core/entry.py).
+graph that data is dead (NOTE [ Sharing a pool safely ] in shared_pool.py states the rule).
+Graphs here are captured lazily, one key at a time, when a key's first call after warmup comes,
+between eager calls of the other keys, and are replayed in whatever order calls come: keys of
+other shapes, re-captures after an eviction or a moved parameter, slots of forwards in flight
+(NOTE [ Slots ] in block/slots.py), a second grad buffer set captured at a later replay. A graph
+captured later into a shared pool may place what must survive until a later replay (its saved
+activations between forward and backward, its static outputs and grad buffers, handed out as
+aliases: NOTE [ Grad hand-out ] in grads/hand_out_plan.py) in memory an earlier graph uses as
+temporary space, and the earlier graph's next replay then overwrites it: silently wrong grads, for
+example when two micro-batches of different keys are in flight or a key of another shape replays
+between a forward and its backward. Within one key the same holds: its backward is captured after
+its forward, so a forward replay may overwrite the backward's static grads, which ``p.grad``
+aliases across micro-batches (grads accumulated over them). So keys never share a pool, and a
+key's forward and backward share one only where the backward's buffers are dead after every
+backward (grads handed out as copies, clone_param_grads=True, or accumulated in the graph);
+otherwise, and for a second grad buffer set, every graph gets its own (block/capture.py). Sharing
+across keys would need every key's graphs captured together, in call order, before any replays:
+not what autocudagraph's per-key warmup does. What graphs hold is measured instead (NOTE [ Graph
+pool bytes ] in core/entry.py).
 """
 
 import gc
@@ -38,6 +42,7 @@ from ..errors import CaptureError, CudaGraphError
 from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capturing
 from ..guards.host_guard import gpu_is_host, host_guard
+from .pool_memory import CaptureMeter, reserved
 from ..guards.value_shapes import refuse_value_shapes
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
@@ -190,7 +195,8 @@ class _CudaGraph(Graph):
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            with capturing(hooks):
+            # NOTE [ Allocator cache before a capture ] in pool_memory.py: released, then the pool measured.
+            with capturing(hooks), CaptureMeter(self, lambda: reserved(self._place)):
                 return self._capture(body)
         finally:
             if was_enabled:
@@ -273,7 +279,7 @@ class CudaBackend(Backend):
         return int(paddle.device.cuda.memory_reserved(self._place))
 
     def describe(self):
-        sharing = "forward and backward share one pool" if self.shares_pools else (
+        sharing = "a key's forward and backward share one pool where its grads are copies" if self.shares_pools else (
             "private pool per graph (no begin_capture_with_pool_id)"
         )
         return f"cuda ({sharing})"

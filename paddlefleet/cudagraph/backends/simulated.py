@@ -36,6 +36,8 @@ from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
 from ..guards.host_guard import host_guard
 from ..guards.host_marks import is_marked_host, mark_host
 from ..guards.python_output import python_output
+from .pool_memory import results_bytes
+from .shared_pool import PoolConflictError, SharedPool
 from ..guards.value_shapes import check_replay_shapes, refuse_value_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -122,7 +124,9 @@ def _flat_tensors(result):
 
 
 class _SimulatedGraph(Graph):
-    def __init__(self):
+    def __init__(self, pool_model=False, pool=None):
+        self._pool_model = pool_model
+        self._pool = pool if isinstance(pool, SharedPool) else None
         self._body = None
         self._hooks = ()
         self._static = None
@@ -140,11 +144,18 @@ class _SimulatedGraph(Graph):
         self._hooks = tuple(hooks)
         self._static = _flat_tensors(result)
         self._host_reads = host_reads if host_reads.values else None
+        if self._pool_model:  # SimulatedBackend.pool_model
+            self.pool_bytes = results_bytes(self._static)
+        if self._pool is not None:
+            self._pool.join(self)
         return result
 
     def replay(self):
         if self._body is None:
             raise CaptureError(NOT_CAPTURED)
+        conflict = self._pool.conflict(self) if self._pool is not None else None
+        if conflict is not None:  # NOTE [ Sharing a pool safely ] in shared_pool.py
+            raise PoolConflictError(f"autocudagraph: {conflict}. This sharing is refused.")
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
         # the body re-runs in the capture context (is_capturing() True, hooks entered), and
         # reads of host tensors return what they returned at capture.
@@ -166,6 +177,8 @@ class _SimulatedGraph(Graph):
     def reset(self):
         self._body = None
         self._static = None
+        if self._pool is not None:
+            self._pool.leave(self)
 
 
 class SimulatedBackend(Backend):
@@ -174,12 +187,17 @@ class SimulatedBackend(Backend):
     name = "simulate"
     shares_pools = True
     capture_executes = True
+    #: Model pools: every graph's pool bytes are the static results its capture made, where a GPU
+    #: pool holds them (backends/pool_memory.results_bytes), and graphs made with one pool share it
+    #: under the liveness rule (NOTE [ Sharing a pool safely ] in shared_pool.py). Off: pools are
+    #: neither measured nor modelled.
+    pool_model = False
 
     def new_pool(self):
-        return None
+        return SharedPool() if self.pool_model else None
 
     def new_graph(self, pool):
-        return _SimulatedGraph()
+        return _SimulatedGraph(self.pool_model, pool)
 
     def describe(self):
         return "simulate (CPU, static-buffer semantics, host syncs refused during capture)"

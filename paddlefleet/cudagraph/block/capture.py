@@ -35,12 +35,13 @@ within one graph.
 import contextlib
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import paddle
 
 from ..backends import function_errors
-from ..core import state
+from ..core import memory, state
 from ..guards.in_place_writes import InPlaceWrites
 from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
 from ..guards.rng import DrawGuard
@@ -151,11 +152,13 @@ class _BlockCapture:
         self.names = leaf_names(request.named)
         self.last_inputs = request.last_inputs or ()
         self.by_grad = by_grad
+        self.label = request.label
 
     def run(self):
         graphs = BlockGraphs(backend=self.backend, pool=self.backend.new_pool(), clone_outputs=self.opts.clone_outputs)
         try:
             self._capture(graphs)
+            _forward_liveness(graphs, self.label)  # NOTE [ Sharing a pool safely ] in backends/shared_pool.py
         except BaseException:
             if graphs.accumulators is not None:  # made for this capture: take them back
                 graphs.accumulators.undo()
@@ -286,12 +289,13 @@ class _BlockCapture:
         # parameter hooks, which a second capture would run once more; nor where the body accumulates.
         second = backward.bridged and acc is None and self.opts.clone_param_grads is not True and self.by_grad
         graphs.backward.sets = GradSets(graphs.backward.graph, backward.plan(results), backward if second else None)
+        _backward_liveness(graphs.backward.graph, graphs.backward.sets.sets[0][1], f"the backward graph of key {self.label}")
         if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
             acc.register(graphs)
 
     def _capture_backward(self, graphs, body):
         bwd = graphs.backward
-        bwd.graph = self.backend.new_graph(graphs.pool)
+        bwd.graph = self.backend.new_graph(graphs.pool if _shares_pool(bwd, self.opts) else self.backend.new_pool())
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
         guard = DrawGuard(backward=True)
         try:
@@ -332,7 +336,7 @@ def capture_second_backward(graphs):
         snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
         for layer in graphs.layers:
             snapshot.add(layer)
-        graph = backend.new_graph(graphs.pool)
+        graph = backend.new_graph(backend.new_pool())  # its grads live while the first set replays: NOTE [ Sharing a pool safely ]
         try:
             results = list(graph.capture(recipe.body, recipe.hooks))
         except Exception:  # contained: the first set keeps serving, with copies where adopted
@@ -343,7 +347,35 @@ def capture_second_backward(graphs):
             snapshot.restore()
             if backend.capture_executes:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
-    sets.add_second(graph, recipe.plan(results))
+    plan = recipe.plan(results)
+    _backward_liveness(graph, plan, "the second grad buffer set's backward graph")
+    sets.add_second(graph, plan)
+    memory.grown()  # max_bytes is checked again (NOTE [ What a key holds ] in core/memory.py)
+
+
+def _shares_pool(backward, opts):
+    """Whether a key's backward graph may share its forward's pool (NOTE [ Sharing a pool safely ] in
+    backends/shared_pool.py): only where its static grads are dead after every backward (handed out
+    as copies, or accumulated into the parameters' own grads), since a forward replay, earlier in the
+    pool, may overwrite them while a ``p.grad`` still aliases them."""
+    return not backward.bridged or opts.clone_param_grads is True
+
+
+def _forward_liveness(graphs, label):
+    """The forward graph holds live data while its backward is pending, or always where its static
+    outputs are handed out uncopied."""
+    ref = weakref.ref(graphs)
+    graph = graphs.fwd_graph
+    graph.what = f"the forward graph of key {label}"
+    graph.live = (lambda: True) if not graphs.clone_outputs else (
+        lambda: ref() is not None and ref().backward_pending())
+
+
+def _backward_liveness(graph, plan, what):
+    """A backward graph holds live data while a ``p.grad`` aliases one of its static grads."""
+    ref = weakref.ref(plan)
+    graph.what = what
+    graph.live = lambda: ref() is not None and bool(ref().adopted())
 
 
 def _refuse_objects_holding_tensors(out_consts):

@@ -101,8 +101,8 @@ class BlockBody(Body):
                       "the key waiting for its backward run eagerly (results stay correct).")
             return "capture of a new slot failed"
         budget = self.options.max_bytes
-        need = graphs.nbytes()
-        if budget is not None and entry.nbytes() + need > budget:
+        need = graphs.footprint().held  # NOTE [ What a key holds ] in core/memory.py
+        if budget is not None and entry.held_bytes() + need > budget:
             graphs.release()
             state.restore_rng(rng)  # the eager call that replaces the slot draws what eager would
             slots.refuse(f"another slot needs {need} bytes, and the key's slots would exceed max_bytes={budget}")
@@ -136,8 +136,7 @@ class BlockBody(Body):
                 return started
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
-            with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
-                capture_second_backward(graphs)
+            capture_second_backward(graphs)
         if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
             replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         else:

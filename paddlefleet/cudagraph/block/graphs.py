@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, List, Optional
 
 from ..core.body import Graphs
+from ..core.memory import footprint
 from ..io.static_inputs import nbytes
 
 __all__ = ["BlockGraphs", "BackwardGraphs"]
@@ -47,6 +48,10 @@ class BackwardGraphs:
     def nbytes(self):
         grads = [g for plan in self.plans() for g in plan.static_grads]
         return sum(nbytes(t) for group in (self.grad_outputs, grads) for t in group if t is not None)
+
+    def graphs(self):
+        """Every backward graph: the first, then the second grad set's."""
+        return [self.graph] + ([g for g, _ in self.sets.sets[1:]] if self.sets is not None else [])
 
     def release(self):
         if self.accumulators is not None:
@@ -164,6 +169,14 @@ class BlockGraphs(Graphs):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
         total += sum(nbytes(t) for t in self.static_outputs if t is not None)
         return total + (self.backward.nbytes() if self.backward is not None else 0)
+
+    def footprint(self):
+        """Bytes held, by component (NOTE [ What a key holds ] in core/memory.py)."""
+        bwd = self.backward
+        return footprint(self.static_inputs, self.static_outputs,
+                         bwd.grad_outputs if bwd is not None else (),
+                         [g for plan in self.plans() for g in plan.static_grads],
+                         [self.fwd_graph] + (bwd.graphs() if bwd is not None else []))
 
     def release(self):
         """Frees the graphs and drops every static buffer."""

@@ -99,6 +99,9 @@ class Slots:
     def nbytes(self):
         return sum(self.slot_bytes())
 
+    def footprint(self):  # NOTE [ What a key holds ] in core/memory.py: every slot
+        return sum((graphs.footprint() for graphs in self.all[1:]), self.all[0].footprint()) if self.all else None
+
     def backward_pending(self):
         return any(graphs.backward_pending() for graphs in self.all)
 

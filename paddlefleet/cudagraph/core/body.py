@@ -63,6 +63,9 @@ class Graphs(Protocol):
     def describe(self) -> str:
         """A line for explain() about this key, or ""."""
 
+    def footprint(self) -> Any:
+        """The device bytes held, by component: a Footprint (NOTE [ What a key holds ] in core/memory.py)."""
+
     def backward_pending(self) -> bool:
         """True while a forward replay waits for its backward (its graphs must stay); a body
         that runs its own backward never waits."""

@@ -1,6 +1,6 @@
 """The budgets of one wrapper (core/lifecycle.py asks; the entries move): ``max_graphs``, the keys
 that may warm up or hold graphs at once, and ``max_bytes``, the static buffers and graph pools all
-keys hold (least recently used keys are evicted beyond it; NOTE [ Graph pool bytes ] in core/entry.py)."""
+keys hold (least recently used keys are evicted beyond it; NOTE [ What a key holds ] in core/memory.py)."""
 
 from .entry import Phase
 
@@ -29,8 +29,8 @@ def enforce_max_bytes(entries, entry, budget, warn_once, evicted):
         return True
     own = entry.held_bytes()
     if own > budget:
-        reason = (f"its static buffers and graph pools need {own} bytes ({entry.nbytes()} static, {entry.pool_bytes} "
-                  f"pool), more than max_bytes={budget}")
+        reason = (f"its static buffers and graph pools need {own} bytes ({entry.footprint().describe()}), more than "
+                  f"max_bytes={budget}")
         entry.fall_back(reason)
         warn_once(
             ("max_bytes", id(entry)),

@@ -11,26 +11,27 @@ The lifecycle of a key (core/lifecycle.py asks for each move; the entry makes it
 
 import dataclasses
 import enum
-from contextlib import contextmanager
 import weakref
 from typing import Any, Optional
 
 from .host_cost import HostCost, measured
+from .memory import Footprint
 
 __all__ = ["Phase", "GraphEntry"]
 
 # NOTE [ Graph pool bytes ]
 # A graph's memory lives in a pool of its own (Paddle 2.6: one private pool per graph; Paddle
 # >= 3.1: the forward and backward graphs of one key share one, NOTE [ One pool per key ] in
-# backends/cuda.py): the activations the backward reads, the kernels' temporaries and whatever
-# the capture allocates. None of it is a static buffer, and stats()["static_bytes"] does not
-# show it. So every capture of a key (its first, a re-capture, a new slot, a second grad buffer
-# set) is measured: the device memory the process has reserved after the capture less what it
-# had before (``Backend.reserved_bytes``; memory a capture takes from memory already reserved is
-# not seen, so this is what the key made the process reserve). The key's ``pool_bytes`` is the
-# sum over its live graphs, back to 0 when they are released. max_bytes counts it with the static
-# buffers (core/budgets.py). The simulated backend has no device memory: its pool bytes are 0, and
-# explain() says "not measured" rather than a number.
+# backends/cuda.py): the static outputs and grad buffers, the activations the backward reads, the
+# kernels' temporaries and whatever the capture allocates. So every graph's capture is measured
+# by the backend that makes it (backends/pool_memory.py): the device memory the process has
+# reserved after the capture less what it had before (memory a capture takes from memory already
+# reserved is not seen, so this is what the graph made the process reserve). A key's pool bytes
+# are the sum over the graphs its record holds now (its forward and backward graphs, a second
+# grad set captured at a later replay, every slot), 0 once they are released; max_bytes counts
+# them with the static buffers outside the pools (NOTE [ What a key holds ] in core/memory.py).
+# The simulated backend has no device memory: its pools are not measured (explain() says "not
+# measured" rather than a number) unless it models them (SimulatedBackend.pool_model).
 
 
 class Phase(enum.Enum):
@@ -58,8 +59,6 @@ class GraphEntry:
             that cannot pay ] in core/host_cost.py).
         chain: the chain whose first call this key makes (chains/chain.py), or None.
         chain_note: why calls after this key's are not chained to it (chains/links.py), or "".
-        pool_bytes: device memory its live graphs' captures made the process reserve (NOTE
-            [ Graph pool bytes ]); 0 where the backend has none to measure (simulate).
         eager_if_slower: the key runs eagerly once its graphed calls were measured slower than
             its eager calls (the option; NOTE [ Graphed calls that cannot pay ]).
     """
@@ -86,7 +85,6 @@ class GraphEntry:
     chain: Any = None
     chain_note: str = ""
     eager_if_slower: bool = False
-    pool_bytes: int = 0
 
     def __post_init__(self):
         if self.host_cost is None:
@@ -102,18 +100,19 @@ class GraphEntry:
             return 0
         return self.graphs.nbytes()
 
-    def held_bytes(self):
-        """Bytes this key holds on the device: static buffers and graph pools (max_bytes counts both)."""
-        return self.nbytes() + self.pool_bytes
+    def footprint(self):
+        """The bytes its graphs hold, by component (NOTE [ What a key holds ] in core/memory.py)."""
+        return self.graphs.footprint() if self.graphs is not None else Footprint()
 
-    @contextmanager
-    def measuring_pool(self):
-        """Adds the device memory reserved inside the block to ``pool_bytes`` (NOTE [ Graph pool
-        bytes ]) when the block completes."""
-        before = self.backend.reserved_bytes()
-        yield
-        if before is not None:
-            self.pool_bytes += max(self.backend.reserved_bytes() - before, 0)
+    @property
+    def pool_bytes(self):
+        """Device memory its live graphs' captures made the process reserve (NOTE [ Graph pool
+        bytes ]); 0 where none is measured (simulate)."""
+        return self.footprint().pool or 0
+
+    def held_bytes(self):
+        """Bytes this key holds on the device, each once: what max_bytes counts (Footprint.held)."""
+        return self.footprint().held
 
     def backward_pending(self):
         """True while a forward replay of this key waits for its backward."""
@@ -146,7 +145,6 @@ class GraphEntry:
             self.graphs.release()
         self.graphs = None
         self.chain = None
-        self.pool_bytes = 0
 
     def to_recapture(self):
         """Drops the graphs; the next call of this key captures again (no warmup)."""

@@ -18,7 +18,7 @@ from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_erro
 from ..guards.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
-from . import host_cost
+from . import host_cost, memory
 from .call import Call
 from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
@@ -106,6 +106,7 @@ class Lifecycle(Reports, Views):
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
         self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
+        self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -230,8 +231,7 @@ class Lifecycle(Reports, Views):
         start = time.perf_counter()
         try:
             named = self._keys.named_arguments(call.args, call.kwargs)
-            with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
-                graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
+            graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
         except Exception as err:  # contained: this key runs eagerly from now on
             _raise_own_error(self.counters, entry, err)  # NOTE [ The function's own exceptions ]
             reason = f"{type(err).__name__}: {err}"
@@ -289,8 +289,7 @@ class Lifecycle(Reports, Views):
         entry.remember_inputs(call.tensors)
         named = self._keys.named_arguments(call.args, call.kwargs)
         start = time.perf_counter()
-        with entry.measuring_pool():  # NOTE [ Graph pool bytes ] in core/entry.py
-            refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
+        refused = self._body.add_slot(entry, call, named, last_inputs, self._warn_once)
         if refused is not None:
             return self._eager(call, refused)
         logger.info("%s(%s): captured another slot of key %s in %.1f ms on %s", self._body.api, self.__name__,
@@ -323,6 +322,9 @@ class Lifecycle(Reports, Views):
         """Replays ``entry`` for ``call`` (or counts ``replayed``, a call the body served)."""
         result, copied, skipped, then = replayed or self._body.replay(entry, call, copy)
         entry.last_used = self._tick
+        if memory.growth() != self._growth:  # a second grad set was captured: NOTE [ What a key holds ]
+            self._growth = memory.growth()
+            enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted)
         if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
             entry.fall_back(then.reason)
             self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")

@@ -20,6 +20,7 @@ import warnings
 import paddle
 
 from ..guards.location import user_stacklevel
+from .memory import Footprint
 
 __all__ = ["Counters", "Reports", "describe_entries", "describe_call", "distinct_labels", "explain", "slot_stats", "summarize"]
 
@@ -165,6 +166,11 @@ def summarize(counters, entries):
     # NOTE [ Graph pool bytes ] in core/entry.py: 0 on a backend without device memory (simulate).
     out["pool_bytes"] = sum(e.pool_bytes for e in entries)
     out["key_pool_bytes"] = {e.label: e.pool_bytes for e in entries if e.has_graphs}
+    # NOTE [ What a key holds ] in core/memory.py: every component, and the sum max_bytes counts.
+    held = [(e.label, e.footprint()) for e in entries if e.has_graphs]
+    out["held_bytes"] = sum(f.held for _, f in held)
+    out["memory"] = sum((f for _, f in held), Footprint()).as_dict()
+    out["key_memory"] = {label: f.as_dict() for label, f in held}
     out.update(slot_stats(entries))
     return out
 
@@ -192,6 +198,8 @@ def describe_entries(entries):
                 "replays": entry.replays,
                 "fallback_reason": entry.fallback_reason,
                 "static_bytes": entry.nbytes(),
+                "memory": entry.footprint().as_dict() if entry.has_graphs else None,  # NOTE [ What a key holds ]
+                "holds": entry.footprint().describe() if entry.has_graphs else "",
                 "pool_bytes": entry.pool_bytes if entry.backend is not None and
                 entry.backend.reserved_bytes() is not None else None,
                 "input_copies": entry.input_copies,
@@ -223,10 +231,8 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
             1 x capture failed
     """
     entries = list(entries)
-    lines = [
-        f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, "
-        f"{stats['static_bytes']} static bytes, {stats['pool_bytes']} graph pool bytes"
-    ]
+    lines = [f"{api}({name}): {stats['keys']} key(s), {stats['graphs']} holding graphs, {stats['static_bytes']} static "
+             f"bytes, {stats['pool_bytes']} graph pool bytes, {stats['held_bytes']} bytes held"]
     backends = {e.backend.describe() for e in entries if e.backend is not None}
     if backends:
         lines.append(f"  backend: {'; '.join(sorted(backends))}")
@@ -240,6 +246,7 @@ def explain(name, stats, entries, counters, api="autocudagraph"):
             f"input copies {row['input_copies']} made, "
             f"{row['input_copies_skipped']} skipped"
         )
+        line += f"; {row['holds']}" if row["holds"] else ""  # NOTE [ What a key holds ] in core/memory.py
         if row["slot_bytes"]:
             sizes = sorted(set(row["slot_bytes"]))
             line += f"; {len(row['slot_bytes'])} slot(s) of {' / '.join(map(str, sizes))} static bytes each"
@@ -313,7 +320,9 @@ class Reports:
         """Counters of this wrapper plus ``graphs`` (keys holding graphs now), ``keys``,
         ``static_bytes``, ``grad_copies`` (by the keys holding graphs now), ``slots``, ``slot_bytes``,
         ``capture_ms`` (``{key label: host ms of its latest capture}``) and ``key_bytes`` (``{key
-        label: bytes of its static buffers}``, keys holding graphs): summarize()."""
+        label: bytes of its static buffers}``, keys holding graphs), ``held_bytes`` (what max_bytes counts),
+        ``memory`` and ``key_memory`` (every component, all keys and per key label: NOTE [ What a key
+        holds ] in core/memory.py): summarize()."""
         return summarize(self.counters, self._entries.values())
 
     def report(self):

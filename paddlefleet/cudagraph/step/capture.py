@@ -143,7 +143,7 @@ class StepCapture:
         rolled_back = list(body.optimizers) + [opt for _, opt in _unlisted_optimizers(body)]
         rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
         # NOTE [ What a failed recording capture leaves ] in step/rollback.py
-        grads = GradValues(step_params(rolled_back, roots=[body.fn])) if rollback is None else None
+        grads = GradValues(step_params(rolled_back, roots=[body.fn]), recording=True) if rollback is None else None
         rng = state.rng_snapshot()
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]

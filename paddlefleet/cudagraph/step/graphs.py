@@ -1,5 +1,17 @@
 """What one capture of a whole step made: ``StepGraphs``, the step's graph, its static buffers and what
 a replay checks and feeds. Made by step/capture.py, read by step/body.py and step/replay_checks.py.
+
+NOTE [ What a whole step holds ]
+Beyond what eager holds (parameters, optimizer state, grads kept between calls in persistent mode),
+a captured step holds: a static buffer per batch tensor it copies (none for an adopted one), its
+static outputs, and one pool (the activations, the grads of a step that clears them, the
+optimizer's temporaries: what its one graph allocates). Nothing else stays: the graph reads and
+writes the parameters and optimizer state in place. Around its capture it takes the grads
+(GradValues: by storage on a GPU, NOTE [ What a failed recording capture leaves ] in
+step/rollback.py) and, on the simulated backend only, a copy of the state it may write (Rollback);
+both go when the capture ends. What it adds over a raw replay of one graph of the same step is
+then its warmup's cached blocks, and those are released before the capture (NOTE [ Allocator
+cache before a capture ] in backends/pool_memory.py).
 """
 
 import dataclasses
@@ -8,6 +20,7 @@ from typing import Any, List, Optional
 from paddle import _C_ops
 
 from ..core.body import Graphs
+from ..core.memory import footprint
 from .grad_slots import CLOSED, PERSISTENT
 from ..io.static_inputs import nbytes
 
@@ -61,6 +74,10 @@ class StepGraphs(Graphs):
     def nbytes(self):
         total = self.static_inputs.nbytes() if self.static_inputs is not None else 0
         return total + sum(nbytes(t) for t in self.static_outputs if t is not None)
+
+    def footprint(self):
+        """Bytes held, by component (NOTE [ What a key holds ] in core/memory.py: the grads live in the pool)."""
+        return footprint(self.static_inputs, self.static_outputs, graphs=[self.graph])
 
     def hand_out(self):
         """Detached copies of the static outputs, which the next replay overwrites (the graph's

@@ -167,7 +167,8 @@ class Rollback:
 
 
 class GradValues:
-    """The grads of ``params`` (None, or a copy), put back by ``restore()``.
+    """The grads of ``params`` (None, or their values), put back by ``restore()``; ``recording``:
+    the capture writes no device memory (NOTE [ What a failed recording capture leaves ]).
 
     NOTE [ What a failed recording capture leaves ]
     A CUDA capture records kernels without running them, so no tensor's values change; but the
@@ -175,11 +176,15 @@ class GradValues:
     None, a clear released others. Left so, the eager call that replaces a failed capture would
     add its grads into those (measured: wrong parameters from the capture step on, two H200s,
     Paddle 2.6.2). So the grads of the step's parameters are taken before every capture, also a
-    recording one, and put back when it fails."""
+    recording one, and put back when it fails. A recording capture writes no device memory, so a
+    device grad is kept by its storage (a tensor of its own over the same memory, ``_slice``;
+    ``detach()`` shares the grad's tensor itself, which a clear releases), not copied: copies were
+    a whole set of grads more at the capture, which the allocator kept reserved after it. A host
+    grad is copied (host kernels run during a capture)."""
 
-    def __init__(self, params):
+    def __init__(self, params, recording=False):
         with paddle.no_grad():
-            self._grads = [(p, _grad_copy(p)) for p in params]
+            self._grads = [(p, _grad_copy(p, recording)) for p in params]
 
     def restore(self):
         with paddle.no_grad():
@@ -189,7 +194,8 @@ class GradValues:
                     if g is not None:
                         p.clear_gradient(False)
                 elif g is not None and g._is_initialized():
-                    g.copy_(saved, False)
+                    if g.data_ptr() != saved.data_ptr():  # a shared storage holds its values already
+                        g.copy_(saved, False)
                 else:  # released by the capture step (clear_grad(set_to_zero=False))
                     p.grad = saved
 
@@ -202,6 +208,14 @@ def step_params(optimizers, roots=()):
     return list(params.values())
 
 
-def _grad_copy(p):
+def _grad_copy(p, recording=False):
     g = p.grad
-    return None if g is None or not g._is_initialized() else g.clone()
+    if g is None or not g._is_initialized():
+        return None
+    if recording and not _on_host(g) and len(g.shape) > 0 and hasattr(g, "_slice"):
+        return g._slice(0, g.shape[0])  # no copy: NOTE [ What a failed recording capture leaves ]
+    return g.clone()
+
+
+def _on_host(t):
+    return t.place.is_cpu_place()
