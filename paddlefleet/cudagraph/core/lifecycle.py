@@ -70,6 +70,11 @@ _IN_FLIGHT = (
     "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
     "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
+_ENDLESS = (
+    "key {label} runs eagerly from now on: {reason}. Keep a value that changes on every call out of the "
+    "Layer's attributes (count calls outside the model, or in a tensor buffer updated in place, which a graph "
+    "replays), or call .reset() once it stops changing.")
+
 #: Why a graphed call made inside autocudagraph_step runs eagerly (explain() of both says it).
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
@@ -258,6 +263,8 @@ class Lifecycle(Reports, Views):
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.warning is not None:
             self._warn_once(("blocked", blocked.reason), blocked.warning)
+        if blocked is not None and blocked.changed is not None and (endless := entry.attr_changed(blocked.changed)):
+            return _endless(self, entry, call, endless)  # NOTE [ Attributes that change on every call ] in core/entry.py
         if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
@@ -334,6 +341,14 @@ class Lifecycle(Reports, Views):
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _endless(lifecycle, entry, call, reason):
+    """``entry`` runs eagerly for good: a Layer attribute changes before every call (NOTE [ Attributes
+    that change on every call ] in core/entry.py)."""
+    entry.fall_back(reason)
+    lifecycle._warn_once(("endless", id(entry)), _ENDLESS.format(label=entry.label, reason=reason))
+    return lifecycle._eager(call, f"key fell back: {reason}")
 
 
 def _verified_call(lifecycle, entry, call, copy):
