@@ -17,7 +17,7 @@ from . import saved_hooks
 from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_error, resolve_backend
 from ..backends.paddle_patches import install_process_patches
 from .body import Action
-from .budgets import budget_allows, enforce_max_bytes
+from .budgets import Places, enforce_max_bytes
 from . import host_cost
 from .call import Call
 from .keys import BoundSignature, KeyMaker, rekeyed
@@ -111,6 +111,7 @@ class Lifecycle(Reports, Views):
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
         self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
+        self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -139,6 +140,7 @@ class Lifecycle(Reports, Views):
         self._entries.clear()
         self._latest = None
         self._slower = None
+        self._places.clear()
         self._warned.clear()
         self.counters = Counters()
 
@@ -189,9 +191,7 @@ class Lifecycle(Reports, Views):
                 return entry.host_cost.timed_eager(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
-            if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
-                return self._eager(call, "max_graphs reached")
-            return self._recapture(entry, call)
+            return self._recapture(entry, call) if _admitted(self, entry) else self._eager(call, "max_graphs reached")
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
 
     def _nested(self):
@@ -223,7 +223,7 @@ class Lifecycle(Reports, Views):
             return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named),
                            eager_if_slower=self._options.eager_if_slower)
-        if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
+        if not _admitted(self, entry):
             self._last_refusal = "max_graphs reached"
             return None
         self._entries[key] = entry
@@ -341,6 +341,25 @@ class Lifecycle(Reports, Views):
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _admitted(lifecycle, entry):
+    """Whether ``entry`` gets a place under max_graphs; the key that gives it its place is dropped (in
+    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py."""
+    ok, victim = lifecycle._places.admit(lifecycle._entries, entry, lifecycle._tick, lifecycle._options.max_graphs,
+                                         lifecycle._warn_once)
+    if victim is None:
+        return ok
+    lifecycle.counters.evictions += 1
+    if victim.has_graphs:
+        victim.evict()
+    else:
+        del lifecycle._entries[victim.key]
+        if lifecycle._latest is victim:
+            lifecycle._latest = None
+    logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
+                lifecycle._body.api, lifecycle.__name__, victim.label, lifecycle._options.max_graphs, entry.label)
+    return ok
 
 
 def _endless(lifecycle, entry, call, reason):

@@ -117,14 +117,21 @@ class Counters:
             raise AssertionError(f"counter changes {got} != expected {deltas}")
 
 
+class Label(str):
+    """A key's readable label (a str) that keeps its ``parts``: ``[(argument, its description)]``, which
+    the max_graphs warning compares between keys (core/budgets.py varying_parts)."""
+
+    parts = ()
+
+
 def _describe(name, value, host_ids, parts):
     if isinstance(value, paddle.Tensor):
-        part = f"{name}: {str(value.dtype).replace('paddle.', '')}{list(value.shape)}"
+        part = f"{str(value.dtype).replace('paddle.', '')}{list(value.shape)}"
         if not value.stop_gradient:
             part += " grad"
         if id(value) in host_ids:
             part += f" on CPU = {value.numpy().tolist()}"
-        parts.append(part)
+        parts.append((name, f"{name}: {part}"))
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _describe(f"{name}[{i}]", v, host_ids, parts)
@@ -132,22 +139,24 @@ def _describe(name, value, host_ids, parts):
         for k, v in value.items():
             _describe(f"{name}[{k!r}]", v, host_ids, parts)
     elif isinstance(value, paddle.nn.Layer):
-        parts.append(f"{name}: {type(value).__name__}")
+        parts.append((name, f"{name}: {type(value).__name__}"))
     else:
         text = repr(value)
-        parts.append(f"{name}={text if len(text) <= 40 else text[:37] + '...'}")
+        parts.append((name, f"{name}={text if len(text) <= 40 else text[:37] + '...'}"))
 
 
 def describe_call(named_arguments, host_tensors=(), user_key=None):
     """A short readable description of a key, e.g. ``(x: float32[8, 16] grad, n: int64[1] on
-    CPU = [3], mode='train')``, or ``dispatch key ...`` for a key from dispatch_key_fn."""
+    CPU = [3], mode='train')``, or ``dispatch key ...`` for a key from dispatch_key_fn: a Label."""
     if user_key is not None:
-        return f"dispatch key {user_key!r}"
+        return Label(f"dispatch key {user_key!r}")
     parts = []
     host_ids = {id(t) for t in host_tensors}
     for name, value in named_arguments:
         _describe(name, value, host_ids, parts)
-    return "(" + ", ".join(parts) + ")"
+    label = Label("(" + ", ".join(text for _, text in parts) + ")")
+    label.parts = tuple(parts)
+    return label
 
 
 def summarize(counters, entries):
