@@ -10,7 +10,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from paddlefleet.cudagraph.core.keys import Key, StateKey
-from paddlefleet.cudagraph.core.stats import distinct_labels
+from paddlefleet.cudagraph.core.explain import distinct_labels
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
 LOGGER = "paddlefleet.cudagraph"

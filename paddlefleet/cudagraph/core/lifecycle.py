@@ -25,7 +25,8 @@ from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, Reports
+from .explain import Reports
+from .stats import Counters
 from .views import Views
 
 __all__ = ["Lifecycle"]
