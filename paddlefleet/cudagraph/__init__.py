@@ -27,6 +27,7 @@ from .core import cross_entropy, layer_attrs, saved_hooks  # noqa: F401  (cross_
 from .grads import hook_registry
 from .chains import outputs as chain_outputs
 from .api import autocudagraph
+from .core.explain import explain_model, report_model
 from .backends import is_capturing, paddle_patches
 from .step.grad_scaler import GraphGradScaler
 from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBackwardError, StaleOutputError
@@ -46,6 +47,8 @@ __all__ = [
     "__version__",
     "autocudagraph",
     "autocudagraph_step",
+    "explain_model",
+    "report_model",
     "GraphGradScaler",
     "is_capturing",
     "GraphOptions",

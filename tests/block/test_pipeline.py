@@ -257,7 +257,8 @@ class SlotsApiTest(unittest.TestCase):
         self.assertEqual(len(sizes), 3)
         self.assertEqual(sum(sizes), stats["static_bytes"])
         self.assertGreater(min(sizes), 0)
-        self.assertIn(f"3 slot(s) of {sizes[0]} static bytes each", layer.forward.explain())
+        self.assertIn(f"{stats['static_bytes']} static bytes in 3 slots of {sizes[0]} static bytes each",
+                      layer.forward.explain())
         for y in reversed(ys):
             y.sum().backward()
         self.assertEqual(layer.forward.stats()["slots"], 3)
