@@ -238,6 +238,17 @@ class StepValueCases(MatmulOnlyCase):
         self.assertCounters(step, captures=2, replays=2, eager=0)
         self.assertTrue(any("attribute 'times' of Outer.inner" in m for m in messages), messages)
 
+    def test_an_attribute_changed_after_every_step_runs_the_step_eagerly(self):
+        """A step counter kept as a plain attribute (``model.inner.seen = i`` after every step): the step
+        warms up and is captured again 3 times in a row without a replay, then runs eagerly for good."""
+        def change(i, model):
+            model.inner.seen = i
+
+        step, messages = self.run_step(self.build_step(Outer), 12, change)
+        self.assertCounters(step, captures=4, replays=0, eager=4)
+        self.assertEqual(len([m for m in messages if "runs eagerly from now on" in m]), 1, messages)
+        self.assertIn("attribute 'seen' of Outer.inner changed before every call", step.explain())
+
 
 class SetItemScalarTest(unittest.TestCase):
     """``t[i] = v`` with a Python scalar runs in C++ without a ``_C_ops`` call: the value is a kernel

@@ -522,6 +522,16 @@ class TestDispatch(BackendCase):
         self.assertIn("The keys differ in argument 'x' (float32[1, 8], float32[2, 8], float32[3, 8], "
                       "float32[4, 8], ...): pad 'x' to a few sizes", full[0])
 
+    def test_the_max_graphs_warning_names_a_value_that_varies(self):
+        g = self.graphed(lambda x, scale: x * scale, warmup_steps=0, max_graphs=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for scale in (1.0, 2.0, 3.0):
+                g(paddle.randn([2, 2]), scale)
+        [full] = [str(c.message) for c in caught if "max_graphs=2" in str(c.message)]
+        self.assertIn("The keys differ in argument 'scale' (1.0, 2.0, 3.0), a value each key holds: pass it as a "
+                      "tensor", full)
+
     def test_a_key_whose_backward_is_pending_keeps_its_place(self):
         # max_graphs=1: key A's forward waits for its backward; key B, called three times, may not take
         # its place until that backward ran, and then does (A released, captured again when it gets back).

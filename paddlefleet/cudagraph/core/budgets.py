@@ -92,8 +92,12 @@ def _full_message(max_graphs, live, entry):
     if varying:
         name, texts = next(iter(varying.items()))
         shown = ", ".join(texts[:4]) + (", ..." if len(texts) > 4 else "")
-        what = (f" The keys differ in argument '{name}' ({shown}): pad '{name}' to a few sizes, or return a "
-                f"few keys for it from dispatch_key_fn (e.g. its padded size); or raise max_graphs.")
+        if all("[" in text for text in texts):  # tensors: their shapes (or dtypes) differ
+            what = (f" The keys differ in argument '{name}' ({shown}): pad '{name}' to a few sizes, or return a "
+                    f"few keys for it from dispatch_key_fn (e.g. its padded size); or raise max_graphs.")
+        else:  # a Python value is part of the key
+            what = (f" The keys differ in argument '{name}' ({shown}), a value each key holds: pass it as a "
+                    "tensor, return None from dispatch_key_fn for its rare values, or raise max_graphs.")
     elif getattr(entry.key, "user", False):
         what = " dispatch_key_fn returned that many distinct keys: return fewer, or raise max_graphs."
     else:
