@@ -30,13 +30,14 @@ forward waiting for a backward that never comes: while its outputs live (a loss 
 evaluation, outputs kept in a list) every slot stays pending, and new slots would be captured for
 nothing (each with its own static buffers and pool). What tells such calls apart from pipeline
 micro-batches, whose backward comes: forwards whose autograd graph was freed before their backward
-ran (``forward replays - backward replays - the one still pending`` per slot; ``backwards`` counts
-a slot's backward replays). When every slot is pending and a forward of the key was freed without
-its backward since the key's latest backward, no slot is captured: the call runs eagerly, and the
-warning says that the outputs needed grad and no backward came, and suggests ``paddle.no_grad()``
-(a no_grad call gets a forward-only graph that saves nothing and never waits). A backward resets
-that count, so pipeline training after such an evaluation captures the slots it needs. Past the
-cap, the warning leads with ``no_grad`` while no backward of the key ever ran.
+ran. A slot's forwards run one at a time and a backward runs only for the latest, so the forwards
+of a slot after the one whose backward ran last (``answered``, a generation) got none; all but a
+pending one were freed without it. When every slot is pending and some slot has such a forward, no
+slot is captured: the call runs eagerly, and the warning says that the outputs needed grad and no
+backward came, and suggests ``paddle.no_grad()`` (a no_grad call gets a forward-only graph that
+saves nothing and never waits). Each slot's next backward clears its count, so pipeline training
+after such an evaluation captures the slots it needs from its second step on. Past the cap, the
+warning leads with ``no_grad`` while no backward of the key ever ran.
 
 The Slots object stands where the entry keeps a key's graphs: it answers the entry's questions
 (nbytes, backward_pending, release, describe, grad_copies) for all slots together, and reads as
@@ -81,7 +82,6 @@ class Slots:
         self.current = first
         self.cap = cap
         self.refused = None  # why no further slot is made (a failed slot capture, max_bytes)
-        self._answered = (0, 0)  # (backwards, forwards freed without one) at the latest backward seen
 
     def __getattr__(self, name):
         # Only for names Slots does not define: the slot serving the latest call answers.
@@ -100,13 +100,11 @@ class Slots:
         return False
 
     def unanswered(self):
-        """``(backwards, freed)``: backward replays of all slots, and forwards freed without their backward
-        since the latest of them (NOTE [ Outputs that need grad, and no backward ])."""
-        backwards = sum(graphs.backwards for graphs in self.all)
-        freed = sum(graphs.generation - graphs.backwards - graphs.backward_pending() for graphs in self.all)
-        if backwards != self._answered[0]:
-            self._answered = (backwards, freed)
-        return backwards, freed - self._answered[1]
+        """``(answered, freed)``: whether a backward of any slot ran, and the forwards freed without their
+        backward since each slot's latest backward (NOTE [ Outputs that need grad, and no backward ])."""
+        answered = any(graphs.answered for graphs in self.all)
+        freed = sum(graphs.generation - graphs.answered - graphs.backward_pending() for graphs in self.all)
+        return answered, freed
 
     def blocked(self):
         """Why a call finds no free slot: a new slot to capture, or eager past the cap or when earlier
@@ -114,13 +112,13 @@ class Slots:
         cap = self.cap
         if self.refused is not None:
             return Blocked(Action.EAGER, f"every slot has a pending backward and no further slot is made: {self.refused}")
-        backwards, freed = self.unanswered()
+        answered, freed = self.unanswered()
         if freed:
             return Blocked(Action.EAGER, _NO_BACKWARD_REASON, _NO_BACKWARD.format(freed=freed, slots=len(self.all)))
         if len(self.all) < cap:
             return Blocked(Action.NEW_SLOT, f"every slot has a pending backward ({len(self.all)} of max_inflight={cap})")
         return Blocked(Action.EAGER, f"all {cap} slots have a pending backward (max_inflight={cap})",
-                       _PAST_CAP.format(cap=cap) + (_EVALUATION if not backwards else _PIPELINE))
+                       _PAST_CAP.format(cap=cap) + (_EVALUATION if not answered else _PIPELINE))
 
     def add(self, graphs):
         """A new slot, current from now on."""

@@ -33,7 +33,7 @@ def describe_entries(entries):
       again at its next call) or "fallback" (eager for good, ``fallback_reason`` says why);
     * counts: ``warmup_calls``, ``captures``, ``recaptures``, ``replays``, ``verified_replays``,
       ``evictions``, ``input_copies``, ``input_copies_skipped``, ``no_backward`` (calls whose outputs needed
-      grad and were freed without a backward since the key's latest backward);
+      grad and were freed without a backward, since each slot's latest backward);
     * bytes: ``static_bytes``, ``slot_bytes`` (per slot), ``pool_bytes`` (None where not measured);
     * ``capture_ms``; ``host_us``: ``{"eager", "graphed", "chained"}`` host microseconds per forward call
       (lower quartiles, None where not measured) and ``host_cost``, the same in words;
