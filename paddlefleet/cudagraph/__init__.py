@@ -42,6 +42,7 @@ from .guards import layer_attrs, paddle_patches, saved_hooks
 from .grads import hook_registry
 from .chains import outputs as chain_outputs
 from .api import autocudagraph
+from .core.explain import explain_model, report_model
 from .backends import is_capturing
 from .step.grad_scaler import GraphGradScaler
 from .errors import CaptureError, CudaGraphError, InputMismatchError, PendingBackwardError, StaleOutputError
@@ -61,6 +62,8 @@ __all__ = [
     "__version__",
     "autocudagraph",
     "autocudagraph_step",
+    "explain_model",
+    "report_model",
     "GraphGradScaler",
     "is_capturing",
     "GraphOptions",

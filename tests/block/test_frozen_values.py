@@ -50,6 +50,18 @@ class Twice(paddle.nn.Layer):
         return x
 
 
+class Counting(Flagged):
+    """Flagged that counts its calls in a plain attribute (``self.calls += 1`` in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
 class Outer(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
@@ -115,6 +127,32 @@ class LayerAttributeCases(MatmulOnlyCase):
         messages = self.run_twins(graphed, eager, 6, 3, lambda m: setattr(m.inner, "times", 2))
         self.assertCounters(graphed.forward, captures=2, replays=3, eager=0)
         self.assertTrue(any("attribute 'times' of Outer.inner" in m and "1 -> 2" in m for m in messages), messages)
+
+    def test_an_attribute_changed_by_every_call_runs_eagerly_after_three_captures_again(self):
+        """``self.calls += 1`` in forward: captured again 3 times in a row without a replay, then the key
+        runs eagerly for good, with one warning and the attribute and its values in explain()."""
+        graphed, eager = self.twins(Counting, 44)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        messages = self.run_twins(graphed, eager, 10, None, None)
+        self.assertCounters(graphed.forward, captures=4, recaptures=3, replays=0, eager=5, graphs=0)
+        endless = [m for m in messages if "runs eagerly from now on" in m]
+        self.assertEqual(len(endless), 1, messages)
+        self.assertIn("attribute 'calls' of Counting changed before every call", endless[0])
+        self.assertIn("tensor buffer updated in place", endless[0])
+        self.assertIn("attribute 'calls' of Counting changed before every call", graphed.forward.explain())
+
+    def test_an_attribute_changed_between_replays_keeps_its_graphs(self):
+        """A flag flipped every second step: each value replays once before the next change, so the key
+        keeps capturing again and never falls back."""
+        graphed, eager = self.twins(Flagged, 45)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        draw = normal(6)
+        for k in range(12):
+            for layer in (graphed, eager):
+                layer.extra = k % 4 >= 2
+            xn = draw(4, 8)
+            self.assertBitwise(graphed(self.tensor(xn)), eager(self.tensor(xn)), f"step {k}")
+        self.assertCounters(graphed.forward, captures=6, recaptures=5, replays=5, eager=0)
 
     def test_a_value_set_back_replays(self):
         """A flag set and set back before the next call changes nothing the graph read: it replays."""
@@ -199,6 +237,17 @@ class StepValueCases(MatmulOnlyCase):
         step, messages = self.run_step(self.build_step(Outer), 6, change)
         self.assertCounters(step, captures=2, replays=2, eager=0)
         self.assertTrue(any("attribute 'times' of Outer.inner" in m for m in messages), messages)
+
+    def test_an_attribute_changed_after_every_step_runs_the_step_eagerly(self):
+        """A step counter kept as a plain attribute (``model.inner.seen = i`` after every step): the step
+        warms up and is captured again 3 times in a row without a replay, then runs eagerly for good."""
+        def change(i, model):
+            model.inner.seen = i
+
+        step, messages = self.run_step(self.build_step(Outer), 12, change)
+        self.assertCounters(step, captures=4, replays=0, eager=4)
+        self.assertEqual(len([m for m in messages if "runs eagerly from now on" in m]), 1, messages)
+        self.assertIn("attribute 'seen' of Outer.inner changed before every call", step.explain())
 
 
 class SetItemScalarTest(unittest.TestCase):

@@ -257,7 +257,8 @@ class SlotsApiTest(unittest.TestCase):
         self.assertEqual(len(sizes), 3)
         self.assertEqual(sum(sizes), stats["static_bytes"])
         self.assertGreater(min(sizes), 0)
-        self.assertIn(f"3 slot(s) of {sizes[0]} static bytes each", layer.forward.explain())
+        self.assertIn(f"{stats['static_bytes']} static bytes in 3 slots of {sizes[0]} static bytes each",
+                      layer.forward.explain())
         for y in reversed(ys):
             y.sum().backward()
         self.assertEqual(layer.forward.stats()["slots"], 3)
@@ -328,6 +329,70 @@ class SlotsApiTest(unittest.TestCase):
         self.assertEqual((stats["slots"], stats["captures"], stats["eager_calls"]), (1, 1, 2))
         self.assertIn("capture of a new slot failed", stats["eager_reasons"])
         self.assertTrue(any("no memory for another pool" in m for m in self.caught), self.caught)
+
+    def evaluate(self, layer, eager, kept, n=6):
+        """``n`` calls of ``layer`` in grad mode whose outputs get no backward (evaluation without
+        paddle.no_grad()): each output freed before the next call but one, or all ``kept`` (a loss summed
+        over the evaluation); checks each against ``eager``; returns the warnings."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            total = []
+            for _ in range(n):
+                x = paddle.randn([2, 4])
+                out = layer(x)
+                np.testing.assert_array_equal(out.numpy(), eager(x).numpy())
+                if kept:
+                    total.append(out)
+        return [str(w.message) for w in caught]
+
+    def test_evaluation_without_no_grad_captures_no_slot_for_outputs_never_backwarded(self):
+        eager = paddle.nn.Linear(4, 4)
+        eager.set_state_dict(self.layer.state_dict())
+        layer = autocudagraph(self.layer, backend="simulate", warmup_steps=0)
+        self.assertEqual(self.evaluate(layer, eager, kept=False), [])
+        self.assertEqual(layer.forward.stats()["slots"], 2)  # a call while the previous output lived
+        messages = self.evaluate(layer, eager, kept=True)
+        stats = layer.forward.stats()
+        self.assertEqual((stats["slots"], stats["eager_calls"]), (2, 4))
+        self.assertEqual(stats["eager_reasons"], {
+            "outputs needed grad but no backward came for earlier calls, and every slot waits for one": 4})
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("earlier call(s) returned outputs that needed grad, but no backward came for them", messages[0])
+        self.assertIn("run them under paddle.no_grad() (after model.eval())", messages[0])
+        self.assertNotIn("max_inflight", messages[0])
+        self.assertIn("no backward", layer.forward.explain())
+
+    def test_past_max_inflight_without_any_backward_suggests_no_grad(self):
+        eager = paddle.nn.Linear(4, 4)
+        eager.set_state_dict(self.layer.state_dict())
+        layer = autocudagraph(self.layer, backend="simulate", warmup_steps=0, max_inflight=2)
+        messages = self.evaluate(layer, eager, kept=True, n=4)
+        self.assertEqual(layer.forward.stats()["slots"], 2)
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("No backward has come for any call of this key yet: if these calls are evaluation or "
+                      "inference, run them under paddle.no_grad()", messages[0])
+
+    def test_pipeline_after_evaluation_without_no_grad_gets_its_slots(self):
+        # Outputs freed without backward, then three micro-batches in flight per step: the first step runs
+        # the third eagerly (no backward has come since), the next captures its slot, the last replays all.
+        eager = paddle.nn.Linear(4, 4)
+        eager.set_state_dict(self.layer.state_dict())
+        layer = autocudagraph(self.layer, backend="simulate", warmup_steps=0)
+        self.evaluate(layer, eager, kept=False)
+        for step in range(3):
+            xs = [paddle.randn([2, 4]) for _ in range(3)]
+            before = layer.forward.stats()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                got = [layer(x) for x in xs]
+            want = [eager(x) for x in xs]
+            for g, w in zip(got + want, want + want):
+                np.testing.assert_array_equal(g.numpy(), w.numpy())
+                g.sum().backward()
+            np.testing.assert_array_equal(self.layer.weight.grad.numpy(), eager.weight.grad.numpy())
+            after = layer.forward.stats()
+            delta = [after[k] - before[k] for k in ("replays", "slot_captures", "eager_calls")]
+            self.assertEqual(delta, [[2, 0, 1], [2, 1, 0], [3, 0, 0]][step], step)
 
     def test_release_keeps_a_pending_slot_for_its_backward(self):
         eager = paddle.nn.Linear(4, 4)

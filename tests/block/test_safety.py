@@ -269,27 +269,30 @@ class ExplainTest(SafetyCase):
         self.assertEqual([bad["phase"], bad["captures"], bad["static_bytes"]], ["fallback", 0, 0])
         self.assertIn("Tensor.item()", bad["fallback_reason"])
         text = f.explain()
-        self.assertIn("autocudagraph(block): 2 key(s), 1 holding graphs", text)
+        # A verdict first: the calls that replayed, ran eagerly and warmed up (stats()'s counts), why.
+        self.assertTrue(text.startswith("autocudagraph(block): graphed: 2 of 9 calls replayed a graph, 4 ran "
+                                        "eagerly, 2 warmed up, 1 capture; speed not measured on "), text)
+        self.assertIn("; eager for 4 reasons (below)\n", text)
         self.assertIn(
-            f"key dispatch key (4, 8): replay on {self.backend}; 1 warmup, 1 capture(s), 2 replays; "
-            f"{ok['static_bytes']} static bytes, "
-            + ("pool bytes not measured" if ok["pool_bytes"] is None else f"{ok['pool_bytes']} pool bytes")
-            + "; input copies 2 made, 2 skipped",
+            f"key dispatch key (4, 8): graphed; 1 warmup call, 1 capture, 2 replays on {self.backend}\n    "
+            f"{ok['static_bytes']} static bytes"
+            + ("" if ok["pool_bytes"] is None else f", {ok['pool_bytes']} graph pool bytes")
+            + "; captured in ",
             text,
         )
-        self.assertIn("key dispatch key (3, 8): fallback", text)
-        self.assertIn("fell back: CaptureError: autocudagraph: Tensor.item()", text)
-        # The 2 warmup calls apart, as in stats(); each of the 4 other eager calls has a reason line.
-        self.assertIn("warmup calls: 2 (eager, before the capture of their key)", text)
-        self.assertIn(f"eager calls: {f.stats()['eager_calls']}", text)
+        self.assertIn("; input copies 2 made, 2 skipped\n", text)
+        self.assertIn("key dispatch key (3, 8): eager from now on; 1 warmup call, 0 captures, 0 replays on "
+                      f"{self.backend}; why: CaptureError: autocudagraph: Tensor.item()", text)
         self.assertEqual(f.stats()["eager_calls"], 4)
+        self.assertIn("  eager calls: 4\n", text)
         for line in (
             "1 x capture failed",
             "1 x max_graphs reached",
             "1 x dispatch_key_fn returned None",
-            "1 x key fell back: CaptureError",
+            "1 x key fell back (why: on its key above)",
         ):
             self.assertIn(line, text)
+        self.assertEqual(text.count("Tensor.item()"), 1, text)  # every reason said once
 
     def test_default_key_label_names_arguments(self):
         f = self.graphed(mm)
@@ -709,7 +712,7 @@ class MaxBytesTest(SafetyCase):
         self.assertEqual((stats["graphs"], stats["evictions"]), (2, 2))
         self.assertLessEqual(stats["static_bytes"] + stats["pool_bytes"], 2 * per_key)
         self.assertEqual(sorted(row["evictions"] for row in f.report()), [0, 1, 1])
-        self.assertIn("evicted 1 time(s) (max_bytes)", f.explain())
+        self.assertIn("evicted 1 time to make room (max_graphs, max_bytes)", f.explain())
 
     def test_key_larger_than_the_budget_runs_eagerly(self):
         per_key = self._bytes_per_key()

@@ -235,7 +235,8 @@ class TestLayers(BackendCase):
         self.assertEqual(model.stats(), model.forward.stats())
         self.assertEqual((model.stats()["captures"], model.stats()["replays"]), (1, 2))
         self.assertEqual(model.explain(), model.forward.explain())
-        self.assertIn("autocudagraph(FFN.forward): 1 key(s), 1 holding graphs", model.explain())
+        self.assertIn("autocudagraph(FFN.forward): graphed: 2 of 4 calls replayed a graph, 1 warmed up, 1 capture",
+                      model.explain())
         self.assertEqual(len(model.report()), 1)
         model.reset()
         self.assertEqual((model.forward.stats()["keys"], model.forward.stats()["captures"]), (0, 0))
@@ -499,6 +500,62 @@ class TestDispatch(BackendCase):
         s = g.stats()
         self.assertEqual((s["graphs"], s["captures"], s["replays"], s["eager_calls"]), (2, 2, 2, 3))
         self.assertEqual(s["eager_reasons"], {"max_graphs reached": 3})
+
+    def test_keys_seen_once_give_their_places_to_a_key_that_repeats(self):
+        # Eight one-off shapes fill max_graphs=8 (in warmup); a steady shape runs eagerly once, then takes
+        # the place of the least recently used one-off key and warms up, captures and replays.
+        g = self.graphed(mm, warmup_steps=1)
+        w = paddle.randn([8, 8])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for rows in range(1, 9):
+                g(paddle.randn([rows, 8]), w)
+            for _ in range(20):
+                x = paddle.randn([16, 8])
+                self.assertBitwise(g(x, w), mm(x, w))
+        s = g.stats()
+        self.assertEqual((s["keys"], s["captures"], s["replays"], s["evictions"]), (8, 1, 17, 1))
+        self.assertEqual(s["eager_reasons"], {"max_graphs reached": 1})
+        self.assertNotIn("(x: float32[1, 8], w: float32[8, 8])", [row["label"] for row in g.report()])
+        full = [str(c.message) for c in caught if "max_graphs=8" in str(c.message)]
+        self.assertEqual(len(full), 1)
+        self.assertIn("The keys differ in argument 'x' (float32[1, 8], float32[2, 8], float32[3, 8], "
+                      "float32[4, 8], ...): pad 'x' to a few sizes", full[0])
+
+    def test_the_max_graphs_warning_names_a_value_that_varies(self):
+        g = self.graphed(lambda x, scale: x * scale, warmup_steps=0, max_graphs=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for scale in (1.0, 2.0, 3.0):
+                g(paddle.randn([2, 2]), scale)
+        [full] = [str(c.message) for c in caught if "max_graphs=2" in str(c.message)]
+        self.assertIn("The keys differ in argument 'scale' (1.0, 2.0, 3.0), a value each key holds: pass it as a "
+                      "tensor", full)
+
+    def test_a_key_whose_backward_is_pending_keeps_its_place(self):
+        # max_graphs=1: key A's forward waits for its backward; key B, called three times, may not take
+        # its place until that backward ran, and then does (A released, captured again when it gets back).
+        g = self.graphed(mm, warmup_steps=0, max_graphs=1)
+        w = paddle.randn([8, 8])
+        w.stop_gradient = False
+        w_eager = w.detach()
+        w_eager.stop_gradient = False
+        xa = paddle.randn([4, 8])
+        g(xa, w).sum().backward()  # A captured
+        ya = g(xa, w)  # A replayed; its backward is pending
+        for _ in range(3):
+            xb = paddle.randn([2, 8])
+            with g.counters.expect(eager_calls=1, evictions=0):
+                self.assertBitwise(g(xb, w), mm(xb, w))
+        ya.sum().backward()
+        mm(xa, w_eager).sum().backward()
+        mm(xa, w_eager).sum().backward()
+        for _ in range(3):
+            mm(paddle.randn([2, 8]), w_eager)
+        self.assertBitwise(w.grad, w_eager.grad, "w.grad")
+        with g.counters.expect(evictions=1, captures=1, eager_calls=0):
+            g(paddle.randn([2, 8]), w)
+        self.assertEqual([row["phase"] for row in g.report()], ["recapture", "replay"])
 
     def test_keys_in_warmup_survive_another_keys_capture(self):
         # The capture of the first key discovers the sublayers the Layer calls; their training

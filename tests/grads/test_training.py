@@ -948,9 +948,9 @@ class TrainEvalTest(BackendCase):
         want = self._calls(eager, xs, modes)
         got = self._calls(graphed, xs, modes)
         self.assertBitwise(got, want)
-        rows = {row["key"][-1]: row for row in graphed.forward.report()}
+        rows = graphed.forward.report()
         self.assertEqual(len(rows), 2)
-        by_mode = {("train" if k[2][0] else "eval"): r for k, r in rows.items()}
+        by_mode = {("train" if r["key"]["training"][0] else "eval"): r for r in rows}
         self.assertEqual((by_mode["train"]["captures"], by_mode["train"]["replays"]), (1, 3))
         self.assertEqual((by_mode["eval"]["captures"], by_mode["eval"]["replays"]), (1, 2))
 

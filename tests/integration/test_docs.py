@@ -215,10 +215,10 @@ class ReadmeSnippetsTest(unittest.TestCase):
     def test_usage_snippet_graphs_and_replays(self):
         out = self.run_snippet(readme_snippets()[0])
         self.assertIn("'captures': 1, 'replays': 2", out)  # block: 1 warmup, 1 capture, 2 replays
-        self.assertIn("replay on simulate; 2 warmup, 1 capture(s), 1 replays", out)  # ffn.forward
-        self.assertIn("autocudagraph(Linear.forward): 1 key(s), 1 holding graphs", out)  # layer.explain()
+        self.assertIn("graphed; 2 warmup calls, 1 capture, 1 replay on simulate", out)  # ffn.forward
+        self.assertIn("autocudagraph(Linear.forward): graphed: 2 of 4 calls replayed a graph", out)  # layer.explain()
 
     def test_whole_step_snippet_graphs_and_replays(self):
         out = self.run_snippet(readme_snippets()[1])
-        self.assertIn("replay on simulate; 2 warmup, 1 capture(s), 3 replays", out)
+        self.assertIn("graphed; 2 warmup calls, 1 capture, 3 replays on simulate", out)
         self.assertNotIn("eager calls", out)

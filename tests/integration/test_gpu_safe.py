@@ -208,6 +208,48 @@ class KeyCases(TwinCase):
         self.assertEqual(stats["eager_reasons"].get("max_graphs reached"), rounds, stats["eager_reasons"])
         self.assertTrue(any("max_graphs" in str(w.message) for w in caught), "no max_graphs warning")
 
+    def test_a_repeating_batch_size_takes_the_place_of_one_not_called_since(self):
+        """max_graphs=2: batch 4, then 8, three times each (warmup, capture, replay), then 12 six times: 12
+        runs eagerly twice, then takes the place of 4 (its graphs released), warms up, captures and replays
+        twice; 4 again: eager twice, then in the place of 8, captured again without warmup and replayed.
+        Every call bitwise against eager."""
+        dims = [16, 24, 8]
+        g, e = self.twins(lambda: MatMLP(dims), 75)
+        self.graphed(g, max_graphs=2)
+        draw = normal(12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for k, bs in enumerate([4] * 3 + [8] * 3 + [12] * 6 + [4] * 4):
+                xn, dyn = draw(bs, dims[0]), draw(bs, dims[-1])
+                self.both(g, e, lambda: ((self.tensor(xn),), ()), dyn, f"call {k} batch {bs}", layers=(g, e))
+                release_grads(g, e)
+        stats = self.assertCounters(g.forward, captures=4, recaptures=1, replays=5, eager=4, graphs=2)
+        self.assertEqual((stats["evictions"], stats["eager_reasons"]), (2, {"max_graphs reached": 4}))
+
+    def test_calls_whose_outputs_get_no_backward_take_no_new_slot(self):
+        """Three training calls, then calls of another key (inputs without grad) whose outputs get no backward
+        (evaluation without no_grad): with each output freed at the next call but one, the key warms up,
+        captures and takes a second slot; with the outputs kept, two calls replay the free slots and the
+        other two run eagerly rather than fill max_inflight slots. Values bitwise against eager."""
+        dims = [16, 16, 16]
+        g, e = self.twins(lambda: MatMLP(dims), 85)
+        self.graphed(g)
+        self.layer_steps(g, e, steps=3, batch=4, seed=13)
+        draw = normal(14)
+        for kept in (False, True):
+            held = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for k in range(4):
+                    xn = draw(4, dims[0])
+                    ya, yb = g(self.tensor(xn)), e(self.tensor(xn))
+                    self.assertBitwise(ya, yb, f"kept={kept} call {k}")
+                    if kept:
+                        held.append(ya)
+        stats = self.assertCounters(g.forward, captures=1 + 2, replays=1 + 3, eager=2, slots=1 + 2)
+        self.assertEqual(list(stats["eager_reasons"].values()), [2])
+        self.assertTrue(any("paddle.no_grad()" in str(w.message) for w in caught), [str(w.message) for w in caught])
+
     def test_no_grad_calls_get_their_own_key(self):
         """no_grad calls capture a forward-only graph under their own key; later grad calls capture
         another and get every grad."""

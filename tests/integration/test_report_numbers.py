@@ -266,9 +266,9 @@ def path_exists(ref, doc_dir):
     """``ref`` relative to the repository, the naming file's folder or the package; ``core/budgets.budget_allows``
     (a module and a name in it) names core/budgets.py."""
     refs = [ref]
-    stem, dot, name = ref.rpartition(".")
-    if dot and "/" not in name and not ref.endswith(EXTENSIONS):
-        refs.append(stem + ".py")
+    folder, _, leaf = ref.rpartition("/")
+    if "." in leaf and not ref.endswith(EXTENSIONS):  # core/budgets.Places.admit: the module core/budgets.py
+        refs.append((folder + "/" if folder else "") + leaf.split(".")[0] + ".py")
     return any(os.path.exists(os.path.join(base, r)) for r in refs
                for base in (REPO, os.path.join(REPO, doc_dir), PACKAGE))
 

@@ -176,6 +176,37 @@ class WholeStepBitwiseTest(BackendCase):
         self.assertEqual(stats["eager_reasons"], {"max_graphs reached": 4})
         self.assertTrue(any("max_graphs=2" in str(w.message) for w in caught))
 
+    def test_a_shape_that_repeats_takes_the_place_of_one_not_called_since(self):
+        def make(params):
+            return paddle.optimizer.AdamW(0.01, parameters=params), None
+
+        data = _data(3, (4, 8), 1) + _data(3, (2, 8), 2) + _data(4, (6, 8), 3) + _data(4, (4, 8), 4)
+        eager = _run(make, graphed=False, data=data)
+        model = _mlp()
+        opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+
+        def train_step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            return loss
+
+        step = autocudagraph_step(train_step, optimizers=[opt], warmup_steps=1, max_graphs=2, backend=self.backend)
+        paddle.seed(11)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            losses = [step(x).numpy() for x in data]
+        self.assertBitwise(losses, eager[0], "losses")
+        self.assertBitwise(_state(model, opt), eager[1][-1], "final state")
+        stats = step.stats()
+        # 4 rows: two warmups (the first makes the optimizer's state), capture; 2 rows: warmup, capture,
+        # replay; 6 rows eager twice, then in place of 4 rows: warmup, capture; 4 rows eager twice, then in
+        # place of 2 rows: captured again (no warmup), replayed.
+        self.assertEqual((stats["captures"], stats["recaptures"], stats["replays"], stats["evictions"]),
+                         (4, 1, 2, 2), step.explain())
+        self.assertEqual(stats["eager_reasons"], {"max_graphs reached": 4})
+
     def test_multi_precision_master_weights(self):
         def run(graphed):
             paddle.seed(3)

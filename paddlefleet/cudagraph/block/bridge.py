@@ -176,6 +176,7 @@ def replay_backward(graphs, grads, generation, token):
     with own_backward():  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
         graph.replay()
     token.done = True
+    graphs.answered = generation  # NOTE [ Outputs that need grad, and no backward ] in block/slots.py
     if acc is not None:
         acc.combine(plan.static_grads[len(plan.static_grads) - len(acc.params):])
         acc.after_backward()

@@ -81,6 +81,8 @@ class BlockGraphs(Graphs):
         live: keeps the capture-time autograd graph (saved activations) alive with the graphs.
         handed_out: StaleOutputs when check_stale_outputs is on.
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
+        answered: the generation of the latest forward replay whose backward ran, 0 for none (NOTE [ Outputs
+            that need grad, and no backward ] in block/slots.py).
         chain: why the key never joins a chain ("" when it may), decided once (chains/chain.py).
         bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
@@ -105,6 +107,7 @@ class BlockGraphs(Graphs):
     handed_out: Any = None
     generation: int = 0
     inflight: Any = None
+    answered: int = 0
     chain: Any = None
     bridge_tail: tuple = ()
     diff_at: tuple = ()

@@ -56,7 +56,7 @@ def replay_blocker(graphs, call, check_inputs):
         return Blocked(Action.RECAPTURE, moved)
     changed = graphs.attrs.changed() if graphs.attrs is not None else None
     if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
-        return Blocked(Action.RECAPTURE, *attr_message(changed))
+        return Blocked(Action.RECAPTURE, *attr_message(changed), changed)
     if graphs.accumulators is not None:
         shared = graphs.accumulators.shared_now()
         if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py

@@ -24,6 +24,21 @@ buffers, pool, forward and backward graphs, grad plan), captured from a call of 
   not pending; a pending slot stays alive with its autograd graph, so that backward still
   replays what its forward saved, and goes with it.
 
+NOTE [ Outputs that need grad, and no backward ]
+A call in grad mode whose outputs need grad (evaluation without ``paddle.no_grad()``) keeps its
+forward waiting for a backward that never comes: while its outputs live (a loss summed over the
+evaluation, outputs kept in a list) every slot stays pending, and new slots would be captured for
+nothing (each with its own static buffers and pool). What tells such calls apart from pipeline
+micro-batches, whose backward comes: forwards whose autograd graph was freed before their backward
+ran. A slot's forwards run one at a time and a backward runs only for the latest, so the forwards
+of a slot after the one whose backward ran last (``answered``, a generation) got none; all but a
+pending one were freed without it. When every slot is pending and some slot has such a forward, no
+slot is captured: the call runs eagerly, and the warning says that the outputs needed grad and no
+backward came, and suggests ``paddle.no_grad()`` (a no_grad call gets a forward-only graph that
+saves nothing and never waits). Each slot's next backward clears its count, so pipeline training
+after such an evaluation captures the slots it needs from its second step on. Past the cap, the
+warning leads with ``no_grad`` while no backward of the key ever ran.
+
 The Slots object stands where the entry keeps a key's graphs: it answers the entry's questions
 (nbytes, backward_pending, release, describe, grad_copies) for all slots together, and reads as
 the slot serving the latest call for anything else (``entry.graphs.static_inputs``).
@@ -33,6 +48,25 @@ from ..core.body import Action, Blocked
 from .graphs import hand_out_text
 
 __all__ = ["Slots"]
+
+_NO_BACKWARD_REASON = "outputs needed grad but no backward came for earlier calls, and every slot waits for one"
+_NO_BACKWARD = (
+    "{freed} earlier call(s) returned outputs that needed grad, but no backward came for them (their outputs were "
+    "freed without one), and all {slots} slot(s) of the key wait for a backward; this call runs eagerly rather than "
+    "capture another slot for a backward that may never come. If these calls are evaluation or inference, run them "
+    "under paddle.no_grad() (after model.eval()): such calls get a forward-only graph that saves no activations and "
+    "never waits for a backward.")
+_PAST_CAP = (
+    "called again with the same key before the backward of the previous call ran, and all {cap} slot(s) of the key "
+    "wait for their backward (max_inflight={cap}); this call runs eagerly so that no saved activations are "
+    "overwritten. ")
+_EVALUATION = (
+    "No backward has come for any call of this key yet: if these calls are evaluation or inference, run them under "
+    "paddle.no_grad() (after model.eval()), which saves no activations and needs no slots; if they are pipeline "
+    "micro-batches, raise max_inflight to the number of forwards your schedule has in flight.")
+_PIPELINE = (
+    "Raise max_inflight to the number of forwards your schedule has in flight (pipeline micro-batches), or run "
+    "backward between calls.")
 
 
 class Slots:
@@ -65,18 +99,26 @@ class Slots:
                 return True
         return False
 
+    def unanswered(self):
+        """``(answered, freed)``: whether a backward of any slot ran, and the forwards freed without their
+        backward since each slot's latest backward (NOTE [ Outputs that need grad, and no backward ])."""
+        answered = any(graphs.answered for graphs in self.all)
+        freed = sum(graphs.generation - graphs.answered - graphs.backward_pending() for graphs in self.all)
+        return answered, freed
+
     def blocked(self):
-        """Why a call finds no free slot: a new slot to capture, or eager past the cap."""
+        """Why a call finds no free slot: a new slot to capture, or eager past the cap or when earlier
+        forwards got no backward (NOTE [ Outputs that need grad, and no backward ])."""
         cap = self.cap
         if self.refused is not None:
             return Blocked(Action.EAGER, f"every slot has a pending backward and no further slot is made: {self.refused}")
+        answered, freed = self.unanswered()
+        if freed:
+            return Blocked(Action.EAGER, _NO_BACKWARD_REASON, _NO_BACKWARD.format(freed=freed, slots=len(self.all)))
         if len(self.all) < cap:
             return Blocked(Action.NEW_SLOT, f"every slot has a pending backward ({len(self.all)} of max_inflight={cap})")
         return Blocked(Action.EAGER, f"all {cap} slots have a pending backward (max_inflight={cap})",
-                       f"called again with the same key before the backward of the previous call ran, and all {cap} "
-                       f"slot(s) of the key wait for their backward (max_inflight={cap}); this call runs eagerly so "
-                       "that no saved activations are overwritten. Raise max_inflight to the number of forwards your "
-                       "schedule has in flight (pipeline micro-batches), or run backward between calls.")
+                       _PAST_CAP.format(cap=cap) + (_EVALUATION if not answered else _PIPELINE))
 
     def add(self, graphs):
         """A new slot, current from now on."""

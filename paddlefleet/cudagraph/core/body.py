@@ -30,12 +30,14 @@ class Action(enum.Enum):
 
 
 class Blocked(NamedTuple):
-    """Why a call cannot replay now: the Action, the reason (explain() and fallback reasons) and a
-    warning to give once, or None."""
+    """Why a call cannot replay now: the Action, the reason (explain() and fallback reasons), a
+    warning to give once, or None, and ``changed``: ``(where, attribute, old, new)`` when a Layer
+    attribute changed (NOTE [ Attributes that change on every call ] in core/entry.py), else None."""
 
     action: Action
     reason: str
     warning: Optional[str] = None
+    changed: Optional[tuple] = None
 
 
 class Replayed(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from .host_cost import HostCost, measured
 from .memory import Footprint
 
-__all__ = ["Phase", "GraphEntry"]
+__all__ = ["ATTR_RECAPTURES", "Phase", "GraphEntry"]
 
 # NOTE [ Graph pool bytes ]
 # A graph's memory lives in a pool of its own (Paddle 2.6: one private pool per graph; Paddle
@@ -32,6 +32,19 @@ __all__ = ["Phase", "GraphEntry"]
 # them with the static buffers outside the pools (NOTE [ What a key holds ] in core/memory.py).
 # The simulated backend has no device memory: its pools are not measured (explain() says "not
 # measured" rather than a number) unless it models them (SimulatedBackend.pool_model).
+
+# NOTE [ Attributes that change on every call ]
+# A Layer attribute changed since capture makes the key capture again (NOTE [ Layer attributes a
+# replay freezes ] in core/layer_attrs.py): right for a value changed now and then (a flag, a
+# dropout rate), endless for one the forward changes itself (``self.calls += 1``): every call would
+# capture and none replay, slower than eager and never done. So the entry counts the captures
+# again for one attribute with no replay between them (``attr_changed``); when that attribute
+# changes once more after ATTR_RECAPTURES such captures in a row, the key runs eagerly for good,
+# with the attribute and the values seen as its reason. A replay between two changes, or a change
+# of another attribute, starts the count again.
+
+#: Captures again in a row for one changed Layer attribute before its key runs eagerly.
+ATTR_RECAPTURES = 3
 
 
 class Phase(enum.Enum):
@@ -85,6 +98,7 @@ class GraphEntry:
     chain: Any = None
     chain_note: str = ""
     eager_if_slower: bool = False
+    attr_streak: Any = None  # ((where, attribute), replays then, values seen): NOTE [ Attributes that change on every call ]
 
     def __post_init__(self):
         if self.host_cost is None:
@@ -120,6 +134,22 @@ class GraphEntry:
 
     def remember_inputs(self, tensors):
         self.last_inputs = [weakref.ref(t) for t in tensors]
+
+    def attr_changed(self, changed):
+        """Counts a capture again for ``changed`` = ``(where, attribute, old, new)``; returns why the key
+        runs eagerly when that attribute changed after ATTR_RECAPTURES captures again in a row (NOTE
+        [ Attributes that change on every call ]), else None."""
+        where, name, old, new = changed
+        streak = self.attr_streak
+        if streak is None or streak[0] != (where, name) or streak[1] != self.replays:
+            streak = ((where, name), self.replays, [])
+        seen = streak[2] + [f"{old} -> {new}"]
+        self.attr_streak = ((where, name), self.replays, seen)
+        if len(seen) <= ATTR_RECAPTURES:
+            return None
+        return (f"attribute '{name}' of {where} changed before every call (capture's value -> call's: "
+                f"{', '.join(seen)}), and a graph replays the value of its capture: the key was captured again "
+                f"{ATTR_RECAPTURES} times in a row without a replay")
 
     # ------------------------------------------------------------------ transitions
     def warmed_up(self, tensors):

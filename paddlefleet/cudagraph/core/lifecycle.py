@@ -17,7 +17,7 @@ from ..guards import saved_hooks
 from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_error, resolve_backend
 from ..guards.paddle_patches import install_process_patches
 from .body import Action
-from .budgets import budget_allows, enforce_max_bytes
+from .budgets import Places, enforce_max_bytes
 from . import host_cost, memory
 from .call import Call
 from .keys import BoundSignature, KeyMaker, rekeyed
@@ -25,7 +25,8 @@ from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from ..guards.location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
-from .stats import Counters, Reports
+from .explain import Reports
+from .stats import Counters
 from .views import Views
 
 __all__ = ["Lifecycle"]
@@ -70,6 +71,11 @@ _IN_FLIGHT = (
     "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
     "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
+_ENDLESS = (
+    "key {label} runs eagerly from now on: {reason}. Keep a value that changes on every call out of the "
+    "Layer's attributes (count calls outside the model, or in a tensor buffer updated in place, which a graph "
+    "replays), or call .reset() once it stops changing.")
+
 #: Why a graphed call made inside autocudagraph_step runs eagerly (explain() of both says it).
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
@@ -107,6 +113,7 @@ class Lifecycle(Reports, Views):
         self._latest = None  # the entry of the latest call, last in _entries' order
         self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
+        self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -135,6 +142,7 @@ class Lifecycle(Reports, Views):
         self._entries.clear()
         self._latest = None
         self._slower = None
+        self._places.clear()
         self._warned.clear()
         self.counters = Counters()
 
@@ -185,9 +193,7 @@ class Lifecycle(Reports, Views):
                 return entry.host_cost.timed_eager(self._body.warmup, entry, call)
             return self._capture(entry, call)
         if entry.phase is Phase.RECAPTURE:
-            if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
-                return self._eager(call, "max_graphs reached")
-            return self._recapture(entry, call)
+            return self._recapture(entry, call) if _admitted(self, entry) else self._eager(call, "max_graphs reached")
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
 
     def _nested(self):
@@ -219,7 +225,7 @@ class Lifecycle(Reports, Views):
             return None
         entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named),
                            eager_if_slower=self._options.eager_if_slower)
-        if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
+        if not _admitted(self, entry):
             self._last_refusal = "max_graphs reached"
             return None
         self._entries[key] = entry
@@ -258,6 +264,8 @@ class Lifecycle(Reports, Views):
         blocked = self._body.blocker(entry, call)
         if blocked is not None and blocked.warning is not None:
             self._warn_once(("blocked", blocked.reason), blocked.warning)
+        if blocked is not None and blocked.changed is not None and (endless := entry.attr_changed(blocked.changed)):
+            return _endless(self, entry, call, endless)  # NOTE [ Attributes that change on every call ] in core/entry.py
         if blocked is not None and blocked.action is Action.RECAPTURE_ONCE and entry.recaptures:
             entry.fall_back(f"{blocked.reason}, again after a re-capture")
             return self._eager(call, "key fell back: its graphs could not be kept valid")
@@ -322,9 +330,7 @@ class Lifecycle(Reports, Views):
         """Replays ``entry`` for ``call`` (or counts ``replayed``, a call the body served)."""
         result, copied, skipped, then = replayed or self._body.replay(entry, call, copy)
         entry.last_used = self._tick
-        if memory.growth() != self._growth:  # a second grad set was captured: NOTE [ What a key holds ]
-            self._growth = memory.growth()
-            enforce_max_bytes(self._entries, entry, self._options.max_bytes, self._warn_once, self._evicted)
+        _bytes_grown(self, entry)
         if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
             entry.fall_back(then.reason)
             self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")
@@ -336,6 +342,42 @@ class Lifecycle(Reports, Views):
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _bytes_grown(lifecycle, entry):
+    """max_bytes checked again where a key grew after its capture (a second grad set was captured by a
+    replay: NOTE [ What a key holds ] in core/memory.py)."""
+    if memory.growth() != lifecycle._growth:
+        lifecycle._growth = memory.growth()
+        enforce_max_bytes(lifecycle._entries, entry, lifecycle._options.max_bytes, lifecycle._warn_once,
+                          lifecycle._evicted)
+
+
+def _admitted(lifecycle, entry):
+    """Whether ``entry`` gets a place under max_graphs; the key that gives it its place is dropped (in
+    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py."""
+    ok, victim = lifecycle._places.admit(lifecycle._entries, entry, lifecycle._tick, lifecycle._options.max_graphs,
+                                         lifecycle._warn_once)
+    if victim is None:
+        return ok
+    lifecycle.counters.evictions += 1
+    if victim.has_graphs:
+        victim.evict()
+    else:
+        del lifecycle._entries[victim.key]
+        if lifecycle._latest is victim:
+            lifecycle._latest = None
+    logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
+                lifecycle._body.api, lifecycle.__name__, victim.label, lifecycle._options.max_graphs, entry.label)
+    return ok
+
+
+def _endless(lifecycle, entry, call, reason):
+    """``entry`` runs eagerly for good: a Layer attribute changes before every call (NOTE [ Attributes
+    that change on every call ] in core/entry.py)."""
+    entry.fall_back(reason)
+    lifecycle._warn_once(("endless", id(entry)), _ENDLESS.format(label=entry.label, reason=reason))
+    return lifecycle._eager(call, f"key fell back: {reason}")
 
 
 def _verified_call(lifecycle, entry, call, copy):

@@ -90,8 +90,8 @@ class Footprint:
         8192, pools 5 MiB (the outputs and grads inside); cache released before capture 2 MiB``."""
         parts = [f"inputs {_size(self.inputs)}", f"outputs {_size(self.outputs)}",
                  f"grad outputs {_size(self.grad_outputs)}", f"grads {_size(self.grads)}"]
-        parts.append("pools not measured" if self.pool is None else
-                     f"pools {_size(self.pool)} (the outputs and grads inside)")
+        if self.pool is not None:  # a backend without device memory (simulate) measures none: nothing said
+            parts.append(f"pools {_size(self.pool)} (the outputs and grads inside)")
         text = f"holds {_size(self.held)}: " + ", ".join(parts)
         if self.cache_released:
             text += f"; allocator cache released before capture {_size(self.cache_released)}"

@@ -122,7 +122,8 @@ class ReplayChecks:
         if changed is None:
             return None
         reason, warning = attr_message(changed, "the step")
-        return Blocked(Action.REWARM, reason, warning.replace("is captured again", "warms up and is captured again"))
+        return Blocked(Action.REWARM, reason, warning.replace("is captured again", "warms up and is captured again"),
+                       changed)
 
     def _bindings(self, *_):
         if self._bindings_unchanged():
