@@ -275,9 +275,7 @@ class ExplainTest(SafetyCase):
         self.assertIn("; eager for 4 reasons (below)\n", text)
         self.assertIn(
             f"key dispatch key (4, 8): graphed; 1 warmup call, 1 capture, 2 replays on {self.backend}\n    "
-            f"{ok['static_bytes']} static bytes"
-            + ("" if ok["pool_bytes"] is None else f", {ok['pool_bytes']} graph pool bytes")
-            + "; captured in ",
+            f"holds {ok['memory']['held']}: inputs {ok['memory']['inputs']}, outputs {ok['memory']['outputs']}",
             text,
         )
         self.assertIn("; input copies 2 made, 2 skipped\n", text)

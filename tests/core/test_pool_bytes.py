@@ -70,7 +70,7 @@ class TestPoolBytes(unittest.TestCase):
         self.assertEqual(stats["pool_bytes"], 4 * POOL)
         self.assertEqual(sorted(stats["key_pool_bytes"].values()), [2 * POOL, 2 * POOL])
         self.assertIn(f"{4 * POOL} graph pool bytes", text)
-        self.assertIn(f"static bytes, {2 * POOL} graph pool bytes", text)
+        self.assertIn(f"pools {2 * POOL} (the outputs and grads inside)", text)
         graphed.forward.reset()
         self.assertEqual(graphed.forward.stats()["pool_bytes"], 0)
 

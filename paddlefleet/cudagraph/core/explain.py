@@ -152,16 +152,15 @@ def _key_lines(row, label, said):
         line += "; why: above" if reason in said else f"; why: {reason}"
         said.add(reason)
     lines, details = [line], []
-    if row["static_bytes"]:
-        memory = f"{row['static_bytes']} static bytes"
-        if len(row["slot_bytes"]) > 1:
-            sizes = " / ".join(map(str, sorted(set(row["slot_bytes"]))))
-            memory += f" in {len(row['slot_bytes'])} slots of {sizes} static bytes each"
-        if row["pool_bytes"] is not None:
-            memory += f", {row['pool_bytes']} graph pool bytes"
-        details.append(memory)
-    if row["holds"]:  # NOTE [ What a key holds ] in core/memory.py
+    if len(row["slot_bytes"]) > 1:
+        sizes = " / ".join(map(str, sorted(set(row["slot_bytes"]))))
+        details.append(f"{row['static_bytes']} static bytes in {len(row['slot_bytes'])} slots of {sizes} static "
+                       "bytes each")
+    if row["holds"]:  # every component of a key holding graphs: NOTE [ What a key holds ] in core/memory.py
         details.append(row["holds"])
+    elif row["static_bytes"] and not details:
+        pool = "" if row["pool_bytes"] is None else f", {row['pool_bytes']} graph pool bytes"
+        details.append(f"{row['static_bytes']} static bytes{pool}")
     if row["capture_ms"] is not None:
         details.append(f"captured in {row['capture_ms']:.{1 if row['capture_ms'] >= 10 else 2}f} ms")
     if row["input_copies"] or row["input_copies_skipped"]:
