@@ -76,6 +76,22 @@ class PythonOutputTest(unittest.TestCase):
         _, messages, _ = self.calls(lambda x: x * 2, [[2]] * 4)
         self.assertEqual(messages, [])
 
+    def test_another_threads_print_during_a_capture_does_not_warn(self):
+        import threading
+
+        def say():
+            print("another thread")  # user code, in a thread that is not capturing
+
+        def with_a_thread(x):
+            worker = threading.Thread(target=say)
+            worker.start()
+            worker.join()  # its print runs while this thread captures
+            return x * 2
+
+        _, messages, printed = self.calls(with_a_thread, [[2]] * 4)
+        self.assertIn("another thread", printed)
+        self.assertEqual(messages, [])
+
     def test_a_refused_capture_does_not_warn_about_replays(self):
         def printing_a_tensor(x):
             print("value", x)  # refused at capture: the key runs eagerly, as eager prints

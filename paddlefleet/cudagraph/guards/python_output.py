@@ -6,7 +6,8 @@ capture, and never again. The simulated backend re-runs the function's Python at
 the same line prints at every call: a log that a GPU run would not write. While a simulated graph
 captures, ``python_output()`` records the ``print()`` calls and the log records (``Logger._log``: only
 what the logger's level lets through) made by code outside autocudagraph, Paddle and the standard
-library; after a capture that succeeds, one RuntimeWarning per line of code, for the process, says so.
+library, in the capturing thread; after a capture that succeeds, one RuntimeWarning per line of code, for
+the process, says so.
 A capture that fails runs the function eagerly from then on, where printing is what eager does.
 """
 
@@ -14,6 +15,7 @@ import builtins
 import contextlib
 import logging
 import sys
+import threading
 import warnings
 
 from .location import _is_ours, user_stacklevel
@@ -36,8 +38,10 @@ def _caller(skip_logging):
 
 
 def _recording(original, seen, what, skip_logging):
+    thread = threading.get_ident()  # the capturing thread: another thread's output is its own
+
     def call(*args, **kwargs):
-        where = _caller(skip_logging)
+        where = _caller(skip_logging) if threading.get_ident() == thread else None
         if where is not None:
             seen.setdefault(where, what)
         return original(*args, **kwargs)
