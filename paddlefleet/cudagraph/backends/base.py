@@ -9,6 +9,7 @@ import contextlib
 import threading
 
 from ..errors import CudaGraphError
+from ..guards.double_backward import in_own_grad, own_grad  # re-exported: the package marks its own paddle.grad
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_own_grad", "in_whole_step", "own_grad",
            "whole_step", "function_errors", "capture_open", "own_error", "is_own_error", "in_rerun_replay",
@@ -115,20 +116,6 @@ def function_errors():
         _state.asked = asked
 
 
-def in_own_grad():
-    """True while the package itself runs paddle.grad in this thread (own_grad)."""
-    return getattr(_state, "own_grads", 0) > 0
-
-
-@contextlib.contextmanager
-def own_grad():
-    """Marks a paddle.grad the package runs itself (a backward body, a probe, a verification):
-    NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py refuses only the caller's."""
-    _state.own_grads = getattr(_state, "own_grads", 0) + 1
-    try:
-        yield
-    finally:
-        _state.own_grads -= 1
 
 
 def in_rerun_replay():

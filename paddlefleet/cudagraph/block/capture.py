@@ -42,15 +42,15 @@ import paddle
 from ..backends import function_errors
 from ..core import state
 from ..guards.in_place_writes import InPlaceWrites
-from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
+from ..guards.layer_attrs import AttrWatch, LayerRecorder, SlotWatch, layers_with_sublayers
 from ..guards.rng import DrawGuard
-from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
+from ..guards.double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
-from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
+from ..core.layers import CAPTURE_LOCK, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
@@ -250,7 +250,7 @@ class _BlockCapture:
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
         snapshotted (restored after a capture that runs the body) and their slots watched."""
         snapshot = state.BufferSnapshot(enabled=self.backend.capture_executes)
-        watch = state.SlotWatch()
+        watch = SlotWatch()
         layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
         bound_layers = ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
         for layer in bound_layers:

@@ -27,7 +27,8 @@ from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
 from ..guards.host_reads import BindingWatch, OpTrace, describe_trace_difference
-from ..core.layers import CAPTURE_LOCK, LayerRecorder
+from ..core.layers import CAPTURE_LOCK
+from ..guards.layer_attrs import LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)
 from ..io.nested import flatten, leaf_names, unflatten

@@ -38,7 +38,7 @@ from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
 from ..guards.host_reads import OpTrace, describe_trace_difference
-from ..core.layers import LayerRecorder
+from ..guards.layer_attrs import LayerRecorder
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
 from ..io.static_inputs import StaticInputs, contiguous_outputs
