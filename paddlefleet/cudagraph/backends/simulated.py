@@ -32,10 +32,10 @@ import paddle
 
 from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
-from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
+from .base import NOT_CAPTURED, Backend, Graph, capture_guard, capturing, rerun_replay
 from ..guards.host_guard import host_guard
 from ..guards.host_marks import is_marked_host, mark_host
-from ..guards.value_shapes import check_replay_shapes, refuse_value_shapes
+from ..guards.value_shapes import check_replay_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -121,7 +121,9 @@ def _flat_tensors(result):
 
 
 class _SimulatedGraph(Graph):
-    def __init__(self):
+    def __init__(self, guard=None):
+        # Backend.guard: host memory is what host marks mark.
+        self._guard = guard or (lambda host_reads: capture_guard(is_marked_host, host_reads))
         self._body = None
         self._hooks = ()
         self._static = None
@@ -131,8 +133,7 @@ class _SimulatedGraph(Graph):
         host_reads = _HostReads()
         # NOTE [ Shapes from tensor values ] in value_shapes.py
         # NOTE [ Host access during capture ] in host_guard.py
-        with capturing(hooks), _host_shapes(), host_guard(is_marked_host, host_reads), \
-                refuse_value_shapes(is_marked_host):
+        with capturing(hooks), _host_shapes(), self._guard(host_reads):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
@@ -177,7 +178,8 @@ class SimulatedBackend(Backend):
         return None
 
     def new_graph(self, pool):
-        return _SimulatedGraph()
+        return _SimulatedGraph(self.guard)
+
 
     def describe(self):
         return "simulate (CPU, static-buffer semantics, host syncs refused during capture)"

@@ -117,6 +117,9 @@ class _Nothing:
     def add(self, layer):
         pass
 
+    def check(self):
+        pass
+
 
 NO_WATCH = _Nothing()
 
