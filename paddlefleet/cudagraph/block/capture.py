@@ -42,6 +42,7 @@ from ..backends import function_errors
 from ..core import state
 from ..guards.in_place_writes import InPlaceWrites
 from ..guards.layer_attrs import AttrWatch, SlotWatch, layers_with_sublayers
+from ..guards.refusals import INPUT_WRITTEN, LOST_LEAF
 from ..guards.session import CaptureSession
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
@@ -301,7 +302,7 @@ class _BlockCapture:
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
             names = name_unknown_leaves(self.fn, unknown)
-            raise CaptureError(
+            raise LOST_LEAF.error(
                 f"autocudagraph: the function uses tensors that require grad but are neither arguments "
                 f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
                 "would be lost. Pass them as arguments, or use them through a Layer."
@@ -352,7 +353,7 @@ def _refuse_written_inputs(static, adopted_values):
     with paddle.no_grad():
         for buf, value in adopted_values:
             paddle.assign(value, output=buf)
-    raise CaptureError(
+    raise INPUT_WRITTEN.error(
         f"autocudagraph: the function writes its input(s) {', '.join(map(repr, written))} in place. "
         "A graph writes into its own copy of an input, so the caller's tensor would not change "
         "(and the capture run would apply the write twice). Return the new value instead of "

@@ -19,7 +19,7 @@ import threading
 from paddle.base import core
 
 from .paddle_patches import Patches
-from ..errors import CaptureError
+from .refusals import DOUBLE_BACKWARD
 
 __all__ = ["refuse_create_graph", "own_grad", "in_own_grad"]
 
@@ -47,7 +47,7 @@ _CREATE_GRAPH = 4  # create_graph's position in core.eager.run_partial_grad (Pad
 
 
 def _error():
-    return CaptureError(
+    return DOUBLE_BACKWARD.error(
         "autocudagraph: paddle.grad(..., create_graph=True) was called during capture, and the grads it returned "
         "require grad (a double backward: the caller's backward would differentiate this backward again). A "
         "block's backward graph cannot replay a backward recorded inside its forward, so this key runs eagerly. "

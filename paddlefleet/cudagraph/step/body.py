@@ -29,6 +29,7 @@ from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, repres
 from ..guards.host_reads import BindingWatch, OpTrace
 from ..core.layers import CAPTURE_LOCK
 from ..guards.layer_attrs import LayerRecorder
+from ..guards.refusals import FREED_GRADS
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)
 from ..io.nested import flatten, leaf_names, unflatten
@@ -177,7 +178,7 @@ class StepBody(Body):
                 "after a reset). Call reset() on the step to warm it up again."
             )
         if warm.changes and warm.grads_only and self.slots.freed:
-            raise CaptureError(FREED_AT_WINDOW_END.format(changes=warm.changes, where=self.slots.freed))
+            raise FREED_GRADS.error(FREED_AT_WINDOW_END.format(changes=warm.changes, where=self.slots.freed))
         if warm.changes:
             raise CaptureError(
                 f"autocudagraph_step: every warmup step of this key created or replaced state: {warm.changes}. A graph "

@@ -37,6 +37,7 @@ from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
 from ..guards.host_reads import describe_trace_difference
+from ..guards.refusals import CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
 from ..guards.session import CaptureSession
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
@@ -74,7 +75,7 @@ def _refusing_scaler(name):
     def refusing(self, *args, **kwargs):
         state = "enabled" if getattr(self, "_enable", False) else (
             "disabled here: Paddle turns it off off-GPU, and on a GPU it is on")
-        raise CaptureError(
+        raise PADDLE_SCALER.error(
             f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture ({state}). It reads "
             "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
             "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
@@ -89,7 +90,7 @@ def _refuse_written_copies(static):
     tensor: written as eagerly)."""
     written = static.written(skip=static.adopted)
     if written:
-        raise CaptureError(
+        raise INPUT_WRITTEN.error(
             f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
             "graph writes into its own copy of such an input, so the caller's tensor would not change on replays. "
             "Return the new value instead, write it after the step, or pass the very same tensor on every call "
@@ -253,7 +254,7 @@ class StepCapture:
             )
         diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
         if diff is not None:
-            raise CaptureError(
+            raise CHANGING_HOST_VALUE.error(
                 f"autocudagraph_step: the step reads a host value that changes between steps: {diff}. A graph replays "
                 "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
                 "values as tensors (updated in place) or as arguments of the step (they become part of the key)."
