@@ -115,7 +115,7 @@ class Internals:
         return lambda: self.wrapper._keys.key(call.args, call.kwargs, call.tensors, call.spec)
 
     def params_moved(self):
-        return self._entry().graphs.params.moved
+        return self._entry().graphs.current.params.moved
 
     def blocker(self):
         _, call = self._call()
@@ -124,32 +124,32 @@ class Internals:
 
     def copy_in(self):
         _, call = self._call()
-        return lambda: self._entry().graphs.static_inputs.copy_in(call.tensors)
+        return lambda: self._entry().graphs.current.static_inputs.copy_in(call.tensors)
 
     def adopted(self):
-        return self._entry().graphs.backward.grad_plan.adopted
+        return self._entry().graphs.current.backward.grad_plan.adopted
 
     def hand_out_grads(self):
-        return self._entry().graphs.backward.grad_plan.hand_out
+        return self._entry().graphs.current.backward.grad_plan.hand_out
 
     def hand_out_outputs(self):
         from paddlefleet.cudagraph.block.bridge import hand_out_outputs
 
-        graphs = self._entry().graphs
+        graphs = self._entry().graphs.current
         return lambda: hand_out_outputs(graphs)
 
     def hook_route(self):
         from paddlefleet.cudagraph.grads.handles import copy, route_hooks
 
-        graphs = self._entry().graphs
+        graphs = self._entry().graphs.current
         outputs = [copy(t) for t in graphs.static_outputs]  # stand-ins for what a call hands out
         return lambda: route_hooks(outputs, graphs.diff_at, graphs.inflight)
 
     def forward_replay(self):
-        return self._entry().graphs.fwd_graph.replay
+        return self._entry().graphs.current.fwd_graph.replay
 
     def backward_replay(self):
-        return self._entry().graphs.backward.graph.replay
+        return self._entry().graphs.current.backward.graph.replay
 
     def pieces(self):
         """(row name, whose, resolver) for each private piece; resolver() returns what to time."""

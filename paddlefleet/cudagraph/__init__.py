@@ -40,6 +40,7 @@ except ImportError as _err:
 from .core import cross_entropy  # noqa: F401  (cross_entropy registers its device decisions)
 from .guards import layer_attrs, paddle_patches, saved_hooks
 from .grads import hook_registry
+from .block import partial_grad
 from .chains import outputs as chain_outputs
 from .api import autocudagraph
 from .core.explain import explain_model, report_model
@@ -54,9 +55,11 @@ from .step.graphed_step import autocudagraph_step
 paddle_patches.on_first_wrapper(
     hook_registry.install,  # NOTE [ Grad consumers ] in grads/hook_registry.py
     saved_hooks.install,  # NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py: calls under them run eagerly
-    chain_outputs.install,  # NOTE [ Hooks on a chain's outputs ] in chains/outputs.py
+    partial_grad.install,  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
     layer_attrs.install,  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
 )
+# Only chains need these: the first wrapper with chain_calls=True installs them.
+paddle_patches.on_first_wrapper_with("chain_calls", chain_outputs.install)  # NOTE [ Hooks on a chain's outputs ]
 
 __all__ = [
     "__version__",

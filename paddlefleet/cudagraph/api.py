@@ -282,7 +282,7 @@ def autocudagraph(target=None, **options):
     """
     check_option_names("autocudagraph", options, [f.name for f in dataclasses.fields(GraphOptions)])
     opts = GraphOptions(**options)
-    install_process_patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py: a method's wrappers come later
+    install_process_patches(opts)  # NOTE [ Paddle patches ] in guards/paddle_patches.py: a method's wrappers come later
     if target is None:
         return lambda t: _wrap(t, opts)
     return _wrap(target, opts)

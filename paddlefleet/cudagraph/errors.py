@@ -18,7 +18,13 @@ class CudaGraphError(RuntimeError):
 
 
 class CaptureError(CudaGraphError):
-    """A capture could not be completed (host sync, uncapturable op, error in the function)."""
+    """A capture could not be completed (host sync, uncapturable op, error in the function).
+
+    Attributes:
+        refusal: the row of the refusal table it was raised from (guards/refusals.py ``ROW.error``), or None.
+    """
+
+    refusal = None
 
 
 class InputMismatchError(CudaGraphError):

@@ -1,5 +1,6 @@
 """NOTE [ Paddle patches ] (guards/paddle_patches.py): importing paddlefleet.cudagraph replaces
-nothing of Paddle; the first wrapper installs the process-wide patches, and only those."""
+nothing of Paddle; the first wrapper installs the process-wide patches, and only those; the patches
+only chains need are installed by the first wrapper with chain_calls=True."""
 
 import json
 import os
@@ -13,10 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The attributes the first wrapper replaces for the rest of the process (docs/design/architecture.md,
 # "Paddle patches", the rows in force "from the first wrapper").
 PROCESS_PATCHES = sorted([
-    "Tensor._register_grad_hook", "Tensor._remove_grad_hook", "Tensor.retain_grads",
+    "Tensor._register_grad_hook", "Tensor._remove_grad_hook",
     "core.eager.register_saved_tensors_hooks", "core.eager.reset_saved_tensors_hooks", "core.eager.run_partial_grad",
     "Layer.__setattr__", "Layer.__delattr__",
 ])
+# What the first wrapper with chain_calls=True adds (NOTE [ Hooks on a chain's outputs ] in chains/outputs.py).
+CHAIN_PATCHES = ["Tensor.retain_grads"]
 
 SCRIPT = textwrap.dedent(
     """
@@ -59,6 +62,8 @@ SCRIPT = textwrap.dedent(
     how = sys.argv[1]
     if how == "function":
         cg.autocudagraph(lambda x: x * 2, backend="simulate")
+    elif how == "unchained":
+        cg.autocudagraph(lambda x: x * 2, backend="simulate", chain_calls=False)
     elif how == "step":
         cg.autocudagraph_step(lambda x: x * 2, optimizers=[], backend="simulate")
     elif how == "method":
@@ -83,20 +88,26 @@ class ProcessPatchesTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    def check(self, how):
+    def check(self, how, chains=True):
         report = self.run_script(how)
         self.assertEqual(report["import"], [], "importing the package replaced these Paddle attributes")
         self.assertEqual(report["named_after_import"], [])
         self.assertFalse(report["installed_after_import"])
-        self.assertEqual(report["wrapper"], PROCESS_PATCHES, "the first wrapper installs exactly these")
+        first = sorted(PROCESS_PATCHES + (CHAIN_PATCHES if chains else []))
+        self.assertEqual(report["wrapper"], first, "the first wrapper installs exactly these")
         self.assertTrue(report["installed_after_wrapper"])
-        self.assertEqual(report["second_wrapper"], PROCESS_PATCHES, "a second wrapper installs nothing again")
+        # The second wrapper is a function's, with chain_calls=True: the chains' patches come with it.
+        self.assertEqual(report["second_wrapper"], sorted(PROCESS_PATCHES + CHAIN_PATCHES),
+                         "a second wrapper installs nothing again but the chains' patches a first chaining wrapper needs")
 
     def test_import_replaces_nothing_and_the_first_function_wrapper_installs_the_patches(self):
         self.check("function")
 
-    def test_the_first_step_wrapper_installs_them(self):
-        self.check("step")
+    def test_the_first_step_wrapper_installs_them_but_the_chains(self):
+        self.check("step", chains=False)
+
+    def test_a_wrapper_with_chain_calls_false_installs_them_but_the_chains(self):
+        self.check("unchained", chains=False)
 
     def test_a_graphed_method_installs_them_when_its_class_is_defined(self):
         self.check("method")

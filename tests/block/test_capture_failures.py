@@ -404,6 +404,16 @@ class NumpyArguments(MatmulOnlyCase):
             g(x, np.zeros(2048, "float32"))
         self.assertEqual(g.stats()["keys"], 0)
 
+    def test_large_array_argument_is_the_users_choice_under_dispatch_key_fn(self):
+        """With dispatch_key_fn the user's key selects the graph: a numpy argument too large to key by
+        value is not refused, and the calls capture once and replay."""
+        g = self.graphed(lambda x, table: paddle.matmul(x, x), warmup_steps=1,
+                         dispatch_key_fn=lambda bound: "one")
+        x, table = self.tensor(np.ones((2, 2), "float32")), np.zeros(2048, "float32")
+        for _ in range(4):
+            self.assertBitwise(g(x, table), paddle.matmul(x, x))
+        self.assertCounters(g, keys=1, captures=1, replays=2)
+
 
 for _base in (BlockFailures, NestedCallError, ProcessExit, NumpyArguments):
     globals().update(backend_variants(_base))

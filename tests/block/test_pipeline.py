@@ -263,6 +263,19 @@ class SlotsApiTest(unittest.TestCase):
             y.sum().backward()
         self.assertEqual(layer.forward.stats()["slots"], 3)
 
+    def test_a_slots_record_is_read_through_the_slot(self):
+        """The key's Slots answer for all slots together; a slot's own record (static inputs, graphs)
+        is read through ``graphs.current`` or ``graphs.all``, never answered for the latest slot."""
+        layer = autocudagraph(self.layer, backend="simulate", warmup_steps=0)
+        ys = [layer(paddle.randn([2, 4])) for _ in range(2)]  # two forwards in flight: two slots
+        slots = layer.forward.entry().graphs
+        self.assertIs(slots.current, slots.all[1])
+        self.assertIsNotNone(slots.current.static_inputs)
+        with self.assertRaisesRegex(AttributeError, r"no attribute 'static_inputs'.*graphs\.current\.static_inputs"):
+            slots.static_inputs
+        for y in ys:
+            y.sum().backward()
+
     def test_backwards_in_any_order_get_their_own_forward(self):
         eager = paddle.nn.Linear(4, 4)
         eager.set_state_dict(self.layer.state_dict())

@@ -647,7 +647,7 @@ class InputCopiesTest(SafetyCase):
         for seed in (7, 8):  # warmup, capture
             (f(data(4, 8, seed=seed, grad=True) * 2.0, w) * 3.0).sum().backward()
             (mm(data(4, 8, seed=seed, grad=True) * 2.0, w_eager) * 3.0).sum().backward()
-        static = f.entry().graphs.static_inputs.buffers[0]
+        static = f.entry().graphs.current.static_inputs.buffers[0]
         version = static._inplace_version()
         for i in range(3):
             x, x_eager = data(4, 8, seed=i, grad=True), data(4, 8, seed=i, grad=True)

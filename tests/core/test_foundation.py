@@ -169,7 +169,7 @@ class TestPureFunctions(BackendCase):
         x = paddle.randn([4, 8])
         g(x, w)
         entry = g.entry()
-        static_x, static_w = entry.graphs.static_inputs.buffers
+        static_x, static_w = entry.graphs.current.static_inputs.buffers
         paddle.assign(paddle.randn([4, 8]), output=static_x)
         expected = mm(static_x.clone(), w)
         with g.counters.expect(replays=1, input_copies=0, input_copies_skipped=2):
@@ -468,7 +468,7 @@ class TestNestedIO(BackendCase):
             self.assertTrue(y.stop_gradient)
             self.assertBitwise(y, y_e)
         entry = model.forward.entry()
-        self.assertIsNone(entry.graphs.backward)
+        self.assertIsNone(entry.graphs.current.backward)
         # Grad mode is part of the key: a call with grad captures its own graph with a backward.
         y = model(paddle.randn([4, 8]))
         self.assertFalse(y.stop_gradient)
@@ -697,7 +697,7 @@ class TestGradGroups(BackendCase):
                 model(x).sum().backward()
                 ref(x).sum().backward()
                 self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
-            plan = model.forward.entry().graphs.backward.grad_plan
+            plan = model.forward.entry().graphs.current.backward.grad_plan
             self.assertEqual(sorted(positions for _, positions in plan.groups), [[0, 2], [1, 3]])
             self.assertEqual(model.forward.stats()["replays"], 2)
 
@@ -718,7 +718,7 @@ class TestGradGroups(BackendCase):
                     self.assertBitwise(y, y_e)
                     self.assertBitwise(grads_of(model), grads_of(ref), f"grads step {step} clone={clone}")
             entry = model.forward.entry()
-            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.backward.grad_plan.groups), sizes)
+            self.assertEqual(sorted(len(positions) for _, positions in entry.graphs.current.backward.grad_plan.groups), sizes)
             self.assertEqual(model.forward.stats()["replays"], 2)
 
 

@@ -213,6 +213,23 @@ class StructureTest(unittest.TestCase):
         self.assertEqual(self._above("guards", ("guards", "errors")), [],
                          "guards (what a capture intercepts) sit at the bottom: they may import only guards/ and errors")
 
+    def test_rooms_above_the_backends_ask_the_backend_not_its_name(self):
+        """A backend's difference is the backend's: outside backends/, no module reads the backend's
+        ``capture_executes`` flag nor compares a ``.name`` with a backend's name; they ask
+        ``Backend.replays_python``, ``cpu_is_host``, ``guard`` or ``release_error``."""
+        names = {"cuda", "simulate", "eager"}
+        sites = []
+        for name, (path, tree) in self.modules.items():
+            if name.startswith(f"{NAME}.backends"):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr == "capture_executes":
+                    sites.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .capture_executes")
+                if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name":
+                    if any(isinstance(c, ast.Constant) and c.value in names for c in node.comparators):
+                        sites.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+        self.assertEqual(sites, [], "ask the backend (backends/base.py Backend), not its flag or its name")
+
     def test_chains_sit_between_block_and_step_and_the_api(self):
         """chains/ is built above block/ (which reaches it only through block/hooks.py's interface, filled
         by the API) and below the API: nothing but the API and the package's __init__ imports it, and it

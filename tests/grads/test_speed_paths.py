@@ -103,7 +103,7 @@ class AutoPolicyTest(BackendCase):
         self.assertBitwise(train(graphed, xs, 2, set_to_zero), train(eager, xs, 2, set_to_zero))
         stats = graphed.forward.stats()
         self.assertEqual((stats["captures"], stats["replays"], stats["eager_calls"]), (1, 11, 0))
-        graphs = graphed.forward.entry().graphs
+        graphs = graphed.forward.entry().graphs.current
         # Accumulation adopts the first micro-batch's buffer as p.grad: the second micro-batch of
         # the first step moves it out (3 copies), then the second buffer set takes over.
         self.assertEqual(stats["grad_copies"], 3)
@@ -115,7 +115,7 @@ class AutoPolicyTest(BackendCase):
         self.graphed(graphed, warmup_steps=0)
         xs = batches(6)
         self.assertBitwise(train(graphed, xs, 1, False), train(eager, xs, 1, False))
-        graphs = graphed.forward.entry().graphs
+        graphs = graphed.forward.entry().graphs.current
         self.assertEqual((graphed.forward.stats()["grad_copies"], len(graphs.plans())), (0, 1))
 
     def test_a_hook_that_stores_its_grad_sees_eager_values_and_only_that_grad_is_copied(self):
@@ -205,7 +205,7 @@ class AccumulateInGraphTest(BackendCase):
         for _ in range(3):
             mse(graphed(x)).backward()
         self.assertEqual(calls, [], "hooks of in-graph parameters do not run (documented)")
-        graphs = graphed.forward.entry().graphs
+        graphs = graphed.forward.entry().graphs.current
         self.assertEqual(graphs.backward.bridged, [])
         self.assertIsNotNone(graphs.backward.anchor, "nothing else needs grad: the anchor runs the backward")
 

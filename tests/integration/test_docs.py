@@ -132,17 +132,29 @@ def options_of_options_py():
 
 
 def note_blocks():
-    """``{NOTE name: module}``: the NOTE blocks of the package (a line that is only ``NOTE [ name ]``,
-    in a docstring or a comment), with the module each is written in."""
-    found = {}
+    """``{NOTE name: module}``: the NOTE blocks of the package, with the module each is written in: a
+    line that is only ``NOTE [ name ]`` (in a docstring or a comment), a docstring that opens with it,
+    or a NOTE written inline (``# NOTE [ name ]: text``) that no block of its own names. A NOTE that is
+    only referred to (``see NOTE [ name ]``) and written nowhere is a block of no module (``[]``)."""
+    found, starts, referred = {}, {}, set()
     for d, _, names in os.walk(PACKAGE):
         for n in names:
             if n.endswith(".py"):
                 path = os.path.join(d, n)
+                module = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
                 for line in read(path).splitlines():
-                    m = re.match(r"^\s*(?:#\s*)?NOTE \[ (.+?) \]\s*$", line)
+                    m = re.match(r'^\s*(?:#\s*|"""|r""")?NOTE \[ (.+?) \]\s*$', line)
                     if m:
-                        found.setdefault(m.group(1), []).append(os.path.relpath(path, PACKAGE).replace(os.sep, "/"))
+                        found.setdefault(m.group(1), []).append(module)
+                        continue
+                    m = re.match(r"^\s*#\s*NOTE \[ (.+?) \]", line)
+                    if m:
+                        starts.setdefault(m.group(1), [])
+                        if module not in starts[m.group(1)]:
+                            starts[m.group(1)].append(module)
+                    referred.update(re.findall(r"NOTE \[ (.+?) \]", line))
+    for name in referred - set(found):
+        found[name] = starts.get(name, [])[:1]
     return found
 
 
@@ -172,6 +184,7 @@ class ArchitectureDocTest(unittest.TestCase):
         blocks = note_blocks()
         self.assertGreater(len(blocks), 0)
         self.assertEqual({n: m for n, m in blocks.items() if len(m) > 1}, {}, "a NOTE written twice")
+        self.assertEqual(sorted(n for n, m in blocks.items() if not m), [], "a NOTE referred to and written nowhere")
         self.assertEqual(sorted(set(blocks) - set(index)), [], "NOTE blocks missing from the NOTE index")
         self.assertEqual(sorted(set(index) - set(blocks)), [], "NOTE index rows with no such NOTE block")
         self.assertEqual({n: index[n] for n in blocks if index[n] != blocks[n]}, {},

@@ -9,9 +9,13 @@ import contextlib
 import threading
 
 from ..errors import CudaGraphError
+from ..guards.host_guard import host_guard
+from ..guards.host_marks import is_marked_host
+from ..guards.value_shapes import refuse_value_shapes
+from ..guards.double_backward import in_own_grad, own_grad  # re-exported: the package marks its own paddle.grad
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_own_grad", "in_whole_step", "own_grad",
-           "whole_step", "function_errors", "capture_open", "own_error", "is_own_error", "in_rerun_replay",
+           "whole_step", "function_errors", "capture_guard", "capture_open", "own_error", "is_own_error", "in_rerun_replay",
            "rerun_replay"]
 
 #: Raised by Graph.replay() on a graph without a capture.
@@ -115,20 +119,6 @@ def function_errors():
         _state.asked = asked
 
 
-def in_own_grad():
-    """True while the package itself runs paddle.grad in this thread (own_grad)."""
-    return getattr(_state, "own_grads", 0) > 0
-
-
-@contextlib.contextmanager
-def own_grad():
-    """Marks a paddle.grad the package runs itself (a backward body, a probe, a verification):
-    NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py refuses only the caller's."""
-    _state.own_grads = getattr(_state, "own_grads", 0) + 1
-    try:
-        yield
-    finally:
-        _state.own_grads -= 1
 
 
 def in_rerun_replay():
@@ -164,6 +154,13 @@ def whole_step():
             yield
     finally:
         _state.steps -= 1
+
+
+@contextlib.contextmanager
+def capture_guard(is_host, host_reads=None):
+    """Backend.guard for a backend whose host memory is what ``is_host`` says."""
+    with host_guard(is_host, host_reads), refuse_value_shapes(is_host):
+        yield
 
 
 class Graph:
@@ -202,18 +199,46 @@ class Graph:
 
 
 class Backend:
-    """Makes pools and graphs for one kind of device.
+    """Makes pools and graphs for one kind of device. The rooms above ask it what differs between
+    backends (``replays_python``, ``cpu_is_host``, ``guard``, ``release_error``), never its name.
 
     Attributes:
-        name: "cuda" or "simulate".
+        name: "cuda" or "simulate", for messages.
         shares_pools: whether graphs made with one pool share memory.
         capture_executes: whether capture runs the body's kernels (simulate) or only records
             them (cuda). See NOTE [ RNG across capture ] in block/capture.py.
+        cpu_is_host: whether a CPU tensor is host memory to this backend's graphs (a GPU's: NOTE
+            [ Host tensors ] in io/host_tensors.py); elsewhere only tensors marked host are.
     """
 
     name = "base"
     shares_pools = False
     capture_executes = False
+    cpu_is_host = False
+
+    @property
+    def replays_python(self):
+        """Whether a capture runs the function and every replay runs it again (the simulated
+        backend), where a recording capture (cuda) runs no Python after it. Such a capture takes
+        back what it changed (RNG, Layer buffers, in-place writes: NOTE [ RNG across capture ] in
+        block/capture.py) and traces its ops (NOTE [ Values a simulated replay reads ] in
+        block/replay_fallback.py)."""
+        return self.capture_executes
+
+    def is_host(self, tensor):
+        """Is ``tensor`` host memory to this backend's graphs (a capture may read it)?"""
+        return is_marked_host(tensor)
+
+    def guard(self, host_reads=None):
+        """What this backend's graphs refuse inside a capture: host reads, host-to-device copies and
+        syncs (NOTE [ Host access during capture ] in guards/host_guard.py), raw tensors, and ops whose
+        shapes come from tensor values (NOTE [ Shapes from tensor values ] in guards/value_shapes.py).
+        ``host_reads`` records reads of host memory to hand back on a replay that re-runs them."""
+        return capture_guard(self.is_host, host_reads)
+
+    def release_error(self, err):
+        """Called with an exception the function raised during a failed capture, before it is raised
+        on as eager raises it (a backend whose pool its frames' tensors hold drops them)."""
 
     def new_pool(self):
         """Returns a pool handle to share between the graphs of one key (or None)."""

@@ -35,15 +35,15 @@ pool bytes ] in core/entry.py).
 
 import gc
 import logging
+import traceback
 
 import paddle
 
 from ..errors import CaptureError, CudaGraphError
 from . import cuda_driver
-from .base import NOT_CAPTURED, Backend, Graph, capturing
-from ..guards.host_guard import gpu_is_host, host_guard
+from .base import NOT_CAPTURED, Backend, Graph, capture_guard, capturing
+from ..guards.host_guard import gpu_is_host
 from .pool_memory import CaptureMeter, reserved
-from ..guards.value_shapes import refuse_value_shapes
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
 
@@ -177,7 +177,8 @@ def _end_failed_capture(graph, stream, ended=False):
 
 
 class _CudaGraph(Graph):
-    def __init__(self, place, pool):
+    def __init__(self, place, pool, guard=None):
+        self._guard = guard or (lambda: capture_guard(gpu_is_host))  # Backend.guard
         self._place = place
         self._pool = pool
         self._graph = None
@@ -212,7 +213,7 @@ class _CudaGraph(Graph):
         graph.capture_begin()
         try:
             # NOTE [ Host access during capture ] in host_guard.py; NOTE [ Shapes from tensor values ].
-            with host_guard(gpu_is_host), refuse_value_shapes(gpu_is_host):
+            with self._guard():
                 result = body()
         except BaseException as err:
             broken = _end_failed_capture(graph, stream)
@@ -258,6 +259,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     capture_executes = False
+    cpu_is_host = True
 
     def __init__(self, place=None):
         self._place = place
@@ -273,7 +275,15 @@ class CudaBackend(Backend):
         place = self._place
         if place is None:
             place = paddle.CUDAPlace(paddle.distributed.ParallelEnv().device_id)
-        return _CudaGraph(place, pool)
+        return _CudaGraph(place, pool, self.guard)
+
+    def is_host(self, tensor):
+        return gpu_is_host(tensor)
+
+    def release_error(self, err):
+        # Its frames' locals hold tensors of the dropped capture's pool, and freeing one while a later
+        # capture is open aborts (NOTE [ Garbage collection around capture ]).
+        traceback.clear_frames(err.__traceback__)
 
     def reserved_bytes(self):
         return int(paddle.device.cuda.memory_reserved(self._place))

@@ -32,13 +32,13 @@ import paddle
 
 from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
-from .base import NOT_CAPTURED, Backend, Graph, capturing, rerun_replay
+from .base import NOT_CAPTURED, Backend, Graph, capture_guard, capturing, rerun_replay
 from ..guards.host_guard import host_guard
 from ..guards.host_marks import is_marked_host, mark_host
 from ..guards.python_output import python_output
 from .pool_memory import results_bytes
 from .shared_pool import PoolConflictError, SharedPool
-from ..guards.value_shapes import check_replay_shapes, refuse_value_shapes
+from ..guards.value_shapes import check_replay_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
 
@@ -124,9 +124,11 @@ def _flat_tensors(result):
 
 
 class _SimulatedGraph(Graph):
-    def __init__(self, pool_model=False, pool=None):
+    def __init__(self, pool_model=False, pool=None, guard=None):
         self._pool_model = pool_model
         self._pool = pool if isinstance(pool, SharedPool) else None
+        # Backend.guard: host memory is what host marks mark.
+        self._guard = guard or (lambda host_reads: capture_guard(is_marked_host, host_reads))
         self._body = None
         self._hooks = ()
         self._static = None
@@ -137,8 +139,7 @@ class _SimulatedGraph(Graph):
         # NOTE [ Shapes from tensor values ] in value_shapes.py
         # NOTE [ Host access during capture ] in host_guard.py
         # NOTE [ Python output on replay ] in guards/python_output.py: warns after the capture.
-        with python_output(), capturing(hooks), _host_shapes(), host_guard(is_marked_host, host_reads), \
-                refuse_value_shapes(is_marked_host):
+        with python_output(), capturing(hooks), _host_shapes(), self._guard(host_reads):
             result = body()
         self._body = body
         self._hooks = tuple(hooks)
@@ -197,7 +198,7 @@ class SimulatedBackend(Backend):
         return SharedPool() if self.pool_model else None
 
     def new_graph(self, pool):
-        return _SimulatedGraph(self.pool_model, pool)
+        return _SimulatedGraph(self.pool_model, pool, self.guard)
 
     def describe(self):
         return "simulate (CPU, static-buffer semantics, host syncs refused during capture)"

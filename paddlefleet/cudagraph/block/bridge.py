@@ -72,7 +72,7 @@ def new_token(graphs):
     graphs.generation += 1
     token = Token()
     graphs.inflight = weakref.ref(token)
-    if graphs.backend.capture_executes:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
+    if graphs.backend.replays_python:  # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
         partial_grad.note_pending(token)
     return token
 

@@ -32,7 +32,6 @@ BlockGraphs and its GradPlan. Changing the wrapper's options afterwards never mi
 within one graph.
 """
 
-import contextlib
 import dataclasses
 import logging
 import weakref
@@ -43,19 +42,18 @@ import paddle
 from ..backends import function_errors
 from ..core import memory, state
 from ..guards.in_place_writes import InPlaceWrites
-from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
-from ..guards.rng import DrawGuard
-from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
+from ..guards.layer_attrs import AttrWatch, SlotWatch, layers_with_sublayers
+from ..guards.refusals import INPUT_WRITTEN, LOST_LEAF
+from ..guards.session import CaptureSession
 from .graphs import BackwardGraphs, BlockGraphs
 from ..errors import CaptureError, CudaGraphError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
-from ..core.layers import CAPTURE_LOCK, LayerRecorder, ParamSet, accumulation_nodes, name_unknown_leaves
+from ..core.layers import CAPTURE_LOCK, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
-from ..guards.host_reads import OpTrace
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -105,7 +103,7 @@ def capture_block(request):
     strided_copy_works()  # probed outside any capture (NOTE [ Strided static outputs ] in io/static_inputs.py)
     grad_mode = paddle.is_grad_enabled()
     # NOTE [ RNG across capture ]: what the function writes in place while a capture executes it is written back.
-    if request.backend.capture_executes:
+    if request.backend.replays_python:
         request = dataclasses.replace(request, writes=InPlaceWrites())
     with CAPTURE_LOCK:
         try:
@@ -169,7 +167,7 @@ class _BlockCapture:
     # ------------------------------------------------------------------ static inputs
     def _static_inputs(self):
         tensors = self.call.tensors
-        host = host_mask(tensors, on_gpu=self.backend.name == "cuda")
+        host = host_mask(tensors, on_gpu=self.backend.cpu_is_host)
         # NOTE [ Adopted inputs ] in io/static_inputs.py: the same tensor as in the previous call.
         last = self.last_inputs
         adopt = [
@@ -188,47 +186,29 @@ class _BlockCapture:
         static = self._static_inputs()
         # A capture that runs the body must not leave its in-place writes in the caller's tensors.
         adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
-            backend.capture_executes) else []
-        static_args, static_kwargs = call.rebuild(static.buffers)
-        grad_enabled = paddle.is_grad_enabled()
-        fn, owner, live = self.fn, self.owner, {}
-
-        traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
-
-        def forward_body():
-            trace = OpTrace() if traced else contextlib.nullcontext()
-            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
-                out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
-            out_tensors, out_consts, out_spec = flatten(out)
-            live["replayed" if "spec" in live else "trace"] = trace if traced else None
-            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
-                check_rebuild(out, "the result")
-            live["outputs"] = out_tensors
-            live["spec"] = (out_spec, out_consts)
-            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
-
+            backend.replays_python) else []
         snapshot, watch, bound_layers = self._watch_layers()
+        # NOTE [ One capture session ] in guards/session.py; NOTE [ Values a simulated replay reads ] in
+        # block/replay_fallback.py: the forward is traced where the backend's replays run it.
+        session = CaptureSession(backend, snapshot, watch, double_backward=True, writes=self.writes, trace={})
+        live, grad_enabled = session.record, paddle.is_grad_enabled()
+        body = self._forward_body(session, call.rebuild(static.buffers), grad_enabled)
         rng = state.rng_snapshot()
         captured = False
         try:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
-            # NOTE [ Random draws seen from generator state ] in guards/rng.py.
-            rng_guard = DrawGuard()
-            with LayerRecorder(snapshot, watch) as recorder, rng_guard, refuse_create_graph():
-                outputs = graphs.fwd_graph.capture(forward_body, opts.capture_hooks)
-            watch.check()
-            rng_guard.check()
+            outputs = session.capture(graphs.fwd_graph, body, opts.capture_hooks)
             _refuse_objects_holding_tensors(live["spec"][1])
             _refuse_written_inputs(static, adopted_values)
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
             graphs.out_differentiable = [not o.stop_gradient for o in live["outputs"]]
-            out_host = host_mask(outputs, on_gpu=backend.name == "cuda") if outputs else None
+            out_host = host_mask(outputs, on_gpu=backend.cpu_is_host) if outputs else None
             graphs.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
             if opts.check_stale_outputs and not opts.clone_outputs:
                 graphs.handed_out = StaleOutputs()
-            graphs.layers = bound_layers + [l for l in recorder.layers if all(l is not b for b in bound_layers)]
+            graphs.layers = bound_layers + [l for l in session.layers if all(l is not b for b in bound_layers)]
             graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
             graphs.attrs = AttrWatch(layers_with_sublayers(graphs.layers))  # NOTE [ Layer attributes a replay freezes ]
             self._backward(graphs, live, grad_enabled)
@@ -241,19 +221,31 @@ class _BlockCapture:
         finally:
             snapshot.restore()
             # A failed capture leaves RNG as the eager re-run that replaces it expects.
-            if backend.capture_executes or not captured:
+            if backend.replays_python or not captured:
                 state.restore_rng(rng)
 
-    def _capture_writes(self, live):
-        """What copies the capture run's in-place writes (NOTE [ RNG across capture ]); entered
-        outside the op trace, so the copies are no ops of it. A replay (``live`` has run) copies none."""
-        return self.writes if self.writes is not None and "spec" not in live else contextlib.nullcontext()
+    def _forward_body(self, session, static_call, grad_enabled):
+        """The forward the graph captures (and a simulated replay re-runs): the function on the
+        static inputs, each run recorded in the session's record."""
+        (static_args, static_kwargs), fn, owner, live = static_call, self.fn, self.owner, session.record
+
+        def forward_body():
+            with session.function_run(), paddle.set_grad_enabled(grad_enabled), function_errors():
+                out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
+            out_tensors, out_consts, out_spec = flatten(out)
+            if not live.captured:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
+                check_rebuild(out, "the result")
+            live["outputs"] = out_tensors
+            live["spec"] = (out_spec, out_consts)
+            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
+
+        return forward_body
 
     def _watch_layers(self):
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
         snapshotted (restored after a capture that runs the body) and their slots watched."""
-        snapshot = state.BufferSnapshot(enabled=self.backend.capture_executes)
-        watch = state.SlotWatch()
+        snapshot = state.BufferSnapshot(enabled=self.backend.replays_python)
+        watch = SlotWatch()
         layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
         bound_layers = ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
         for layer in bound_layers:
@@ -279,7 +271,7 @@ class _BlockCapture:
                                  self.by_grad, self.call.tensors)
         acc = backward.accumulators
         graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
-        saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
+        saved = acc.snapshot() if acc is not None and self.backend.replays_python else None
         try:
             results = self._capture_backward(graphs, backward.body)
         finally:
@@ -297,17 +289,14 @@ class _BlockCapture:
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool if _shares_pool(bwd, self.opts) else self.backend.new_pool())
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
-        guard = DrawGuard(backward=True)
+        session = CaptureSession(self.backend, backward=True)
         try:
-            with guard:
-                results = list(bwd.graph.capture(body, self.opts.capture_hooks))
+            return list(session.capture(bwd.graph, body, self.opts.capture_hooks))
         except Exception as err:
             # Our own refusals (a host sync, say) would fail the same way with backward().
             if self.by_grad and not isinstance(err, CudaGraphError):
                 raise _GradBodyFailed(err) from err
             raise
-        guard.check()
-        return results
 
     def _refuse_unknown_leaves(self, graphs, live, leaves):
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
@@ -317,7 +306,7 @@ class _BlockCapture:
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
             names = name_unknown_leaves(self.fn, unknown)
-            raise CaptureError(
+            raise LOST_LEAF.error(
                 f"autocudagraph: the function uses tensors that require grad but are neither arguments "
                 f"nor parameters of a Layer it calls or is bound to: {', '.join(names)}. Their grads "
                 "would be lost. Pass them as arguments, or use them through a Layer."
@@ -333,7 +322,7 @@ def capture_second_backward(graphs):
     with CAPTURE_LOCK:
         # A capture that runs the body leaves no trace (a recompute inside re-runs a forward).
         rng = state.rng_snapshot()
-        snapshot = state.BufferSnapshot(enabled=backend.capture_executes)
+        snapshot = state.BufferSnapshot(enabled=backend.replays_python)
         for layer in graphs.layers:
             snapshot.add(layer)
         graph = backend.new_graph(backend.new_pool())  # its grads live while the first set replays: NOTE [ Sharing a pool safely ]
@@ -345,7 +334,7 @@ def capture_second_backward(graphs):
             return
         finally:
             snapshot.restore()
-            if backend.capture_executes:  # NOTE [ RNG across capture ]
+            if backend.replays_python:  # NOTE [ RNG across capture ]
                 state.restore_rng(rng)
     plan = recipe.plan(results)
     _backward_liveness(graph, plan, "the second grad buffer set's backward graph")
@@ -396,7 +385,7 @@ def _refuse_written_inputs(static, adopted_values):
     with paddle.no_grad():
         for buf, value in adopted_values:
             paddle.assign(value, output=buf)
-    raise CaptureError(
+    raise INPUT_WRITTEN.error(
         f"autocudagraph: the function writes its input(s) {', '.join(map(repr, written))} in place. "
         "A graph writes into its own copy of an input, so the caller's tensor would not change "
         "(and the capture run would apply the write twice). Return the new value instead of "

@@ -129,7 +129,7 @@ class BlockBody(Body):
         graphs = entry.graphs.current
         bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
         if bridged:
-            with state_restored_on_refusal(graphs.layers, entry.backend.capture_executes):
+            with state_restored_on_refusal(graphs.layers, entry.backend.replays_python):
                 started = self.hooks.head(self, entry, call)
             if started is not None:
                 entry.host_cost.chain_head = True  # timed as a chained call (NOTE [ Graphed calls that cannot pay ])
@@ -137,7 +137,7 @@ class BlockBody(Body):
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
-        if not entry.backend.capture_executes:  # a replay that does not re-run the function: nothing to restore
+        if not entry.backend.replays_python:  # a replay that does not re-run the function: nothing to restore
             replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         else:
             # NOTE [ A replay that changes shape ] in block/replay_fallback.py

@@ -42,10 +42,11 @@ from ..backends import in_own_grad
 from ..guards.paddle_patches import install_for_process
 from ..errors import CudaGraphError
 
-__all__ = ["BridgeArgs", "inside_paddle_grad", "install", "note_pending", "one_slot"]
+__all__ = ["BridgeArgs", "add_check", "inside_paddle_grad", "install", "note_pending", "one_slot"]
 
 _local = threading.local()  # .requested: ids of the tensors the running paddle.grad asks for
 _pending = weakref.WeakSet()  # tokens of forwards replayed on a backend whose backward re-runs Python
+_checks = []  # what runs first in the caller's paddle.grad (add_check: the chains' refusal)
 
 SIMULATED = (
     "autocudagraph: paddle.grad while the forward of a graphed call replayed on the simulated backend waits for "
@@ -133,15 +134,23 @@ def _waiting():
     return any(not token.done for token in list(_pending))
 
 
-def install(check=None):
+def add_check(check):
+    """Has ``check(inputs)`` run first in every paddle.grad the caller runs (not the package's own); it
+    may raise."""
+    if check not in _checks:
+        _checks.append(check)
+
+
+def install():
     """Wraps ``core.eager.run_partial_grad`` once per process (NOTE [ Paddle patches ] in
-    guards/paddle_patches.py); ``check(inputs)`` runs first (not for the package's own) and may raise."""
+    guards/paddle_patches.py); the checks of add_check run first."""
     partial_grad = core.eager.run_partial_grad
 
     def run_partial_grad(outputs, inputs, *args, **kwargs):
         own = in_own_grad()
-        if check is not None and not own:
-            check(inputs)
+        if not own:
+            for check in _checks:
+                check(inputs)
         if not own and _waiting():
             gc.collect()  # forwards only garbage still holds do not count
             if _waiting():

@@ -29,8 +29,7 @@ import contextlib
 import paddle
 
 from ..core import state
-from ..core.body import Action, Blocked
-from ..guards.host_reads import describe_trace_difference
+from ..core.body import replay_read_other_values
 from ..errors import ReplayShapeError
 
 __all__ = ["state_restored_on_refusal", "simulated_trace_check"]
@@ -70,15 +69,7 @@ def state_restored_on_refusal(layers, enabled):
 def simulated_trace_check(live):
     """None when a simulated replay's forward ran the capture's ops with the capture's scalar
     arguments, else the Blocked(FALL_BACK) naming the first difference (NOTE [ Values a simulated
-    replay reads ])."""
-    captured, replayed = live.get("trace"), live.pop("replayed", None)
-    if captured is None or replayed is None:
-        return None
-    diff = describe_trace_difference(captured, replayed, "capture", "replay")
-    if diff is None:
-        return None
-    reason = f"a replay read other values than the capture: {diff}"
-    return Blocked(Action.FALL_BACK, reason, (
-        f"{reason}. On a GPU this replay would reuse the capture's value; the simulated backend re-runs Python, so "
-        "this result is still eager's. The key runs eagerly from now on. Pass values that change as arguments "
-        "(they become part of the key) or as tensors updated in place."))
+    replay reads ]); ``live`` is the key's CaptureRecord (guards/session.py)."""
+    return replay_read_other_values(
+        live.get("trace"), live.take_replayed(), "values", "reuse the capture's value",
+        "Pass values that change as arguments (they become part of the key) or as tensors updated in place.")

@@ -40,8 +40,9 @@ after such an evaluation captures the slots it needs from its second step on. Pa
 warning leads with ``no_grad`` while no backward of the key ever ran.
 
 The Slots object stands where the entry keeps a key's graphs: it answers the entry's questions
-(nbytes, backward_pending, release, describe, grad_copies) for all slots together, and reads as
-the slot serving the latest call for anything else (``entry.graphs.static_inputs``).
+(nbytes, backward_pending, release, describe, grad_copies, layers) for all slots together; a slot's
+own record is read through the slot (``entry.graphs.current.static_inputs``), never answered for
+whichever slot served the latest call.
 """
 
 from ..core.body import Action, Blocked
@@ -84,11 +85,11 @@ class Slots:
         self.refused = None  # why no further slot is made (a failed slot capture, max_bytes)
 
     def __getattr__(self, name):
-        # Only for names Slots does not define: the slot serving the latest call answers.
-        current = self.__dict__.get("current")
-        if current is None:
-            raise AttributeError(name)
-        return getattr(current, name)
+        # Only for names Slots does not define: a slot's own record is read through the slot, never
+        # answered silently for whichever slot served the latest call.
+        raise AttributeError(
+            f"'Slots' object has no attribute {name!r}: a key's graphs are its slots; read "
+            f"graphs.current.{name} (the slot serving the latest call) or each of graphs.all")
 
     # ------------------------------------------------------------------ which slot a call gets
     def select(self):

@@ -85,9 +85,9 @@ def _drop_hook(t, hook_id):
 
 
 def install():
-    """Lets chains take hooks and retain_grads(), and wraps paddle.grad (NOTE [ paddle.grad through a
-    graphed call ] in block/partial_grad.py), once per process (NOTE [ Paddle patches ] in
-    guards/paddle_patches.py)."""
+    """Lets chains take hooks and retain_grads(), and checks paddle.grad first (NOTE [ paddle.grad
+    through a graphed call ] in block/partial_grad.py), once per process, from the first wrapper with
+    chain_calls=True (NOTE [ Paddle patches ] in guards/paddle_patches.py)."""
     hook_registry.set_taker(_take_hook, _drop_hook)
     retain = paddle.Tensor.retain_grads
 
@@ -101,7 +101,7 @@ def install():
 
     retain_grads.__doc__ = getattr(retain, "__doc__", None)
     install_for_process(paddle.Tensor, "retain_grads", retain_grads)
-    partial_grad.install(_refuse_partial_grad)
+    partial_grad.add_check(_refuse_partial_grad)
 
 
 def _refuse_partial_grad(inputs):

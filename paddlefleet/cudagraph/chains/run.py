@@ -46,7 +46,7 @@ class ChainRun:
         self.order = {id(m.body): j for j, m in enumerate(members)}
         self.hooks = {}  # output index -> [(hook id, hook)]; hook None: retain_grads()
         self.args = None
-        self.executes = members[0].entry.backend.capture_executes
+        self.executes = members[0].entry.backend.replays_python
 
     def start(self):
         """Replays the head's forward, applies the bridge; returns the head call's Replayed."""

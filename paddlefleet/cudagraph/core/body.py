@@ -15,7 +15,9 @@ members with a body are defaults a body may leave out.
 import enum
 from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple
 
-__all__ = ["Action", "Blocked", "Replayed", "Body", "Graphs"]
+from ..guards.host_reads import describe_trace_difference
+
+__all__ = ["Action", "Blocked", "Replayed", "Body", "Graphs", "replay_read_other_values"]
 
 
 class Action(enum.Enum):
@@ -38,6 +40,25 @@ class Blocked(NamedTuple):
     reason: str
     warning: Optional[str] = None
     changed: Optional[tuple] = None
+
+
+def replay_read_other_values(captured, replayed, values, gpu, fix, differs=None):
+    """None when a replay that re-ran the function (the simulated backend's) ran the capture's ops
+    with the capture's host values, else the Blocked(FALL_BACK) naming the first difference (NOTE
+    [ Values a simulated replay reads ] in block/replay_fallback.py). ``values`` names what was read
+    (``"values"``, ``"host values"``), ``gpu`` what a GPU's replay would have done, ``fix`` the fix;
+    ``differs()`` is asked when the traces agree (a body's other difference, or None)."""
+    if captured is None or replayed is None:
+        return None
+    diff = describe_trace_difference(captured, replayed, "capture", "replay")
+    if diff is None and differs is not None:
+        diff = differs()
+    if diff is None:
+        return None
+    reason = f"a replay read other {values} than the capture: {diff}"
+    return Blocked(Action.FALL_BACK, reason, (
+        f"{reason}. On a GPU this replay would {gpu}; the simulated backend re-runs Python, so this result is "
+        f"still eager's. The key runs eagerly from now on. {fix}"))
 
 
 class Replayed(NamedTuple):

@@ -73,7 +73,7 @@ _warned = []
 def measured(backend):
     """Whether the host time of ``backend``'s replays says anything: not where a replay re-runs
     the function (simulate)."""
-    return backend is not None and not backend.capture_executes
+    return backend is not None and not backend.replays_python
 
 
 def warn_once_per_process():

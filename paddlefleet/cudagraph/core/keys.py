@@ -110,7 +110,7 @@ class KeyMaker:
         host = host_mask(call.tensors)
         if host is not None:
             check_host_inputs(call.tensors, host, leaf_names(named))
-        if key[0] != "user":
+        if not key.user:  # a dispatch_key_fn key: the user chose the graph
             check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/nested.py
         host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
         return describe_call(named, host_tensors, key.arguments if key.user else None)

@@ -5,11 +5,9 @@ import threading
 
 import paddle
 
-from ..guards.paddle_patches import Patches
 
 __all__ = [
     "CAPTURE_LOCK",
-    "LayerRecorder",
     "ParamSet",
     "param_homes",
     "accumulation_nodes",
@@ -20,35 +18,6 @@ __all__ = [
 #: for its duration: one capture at a time across threads.
 CAPTURE_LOCK = threading.RLock()
 
-
-class LayerRecorder:
-    """While active, records every Layer called (and snapshots its buffers before it runs)."""
-
-    def __init__(self, snapshot, watch):
-        self.layers = []
-        self._seen = set()
-        self._snapshot = snapshot
-        self._watch = watch
-        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
-
-    def __enter__(self):
-        original = paddle.nn.Layer.__call__
-        recorder = self
-
-        def recording_call(layer, *args, **kwargs):
-            if id(layer) not in recorder._seen:
-                recorder._seen.add(id(layer))
-                recorder.layers.append(layer)
-                recorder._snapshot.add(layer)
-                recorder._watch.add(layer)
-            return original(layer, *args, **kwargs)
-
-        self._patches.set(paddle.nn.Layer, "__call__", recording_call)
-        return self
-
-    def __exit__(self, *exc):
-        self._patches.restore()
-        return False
 
 
 def param_homes(layers):

@@ -9,7 +9,6 @@ the entry makes), the fallback with its reason, and the budgets (max_graphs, max
 import collections
 import logging
 import time
-import traceback
 import warnings
 
 from ..io import arguments
@@ -54,8 +53,7 @@ def _raise_own_error(counters, entry, err):
     if not is_own_error(err):
         return
     counters.eager("the function raised during capture")
-    if entry.backend.name == "cuda":
-        traceback.clear_frames(err.__traceback__)
+    entry.backend.release_error(err)
     raise err
 
 

@@ -11,7 +11,7 @@ import paddle
 from ..guards.rng import _tracker
 
 
-__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot", "SlotWatch"]
+__all__ = ["amp_state", "rng_snapshot", "restore_rng", "preserved_rng", "written_in_place", "BufferSnapshot"]
 
 
 _dygraph_tracer = paddle.base.framework._dygraph_tracer  # read on every call's key: looked up once
@@ -117,35 +117,3 @@ class BufferSnapshot:
                 buf.copy_(copy, False)
         self._saved = {}
 
-
-class SlotWatch:
-    """Which tensor each buffer and parameter slot of some Layers holds, to refuse a capture
-    whose function rebinds one (``self.steps = self.steps + 1``): a graph keeps reading and
-    writing the tensor it captured, so the Layer would never see the new one."""
-
-    def __init__(self):
-        self._slots = {}
-
-    def add(self, layer):
-        for kind in ("_buffers", "_parameters"):
-            for name, t in getattr(layer, kind, {}).items():
-                self._slots.setdefault((id(layer), kind, name), (layer, kind, name, t))
-
-    def check(self):
-        """Raises CaptureError naming the first slot that holds another tensor than before, after
-        putting the original tensors back (the capture run's rebinding leaves no trace)."""
-        changed = [(layer, kind, name, t) for layer, kind, name, t in self._slots.values()
-                   if getattr(layer, kind).get(name) is not t]
-        for layer, kind, name, t in changed:
-            getattr(layer, kind)[name] = t
-        if changed:
-            from ..errors import CaptureError
-
-            layer, kind, name, _ = changed[0]
-            what = "buffer" if kind == "_buffers" else "parameter"
-            raise CaptureError(
-                f"autocudagraph: the function rebinds {what} '{name}' of {type(layer).__name__} to a new "
-                "tensor (e.g. self.x = self.x + 1). A graph keeps using the tensor it captured, so the "
-                f"Layer would never see the update. Update it in place instead (paddle.assign(new, "
-                f"output=self.{name}) or self.{name}.set_value(new))."
-            )

@@ -1,7 +1,7 @@
 """The messages of host_guard's refusals (NOTE [ Host access during capture ] in host_guard.py):
 what was called, why a capturing CUDA stream refuses it, and the fix."""
 
-from ..errors import CaptureError
+from .refusals import DEVICE_SYNC, GRAD_ASSIGNED, HOST_READ, HOST_TO_DEVICE, STREAM_WAIT
 
 __all__ = ["D2H_FIX", "H2D_FIX", "read_error", "print_error", "copy_error", "sync_error", "sync_object_error",
            "grad_assignment_error", "what_value"]
@@ -11,8 +11,9 @@ H2D_FIX = ("Create the tensor outside the graphed function and pass it in as an 
            "then copied in before every replay), or build it with device ops (paddle.full, paddle.zeros).")
 
 
-def read_error(what):
-    return CaptureError(
+def read_error(what, refusal=HOST_READ):
+    """The refusal of a host read (or, with ``refusal=RAW_TENSOR_READ``, of a raw tensor's)."""
+    return refusal.error(
         f"autocudagraph: {what} was called during capture. It reads a device tensor on the host, which waits "
         "for the device; a capturing CUDA stream refuses that (CUDA error 900/906) and the capture breaks. "
         + D2H_FIX
@@ -21,7 +22,7 @@ def read_error(what):
 
 def print_error(what):
     """``print(t)``, ``str(t)``, an f-string of ``t``: named as the user wrote it, not as the numpy() it calls."""
-    return CaptureError(
+    return HOST_READ.error(
         f"autocudagraph: {what} of a device tensor was called during capture. Printing or formatting a tensor "
         "reads its values on the host, which waits for the device; a capturing CUDA stream refuses that (CUDA "
         "error 900/906) and the capture breaks, and a replay would not print anyway (it runs no Python). Print "
@@ -30,7 +31,7 @@ def print_error(what):
 
 
 def copy_error(what):
-    return CaptureError(
+    return HOST_TO_DEVICE.error(
         f"autocudagraph: {what} was called during capture. It copies host data to the device; a capturing "
         "CUDA stream refuses that copy (CUDA error 906), and a graph could never replay it with new values. "
         + H2D_FIX
@@ -38,7 +39,7 @@ def copy_error(what):
 
 
 def sync_error(what):
-    return CaptureError(
+    return DEVICE_SYNC.error(
         f"autocudagraph: {what} was called during capture. It waits for the device, which a capturing "
         "CUDA stream refuses (CUDA error 900). " + D2H_FIX
     )
@@ -55,7 +56,7 @@ def grad_assignment_error(why):
     ``paddle.nn.utils.clip_grad_norm_`` (which assigns ``p.grad``) is captured. Any other assignment
     (no grad yet, another shape or dtype, a host tensor) would need new storage or a host copy: it
     is refused in Python, on both backends, so the capture fails cleanly."""
-    return CaptureError(
+    return GRAD_ASSIGNED.error(
         f"autocudagraph: a parameter's .grad was assigned (p.grad = tensor) during capture, {why}. Paddle "
         "would copy it on the legacy CUDA stream (or allocate new grad storage), which a capturing stream "
         "refuses (CUDA error 906), so the capture breaks. Let backward() write the grads, or change them in "
@@ -64,7 +65,7 @@ def grad_assignment_error(why):
 
 
 def sync_object_error(what):
-    return CaptureError(
+    return STREAM_WAIT.error(
         f"autocudagraph: {what} was called during capture. It waits for the device or asks how far it got, "
         "which a capturing CUDA stream refuses (CUDA error 900), and a replay would not repeat it (the "
         "answer would stay the capture's). " + D2H_FIX

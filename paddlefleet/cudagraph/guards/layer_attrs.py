@@ -25,9 +25,10 @@ or a write to ``__dict__``); a graph replays the capture's value of those.
 import numpy as np
 import paddle
 
-from .paddle_patches import install_for_process
+from ..errors import CaptureError
+from .paddle_patches import Patches, install_for_process
 
-__all__ = ["install", "AttrWatch", "layers_with_sublayers"]
+__all__ = ["install", "AttrWatch", "LayerRecorder", "SlotWatch", "layers_with_sublayers"]
 
 _STAMP = "_autocudagraph_attr_stamp"
 _CLOCK = [0]
@@ -157,3 +158,64 @@ def attr_message(changed, what="the graphed call"):
                "A CUDA graph replays the kernels its capture launched with the old value, so the key is captured "
                "again.")
     return reason, warning
+
+
+class LayerRecorder:
+    """While active, records every Layer called (and snapshots its buffers before it runs)."""
+
+    def __init__(self, snapshot, watch):
+        self.layers = []
+        self._seen = set()
+        self._snapshot = snapshot
+        self._watch = watch
+        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
+
+    def __enter__(self):
+        original = paddle.nn.Layer.__call__
+        recorder = self
+
+        def recording_call(layer, *args, **kwargs):
+            if id(layer) not in recorder._seen:
+                recorder._seen.add(id(layer))
+                recorder.layers.append(layer)
+                recorder._snapshot.add(layer)
+                recorder._watch.add(layer)
+            return original(layer, *args, **kwargs)
+
+        self._patches.set(paddle.nn.Layer, "__call__", recording_call)
+        return self
+
+    def __exit__(self, *exc):
+        self._patches.restore()
+        return False
+
+
+class SlotWatch:
+    """Which tensor each buffer and parameter slot of some Layers holds, to refuse a capture
+    whose function rebinds one (``self.steps = self.steps + 1``): a graph keeps reading and
+    writing the tensor it captured, so the Layer would never see the new one."""
+
+    def __init__(self):
+        self._slots = {}
+
+    def add(self, layer):
+        for kind in ("_buffers", "_parameters"):
+            for name, t in getattr(layer, kind, {}).items():
+                self._slots.setdefault((id(layer), kind, name), (layer, kind, name, t))
+
+    def check(self):
+        """Raises CaptureError naming the first slot that holds another tensor than before, after
+        putting the original tensors back (the capture run's rebinding leaves no trace)."""
+        changed = [(layer, kind, name, t) for layer, kind, name, t in self._slots.values()
+                   if getattr(layer, kind).get(name) is not t]
+        for layer, kind, name, t in changed:
+            getattr(layer, kind)[name] = t
+        if changed:
+            layer, kind, name, _ = changed[0]
+            what = "buffer" if kind == "_buffers" else "parameter"
+            raise CaptureError(
+                f"autocudagraph: the function rebinds {what} '{name}' of {type(layer).__name__} to a new "
+                "tensor (e.g. self.x = self.x + 1). A graph keeps using the tensor it captured, so the "
+                f"Layer would never see the update. Update it in place instead (paddle.assign(new, "
+                f"output=self.{name}) or self.{name}.set_value(new))."
+            )

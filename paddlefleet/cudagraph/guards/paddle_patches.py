@@ -12,7 +12,9 @@ attribute unwind in order and an exception never leaves one installed.
 A few patches stay for the rest of the process (``install_for_process``). Importing the package
 installs none of them: paddlefleet/cudagraph/__init__.py only names their install functions
 (``on_first_wrapper``), and the first wrapper (``autocudagraph()``, ``autocudagraph_step()``, any
-Lifecycle) runs them, once (``install_process_patches``). A process that imports the package and
+Lifecycle) runs them, once (``install_process_patches``); the patches only some wrappers need are
+named with the option that needs them (``on_first_wrapper_with``: chains' with ``chain_calls``) and
+run by the first wrapper whose options set it. A process that imports the package and
 graphs nothing runs Paddle's own methods; a wrapper is made before its first call, so every capture
 and replay runs with them installed. What each must see from before its install is its own NOTE's
 concern (NOTE [ Grad consumers ], NOTE [ Saved-tensors hooks ]). The list, with where each lives, is
@@ -23,12 +25,12 @@ every layer (backends included) may use it.
 import contextlib
 import threading
 
-__all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "install_process_patches",
-           "process_patches_installed"]
+__all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "on_first_wrapper_with",
+           "install_process_patches", "process_patches_installed"]
 
 _MISSING = object()
 # The install functions of the process-wide patches, in order, and whether they ran.
-_PROCESS = {"installs": [], "installed": False}
+_PROCESS = {"installs": [], "installed": False, "by_option": {}, "options_installed": set()}
 _PROCESS_LOCK = threading.Lock()
 
 
@@ -90,16 +92,32 @@ def on_first_wrapper(*installs):
         install()
 
 
-def install_process_patches():
-    """Runs the process-wide patches' install functions once (every wrapper calls this when made)."""
-    if _PROCESS["installed"]:
-        return
+def on_first_wrapper_with(option, *installs):
+    """Names install functions that the first wrapper whose options set ``option`` runs, in order, once
+    (patches only such wrappers need; the package's import calls this and replaces nothing)."""
     with _PROCESS_LOCK:
-        if _PROCESS["installed"]:
-            return
-        for install in _PROCESS["installs"]:
-            install()
-        _PROCESS["installed"] = True
+        _PROCESS["by_option"].setdefault(option, []).extend(installs)
+
+
+def install_process_patches(options=None):
+    """Runs the process-wide patches' install functions once (every wrapper calls this when made), and
+    those named for an option ``options`` sets (on_first_wrapper_with) once."""
+    if not _PROCESS["installed"]:
+        with _PROCESS_LOCK:
+            if not _PROCESS["installed"]:
+                for install in _PROCESS["installs"]:
+                    install()
+                _PROCESS["installed"] = True
+    if options is None:
+        return
+    wanted = [o for o in _PROCESS["by_option"] if o not in _PROCESS["options_installed"] and getattr(options, o, False)]
+    if wanted:
+        with _PROCESS_LOCK:
+            for option in wanted:
+                if option not in _PROCESS["options_installed"]:
+                    for install in _PROCESS["by_option"][option]:
+                        install()
+                    _PROCESS["options_installed"].add(option)
 
 
 def process_patches_installed():

@@ -6,6 +6,7 @@ method, and for ``synchronize()`` of the device, of a Stream and of an Event."""
 import paddle
 
 from .host_errors import copy_error, read_error, sync_object_error, what_value
+from .refusals import RAW_TENSOR_READ
 
 __all__ = ["RawTensorGuard", "host_place", "patch_raw_tensors"]
 
@@ -99,7 +100,7 @@ class RawTensorGuard:
         def make(original):
             def read(self, *args, **kwargs):
                 if not guard.dense_is_host(self):
-                    raise read_error(f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)")
+                    raise read_error(f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)", RAW_TENSOR_READ)
                 return guard.allowed(original, self, *args, **kwargs)
 
             return read
@@ -123,7 +124,7 @@ class RawTensorGuard:
             source_host, target_host = guard.dense_is_host(self), host_place(place)
             if source_host != target_host:
                 if target_host:
-                    raise read_error("Tensor.get_tensor()._copy() to the host")
+                    raise read_error("Tensor.get_tensor()._copy() to the host", RAW_TENSOR_READ)
                 raise copy_error("Tensor.get_tensor()._copy() of a host tensor to the device")
             return guard.allowed(original, self, place, *args, **kwargs)
 

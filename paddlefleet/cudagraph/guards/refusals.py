@@ -6,17 +6,23 @@ A capture is refused (CaptureError; the key runs eagerly with eager's results an
 naming the user's line) where a CUDA graph would fail or replay something other than eager. The
 simulated backend must refuse exactly what the cuda backend refuses, or CPU CI says "graphed"
 where a GPU falls back. ``REFUSALS`` is the one list of those refusals: docs/guides/refusals.md
-is rendered from it (``render()``; tests/backends/test_refusals.py checks the page is current),
-every row's message and fix words are checked against the package's messages, and every row
-names the tests that show it on both backends (on the simulated backend with the stand-in for a
-recording capture, ``capture_executes=False``, where a GPU differs because a capture only
-records). A new refusal is a new row.
+is rendered from it (``render()``; tests/backends/test_refusals.py checks the page is current).
+Each refusal is raised from its row by the guard that owns it (``ROW.error(message)``: the
+CaptureError carries its row, and the message the guard writes, with what was called and its
+values, carries the row's words and fix); tests/backends/test_refusals.py makes each row's guard
+refuse and checks the row it raised, and names the tests that show each row on both backends (on
+the simulated backend with the stand-in for a recording capture, ``capture_executes=False``,
+where a GPU differs because a capture only records). A new refusal is a new row.
 """
 
 import dataclasses
-from typing import Tuple
 
-__all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render"]
+from ..errors import CaptureError
+
+__all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
+           "DEVICE_SYNC", "STREAM_WAIT", "GRAD_ASSIGNED", "VALUE_SHAPE", "DEVICE_INDEX", "RANDOM_KERNEL",
+           "RECOMPUTE_DROPOUT", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
+           "FREED_GRADS", "CHANGING_HOST_VALUE"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +36,6 @@ class Refusal:
         simulate: what the simulated backend does.
         message: words every such message carries.
         fix: words of the fix the message gives.
-        tests: pytest ids (``path::Class::test``) that show it on both backends.
     """
 
     name: str
@@ -39,14 +44,15 @@ class Refusal:
     simulate: str
     message: str
     fix: str
-    tests: Tuple[str, ...]
+
+    def error(self, message):
+        """The CaptureError of this refusal, raised by the guard that owns the row: ``message`` says
+        what was called, with its values, and carries the row's ``message`` and ``fix`` words."""
+        err = CaptureError(message)
+        err.refusal = self
+        return err
 
 
-_FAILURES = "tests/block/test_capture_failures.py"
-_STEP_FAILURES = "tests/step/test_step_capture_failures.py"
-_GUARD_TESTS = "tests/backends/test_host_guard.py"
-_MATRIX = ((_FAILURES, "BlockFailures"), (_STEP_FAILURES, "StepFailures"))
-_REFUSALS = "tests/backends/test_refusals.py"
 _GUARD = ("refused in Python before CUDA sees it (a capturing stream fails it with CUDA error 900/906 and "
           "the capture breaks)")
 _SAME = "refused the same way (host marks stand for CPU tensors)"
@@ -57,18 +63,13 @@ REFUSALS = (
         "reads a device tensor on the host: `.numpy()`, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, "
         "`if t:`, `print(t)`, `.cpu()`, `np.array(t)`",
         _GUARD, _SAME,
-        "reads a device tensor on the host", "Keep host reads out of the graphed function",
-        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
-              for n in ("numpy", "item", "float", "bool", "int", "cpu", "print_tensor"))),
+        "reads a device tensor on the host", "Keep host reads out of the graphed function"),
     Refusal(
         "raw tensor read",
         "reads a device tensor's raw tensor on the host: `np.array(t.get_tensor())`, "
         "`np.array(t.value().get_tensor())`, `str(t.get_tensor())`, `t.get_tensor()._copy(cpu)`",
         _GUARD, _SAME,
-        "Tensor.get_tensor()", "Keep host reads out of the graphed function",
-        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
-              for n in ("raw_tensor_numpy", "value_raw_tensor_numpy"))
-        + (f"{_GUARD_TESTS}::HostGuardTest::test_raw_tensor_reads_and_writes_are_guarded",)),
+        "Tensor.get_tensor()", "Keep host reads out of the graphed function"),
     Refusal(
         "host-to-device copy",
         "copies host data to the device: `paddle.to_tensor(array)`, `paddle.Tensor(array)`, `paddle.assign(array)`, "
@@ -76,125 +77,96 @@ REFUSALS = (
         "`t.get_tensor().set(array, place)`",
         _GUARD + "; a graph could never replay it with new values (`paddle.Tensor(array)`: on Paddle 3.x; Paddle "
         "2.6's constructor cannot be wrapped)", _SAME,
-        "copies host data to the device", "Create the tensor outside the graphed function",
-        tuple(f"{path}::{c}::test_{n}" for path, c in _MATRIX
-              for n in ("to_tensor_numpy", "to_tensor_host_tensor", "tensor_constructor_numpy", "assign_numpy",
-                        "set_value_numpy", "setitem_numpy"))),
+        "copies host data to the device", "Create the tensor outside the graphed function"),
     Refusal(
         "device synchronize",
         "`paddle.device.synchronize()`, `paddle.device.cuda.synchronize()`",
         _GUARD, "refused the same way (the call never reaches the device)",
-        "waits for the device", "Keep host reads out of the graphed function",
-        (f"{_FAILURES}::BlockFailures::test_synchronize", f"{_STEP_FAILURES}::StepFailures::test_synchronize",
-         f"{_GUARD_TESTS}::HostGuardTest::test_stream_and_event_waits_are_refused")),
+        "waits for the device", "Keep host reads out of the graphed function"),
     Refusal(
         "stream or event wait",
         "`Stream.synchronize()`, `Stream.query()`, `Event.synchronize()`, `Event.query()`, "
         "`Event.elapsed_time()` (`paddle.device` and `paddle.device.cuda`)",
         _GUARD + "; a replay would not repeat the answer", "refused the same way",
-        "asks how far it got", "Keep host reads out of the graphed function",
-        (f"{_GUARD_TESTS}::HostGuardTest::test_stream_and_event_waits_are_refused",
-         f"{_REFUSALS}::StreamWait::test_waiting_for_the_current_stream_is_refused")),
+        "asks how far it got", "Keep host reads out of the graphed function"),
     Refusal(
         "grad assigned",
         "`p.grad = t` where `p` has no grad yet, or `t` has another shape or dtype, or is a host tensor "
         "(`p.grad = t` onto a grad of `t`'s shape and dtype is done as Paddle does it, an in-place copy, "
         "and captured: Paddle 2.6's `clip_grad_norm_` included)",
         "refused in Python (Paddle's setter copies on the legacy stream: CUDA error 906)", "refused the same way",
-        "p.grad = tensor", "Let backward() write the grads",
-        (f"{_STEP_FAILURES}::GradAssignment::test_assigning_a_grad_inside_a_whole_step_is_refused_and_stays_eager_exact",
-         f"{_REFUSALS}::GradAssignedInPlace::test_a_grad_assigned_in_place_is_captured_and_bitwise",
-         f"{_REFUSALS}::ClipGradNorm::test_clip_grad_norm_in_a_whole_step_is_captured_and_bitwise")),
+        "p.grad = tensor", "Let backward() write the grads"),
     Refusal(
         "shape from tensor values",
         "`paddle.nonzero`, `paddle.masked_select`, `paddle.unique`, `paddle.unique_consecutive`, `paddle.bincount`, "
         "`paddle.repeat_interleave` with tensor repeats, `x[bool_mask]`",
         "refused in Python (the output's shape must be copied to the host: CUDA error 900)",
         "refused the same way; a replay whose shapes change anyway falls back before copying",
-        "Its output's shape depends on tensor values", "fixed-shape form",
-        (f"{_FAILURES}::BlockFailures::test_value_shaped_op", f"{_STEP_FAILURES}::StepFailures::test_value_shaped_op")),
+        "Its output's shape depends on tensor values", "fixed-shape form"),
     Refusal(
         "index with a device tensor",
         "`x[t]` with a 0-D integer device tensor, `x[:t]` with a device tensor bound (a host tensor such as "
         "`paddle.shape(x)[0]` is allowed)",
         "refused in Python (Paddle reads the index on the host: CUDA error 900)", "refused the same way",
-        "reads that tensor's value on the host", "Index with Python ints or slices",
-        ("tests/block/test_footguns.py::FootgunTest::test_ops_whose_output_shape_depends_on_tensor_values_run_eagerly",
-         f"{_REFUSALS}::DeviceIndex::test_indexing_with_a_device_tensor_is_refused")),
+        "reads that tensor's value on the host", "Index with Python ints or slices"),
     Refusal(
         "random kernel other than dropout",
         "`paddle.rand`, `randn`, `bernoulli`, `randint` and other random kernels in a graphed block",
         "refused: Paddle re-seeds only dropout on replay, every replay would repeat the capture's numbers",
         "refused, as on cuda (its replays, which re-run the function, would draw afresh)",
-        "does not re-seed", "Draw them outside the graphed function",
-        ("tests/block/test_footguns.py::RecordingCaptureTest::"
-         "test_random_kernels_other_than_dropout_run_eagerly_on_cuda",
-         f"{_FAILURES}::BlockFailures::test_random_kernel")),
+        "does not re-seed", "Draw them outside the graphed function"),
     Refusal(
         "recompute with dropout",
         "a reentrant `recompute` whose block draws random numbers, inside a graphed call or step",
         "refused: the backward rewinds the RNG and redraws, a replay would draw with a new offset",
         "refused, as on cuda (its replays, which re-run the recompute, would redraw the forward's masks)",
-        "rewinds the RNG state and then runs the random kernel", "Graph the blocks inside the recompute",
-        ("tests/block/test_footguns.py::RecordingCaptureTest::test_recompute_with_dropout_runs_eagerly_on_cuda",
-         "tests/grads/test_training.py::RecomputeTest::test_layer_calling_recompute_with_dropout_runs_eagerly_like_eager")),
+        "rewinds the RNG state and then runs the random kernel", "Graph the blocks inside the recompute"),
     Refusal(
         "tracker dropout without state indices",
         "dropout under a Fleet tracker `rng_state(name)` block inside a graphed function, on a Paddle without "
         "generator state indices (2.6)",
         "refused: the replay hook advances the caller's state, not the tracker's",
         "refused, as on cuda (its replays, which re-run the tracker block, would draw from the tracker's state)",
-        "generator state indices", "Graph the code inside the rng_state block",
-        ("tests/block/test_footguns.py::RecordingCaptureTest::"
-         "test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices",)),
+        "generator state indices", "Graph the code inside the rng_state block"),
     Refusal(
         "double backward",
         "`paddle.grad(u, x, create_graph=True)` inside a graphed function, whose grads require grad",
         "refused in Python where paddle.grad returns", "refused the same way",
-        "create_graph=True", "outside the graphed function and graph the parts before and after it",
-        (f"{_REFUSALS}::DoubleBackward::test_paddle_grad_with_create_graph_is_refused_by_name",
-         f"{_REFUSALS}::DoubleBackward::"
-         "test_paddle_grad_with_create_graph_is_refused_by_name_under_a_recording_capture")),
+        "create_graph=True", "outside the graphed function and graph the parts before and after it"),
     Refusal(
         "leaf that would lose its grad",
         "uses a tensor that requires grad and is neither an argument nor a parameter of its Layers "
         "(a closure's, a global's)",
         "refused in Python after the forward capture", "refused the same way",
-        "neither arguments nor parameters", "Pass them as arguments",
-        (f"{_FAILURES}::BlockFailures::test_closure_leaf_needing_grad",
-         "tests/block/test_footguns.py::FootgunTest::test_closure_tensor_requiring_grad_runs_eagerly")),
+        "neither arguments nor parameters", "Pass them as arguments"),
     Refusal(
         "input written in place",
         "writes one of its tensor arguments in place (a copied input: the graph writes its own copy)",
         "refused in Python after the capture", "refused the same way (the simulated capture's write is undone)",
-        "in place", "Return the new value instead",
-        ("tests/block/test_footguns.py::FootgunTest::test_function_writing_its_input_runs_eagerly",
-         "tests/step/test_adopted_inputs.py::AdoptedInputWrittenInPlaceTest::"
-         "test_an_input_written_in_place_and_passed_anew_each_call_is_refused")),
+        "in place", "Return the new value instead"),
     Refusal(
         "paddle.amp.GradScaler in a whole step",
         "`paddle.amp.GradScaler.step()`, `.minimize()` or `.update()` inside `autocudagraph_step`, enabled or "
         "not (Paddle turns it off on a CPU, on a GPU it is on)",
         "refused in Python: it reads found_inf on the host", "refused the same way, also where Paddle disabled it",
-        "paddle.amp.GradScaler", "GraphGradScaler",
-        ("tests/step/test_train_step.py::WholeStepRefusalsTest::test_paddle_grad_scaler_is_refused_by_name",
-         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu",
-         f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_under_a_recording_capture")),
+        "paddle.amp.GradScaler", "GraphGradScaler"),
     Refusal(
         "grads freed at the end of an accumulation window",
         "a whole step that accumulates grads and frees them with `clear_grad(set_to_zero=False)` when it steps",
         "refused in Python: every window starts from new grad storage", "refused the same way",
-        "clear_grad(set_to_zero=False) at the end of an accumulation window", "Use clear_grad() (set_to_zero=True)",
-        (f"{_REFUSALS}::FreedGrads::test_freeing_grads_at_the_end_of_a_window_is_named",)),
+        "clear_grad(set_to_zero=False) at the end of an accumulation window", "Use clear_grad() (set_to_zero=True)"),
     Refusal(
         "host value that changes between steps",
         "a whole step whose ops take a Python value that differs between its last warmup step and its capture "
         "(a counter, a float from the host)",
         "refused in Python: the op traces of warmup and capture differ",
         "refused the same way; a simulated replay that reads other values falls back",
-        "reads a host value that changes between steps", "Pass such values as tensors",
-        (f"{_STEP_FAILURES}::StepFailures::test_changing_host_value",)),
+        "reads a host value that changes between steps", "Pass such values as tensors"),
 )
+
+(HOST_READ, RAW_TENSOR_READ, HOST_TO_DEVICE, DEVICE_SYNC, STREAM_WAIT, GRAD_ASSIGNED, VALUE_SHAPE, DEVICE_INDEX,
+ RANDOM_KERNEL, RECOMPUTE_DROPOUT, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, PADDLE_SCALER,
+ FREED_GRADS, CHANGING_HOST_VALUE) = REFUSALS
 
 #: What looks like a refusal and is not: captured on both backends, eager's result bit for bit.
 NOT_REFUSED = (
@@ -240,7 +212,4 @@ def render():
                      f"\"{_cell(r.message)}\" | \"{_cell(r.fix)}\" |")
     lines += ["", "Not refused (captured, eager's result bit for bit):", ""]
     lines += [f"- {item}" for item in NOT_REFUSED]
-    lines += ["", "The tests of each row, on both backends:", ""]
-    for r in REFUSALS:
-        lines.append(f"- {r.name}: " + ", ".join(f"`{t}`" for t in r.tests))
     return "\n".join(lines) + "\n"

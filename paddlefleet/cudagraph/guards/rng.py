@@ -45,6 +45,7 @@ import paddle
 
 from .location import user_call_site
 from .paddle_patches import Patches
+from .refusals import RANDOM_KERNEL, RECOMPUTE_DROPOUT, TRACKER_DROPOUT
 
 __all__ = ["DrawGuard", "generator_state_indices", "RESEEDED_OPS"]
 
@@ -254,14 +255,14 @@ class DrawGuard:
 
         kind, what, where = self.problem
         if kind == "after rewind":
-            raise CaptureError(
+            raise RECOMPUTE_DROPOUT.error(
                 f"autocudagraph: the backward rewinds the RNG state and then runs the random kernel '{what}' "
                 f"(at {where}; reentrant recompute with dropout). A CUDA graph would replay that kernel with a new "
                 "offset instead of the forward's, giving wrong grads. Graph the blocks inside the recompute "
                 "instead of around it, or disable dropout there."
             )
         if kind == "frozen":
-            raise CaptureError(
+            raise RANDOM_KERNEL.error(
                 f"autocudagraph: the function runs the random kernel '{what}' (at {where}), which Paddle does not "
                 "re-seed when a CUDA graph replays (only dropout and fused_dropout_add are): every replay would "
                 "repeat the capture's random numbers. Draw them outside the graphed function and pass them in, "
@@ -274,7 +275,7 @@ class DrawGuard:
                 "does not see). A CUDA graph would replay the capture's random numbers. Seed and draw outside "
                 "the graphed function."
             )
-        raise CaptureError(
+        raise TRACKER_DROPOUT.error(
             f"autocudagraph: the function runs the random kernel '{what}' (at {where}) under another RNG state "
             "than the caller's (a Fleet tracker rng_state(name) block inside it), and this Paddle has no "
             "generator state indices (Generator.get_state_index): a replay would draw from the caller's state "

@@ -35,8 +35,9 @@ import contextlib
 
 import paddle
 
-from ..errors import CaptureError, ReplayShapeError
+from ..errors import ReplayShapeError
 from .paddle_patches import Patches
+from .refusals import DEVICE_INDEX, VALUE_SHAPE
 
 __all__ = ["refuse_value_shapes", "check_replay_shapes", "VALUE_SHAPED_OPS"]
 
@@ -59,7 +60,7 @@ _FIX = (
 
 
 def _value_shape_error(what):
-    return CaptureError(
+    return VALUE_SHAPE.error(
         f"autocudagraph: {what} was called during capture. Its output's shape depends on tensor values, "
         "so a GPU must copy that shape to the host, a sync that a capturing CUDA stream refuses (CUDA "
         f"error 900), and a graph could only ever hand out the captured shape. {_FIX}"
@@ -67,7 +68,7 @@ def _value_shape_error(what):
 
 
 def _host_read_error(what):
-    return CaptureError(
+    return DEVICE_INDEX.error(
         f"autocudagraph: {what} during capture. Paddle reads that tensor's value on the host, which waits "
         "for the device and a capturing CUDA stream refuses (CUDA error 900). Index with Python ints or "
         "slices, pass the index as a Python value (it is then part of the key), or index outside the "

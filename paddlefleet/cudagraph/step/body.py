@@ -21,13 +21,15 @@ import dataclasses
 import weakref
 from typing import Any
 
-from ..core.body import Action, Blocked, Body, Replayed
+from ..core.body import Body, Replayed, replay_read_other_values
 from ..backends import whole_step
 from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
-from ..guards.host_reads import BindingWatch, OpTrace, describe_trace_difference
-from ..core.layers import CAPTURE_LOCK, LayerRecorder
+from ..guards.host_reads import BindingWatch, OpTrace
+from ..core.layers import CAPTURE_LOCK
+from ..guards.layer_attrs import LayerRecorder
+from ..guards.refusals import FREED_GRADS
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)
 from ..io.nested import flatten, leaf_names, unflatten
@@ -137,7 +139,7 @@ class StepBody(Body):
                 self._unlisted.setdefault(id(opt), opt)
 
         with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
+                on_gpu=entry.backend.cpu_is_host) as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
         warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)
@@ -176,7 +178,7 @@ class StepBody(Body):
                 "after a reset). Call reset() on the step to warm it up again."
             )
         if warm.changes and warm.grads_only and self.slots.freed:
-            raise CaptureError(FREED_AT_WINDOW_END.format(changes=warm.changes, where=self.slots.freed))
+            raise FREED_GRADS.error(FREED_AT_WINDOW_END.format(changes=warm.changes, where=self.slots.freed))
         if warm.changes:
             raise CaptureError(
                 f"autocudagraph_step: every warmup step of this key created or replaced state: {warm.changes}. A graph "
@@ -231,8 +233,7 @@ class StepBody(Body):
             graphs.graph.replay()
         result = unflatten(graphs.out_spec, graphs.hand_out(), consts)
         self._remember_between()
-        replayed = graphs.live.get("trace")
-        then = _simulated_replay_check(graphs, replayed) if replayed is not graphs.trace else None
+        then = _simulated_replay_check(graphs, graphs.live.take_replayed())
         return Replayed(result, copied, skipped, then)
 
 
@@ -240,13 +241,7 @@ def _simulated_replay_check(graphs, replayed):
     """None when a simulated replay read the host values its capture read (and returned the Python
     values it kept), else a Blocked that moves the key to eager (this call's result, from a re-run
     of the step, is still eager's)."""
-    diff = describe_trace_difference(graphs.trace, replayed, "capture", "replay")
-    if diff is None:
-        diff = graphs.returned.differs(graphs.live["spec"][1])
-    if diff is None:
-        return None
-    reason = f"a replay read other host values than the capture: {diff}"
-    return Blocked(Action.FALL_BACK, reason, (
-        f"{reason}. On a GPU this replay would have silently reused the capture-time values; the simulated "
-        "backend re-runs Python, so this result is still eager's. The key runs eagerly from now on. Pass "
-        "values that change as tensors (or as arguments: they become part of the key)."))
+    return replay_read_other_values(
+        graphs.trace, replayed, "host values", "have silently reused the capture-time values",
+        "Pass values that change as tensors (or as arguments: they become part of the key).",
+        differs=lambda: graphs.returned.differs(graphs.live["spec"][1]))

@@ -29,7 +29,6 @@ import contextlib
 import paddle
 
 from ..core import state
-from ..guards.rng import DrawGuard
 from ..guards.paddle_patches import Patches
 from ..backends import function_errors
 from ..errors import CaptureError
@@ -37,8 +36,9 @@ from .grad_scaler import live_scalers
 from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
-from ..guards.host_reads import OpTrace, describe_trace_difference
-from ..core.layers import LayerRecorder
+from ..guards.host_reads import describe_trace_difference
+from ..guards.refusals import CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
+from ..guards.session import CaptureSession
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
 from ..io.static_inputs import StaticInputs, contiguous_outputs
@@ -75,7 +75,7 @@ def _refusing_scaler(name):
     def refusing(self, *args, **kwargs):
         state = "enabled" if getattr(self, "_enable", False) else (
             "disabled here: Paddle turns it off off-GPU, and on a GPU it is on")
-        raise CaptureError(
+        raise PADDLE_SCALER.error(
             f"autocudagraph_step: paddle.amp.GradScaler.{name}() was called during capture ({state}). It reads "
             "found_inf on the host to skip the update and keeps its counters in Python, so a graph "
             "would freeze its decisions. Use paddlefleet.cudagraph.GraphGradScaler (same API, decisions "
@@ -90,7 +90,7 @@ def _refuse_written_copies(static):
     tensor: written as eagerly)."""
     written = static.written(skip=static.adopted)
     if written:
-        raise CaptureError(
+        raise INPUT_WRITTEN.error(
             f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
             "graph writes into its own copy of such an input, so the caller's tensor would not change on replays. "
             "Return the new value instead, write it after the step, or pass the very same tensor on every call "
@@ -130,7 +130,7 @@ class StepCapture:
         self.call = call
         self.names = names
         self.warm = warm
-        self.on_gpu = backend.name == "cuda"
+        self.on_gpu = backend.cpu_is_host
         self.schedulers = SchedulerWatch(body.optimizers)  # their state before the capture
 
     def run(self):
@@ -141,7 +141,7 @@ class StepCapture:
         # Unlisted optimizers the step steps are rolled back too: the capture is refused (their
         # learning rate changes), and the eager call that replaces it must not update twice.
         rolled_back = list(body.optimizers) + [opt for _, opt in _unlisted_optimizers(body)]
-        rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.capture_executes else None
+        rollback = Rollback(rolled_back, live_scalers(), roots=[body.fn]) if backend.replays_python else None
         # NOTE [ What a failed recording capture leaves ] in step/rollback.py
         grads = GradValues(step_params(rolled_back, roots=[body.fn]), recording=True) if rollback is None else None
         rng = state.rng_snapshot()
@@ -169,37 +169,24 @@ class StepCapture:
         host = host_mask(call.tensors, on_gpu=self.on_gpu)
         static = StaticInputs(call.tensors, self.names, adopt=_adoptable(call.tensors, self.last_inputs, host),
                               host=host)
-        args, kwargs = call.rebuild(static.buffers)
-        live, fn, on_gpu = graphs.live, body.fn, self.on_gpu
-        stepped = live["stepped"] = set()  # the optimizers whose rate Paddle would fill
-
-        def filled(opt):
-            stepped.add(id(opt))
-
-        def step_body():
-            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace, \
-                    function_errors():
-                out = fn(*args, **kwargs)
-            tensors, consts, spec = flatten(out)
-            live.update(trace=trace, record=record, spec=(spec, consts))
-            return contiguous_outputs(tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
-
         watch = LayerWatch(values=rollback.buffers if rollback is not None else None)
         before = fingerprint(body.optimizers, with_grads=graphs.grad_mode != CLOSED)
-        # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
-        guard = DrawGuard(backward=True)
-        body._feed(self.warm.stepped)
-        graphs.graph = self.backend.new_graph(graphs.pool)
 
         def on_step(opt):
             if not any(o is opt for o in body.optimizers):
                 raise body.unlisted_error([opt])
 
+        # NOTE [ One capture session ] in guards/session.py: the step's ops are traced on both backends
+        # (its capture is checked against its last warmup step), and it draws in its own backward.
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
-        with LayerRecorder(watch, NO_WATCH), guard, _refuse_paddle_scaler(), watch_steps(
-                on_step), tag_learning_rates(), writes:
-            outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
-        guard.check()
+        session = CaptureSession(self.backend, watch, NO_WATCH, backward=True,
+                                 trace={"on_gpu": self.on_gpu, "always": True},
+                                 guards=(_refuse_paddle_scaler(), watch_steps(on_step), tag_learning_rates(), writes))
+        graphs.live = live = session.record
+        body._feed(self.warm.stepped)
+        graphs.graph = self.backend.new_graph(graphs.pool)
+        outputs = session.capture(graphs.graph, self._step_body(session, call.rebuild(static.buffers)),
+                                  body.options.capture_hooks)
         self._check(live, before, watch, graphs)
         _refuse_written_copies(static)
         graphs.static_inputs = static
@@ -212,14 +199,29 @@ class StepCapture:
         graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
         graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
-        graphs.trace = live["trace"] if self.backend.capture_executes else None
+        graphs.trace = live["trace"] if self.backend.replays_python else None
         graphs.bindings = body._bindings.snapshot()
         graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
         body._after_host_run(live["record"])
         graphs.watched = list(body._between)
         graphs.checks = ReplayChecks(graphs, body._bindings)
-        if self.backend.capture_executes:
+        if self.backend.replays_python:  # NOTE [ The capture call of a step ]
             graphs.pending = unflatten(graphs.out_spec, graphs.hand_out(), graphs.out_consts)
+
+    def _step_body(self, session, static_call):
+        """The step the graph captures (and a simulated replay re-runs), each run recorded in the
+        session's record; the optimizers whose rate Paddle would fill are the record's ``stepped``."""
+        (args, kwargs), body, live = static_call, self.body, session.record
+        stepped = live["stepped"] = set()
+
+        def step_body():
+            with body._scope(lambda opt: stepped.add(id(opt))) as record, session.function_run(), function_errors():
+                out = body.fn(*args, **kwargs)
+            tensors, consts, spec = flatten(out)
+            live.update(record=record, spec=(spec, consts))
+            return contiguous_outputs(tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
+
+        return step_body
 
     def _check(self, live, before, watch, graphs):
         body = self.body
@@ -252,7 +254,7 @@ class StepCapture:
             )
         diff = describe_trace_difference(self.warm.trace, trace, "last warmup step", "capture")
         if diff is not None:
-            raise CaptureError(
+            raise CHANGING_HOST_VALUE.error(
                 f"autocudagraph_step: the step reads a host value that changes between steps: {diff}. A graph replays "
                 "every op with its capture-time arguments, so later steps would silently reuse them. Pass such "
                 "values as tensors (updated in place) or as arguments of the step (they become part of the key)."

@@ -93,7 +93,7 @@ def describe_changes(before, after, limit=3):
 
 class LayerWatch:
     """Collects the Layers a step calls and their state identity before their first call (use
-    as the ``snapshot`` of layers.LayerRecorder); ``values`` also snapshots buffer values."""
+    as the ``snapshot`` of guards/layer_attrs.LayerRecorder); ``values`` also snapshots buffer values."""
 
     def __init__(self, values=None):
         self.before = {}
@@ -115,6 +115,9 @@ class LayerWatch:
 
 class _Nothing:
     def add(self, layer):
+        pass
+
+    def check(self):
         pass
 
 

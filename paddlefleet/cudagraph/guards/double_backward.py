@@ -14,20 +14,40 @@ user's line, and the key runs eagerly (eager's results). A ``paddle.grad`` with
 """
 
 import contextlib
+import threading
 
 from paddle.base import core
 
-from ..backends import in_own_grad
-from ..guards.paddle_patches import Patches
-from ..errors import CaptureError
+from .paddle_patches import Patches
+from .refusals import DOUBLE_BACKWARD
 
-__all__ = ["refuse_create_graph"]
+__all__ = ["refuse_create_graph", "own_grad", "in_own_grad"]
+
+#: per thread: how deep the package's own paddle.grad calls are nested (own_grad)
+_local = threading.local()
+
+
+def in_own_grad():
+    """True while the package itself runs paddle.grad in this thread (own_grad)."""
+    return getattr(_local, "own_grads", 0) > 0
+
+
+@contextlib.contextmanager
+def own_grad():
+    """Marks a paddle.grad the package runs itself (a backward body, a probe, a verification):
+    NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py refuses only the caller's."""
+    _local.own_grads = getattr(_local, "own_grads", 0) + 1
+    try:
+        yield
+    finally:
+        _local.own_grads -= 1
+
 
 _CREATE_GRAPH = 4  # create_graph's position in core.eager.run_partial_grad (Paddle 2.6 and 3.x)
 
 
 def _error():
-    return CaptureError(
+    return DOUBLE_BACKWARD.error(
         "autocudagraph: paddle.grad(..., create_graph=True) was called during capture, and the grads it returned "
         "require grad (a double backward: the caller's backward would differentiate this backward again). A "
         "block's backward graph cannot replay a backward recorded inside its forward, so this key runs eagerly. "

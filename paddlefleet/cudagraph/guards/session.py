@@ -1,0 +1,117 @@
+"""One capture session: the guards a capture of a block or of a whole step opens, opened the same
+way for both, and the record the function's runs leave.
+
+NOTE [ One capture session ]
+What a capture touched is one concept: the Layers it called (``LayerRecorder``) and the slots they
+must not rebind (``SlotWatch``), the random numbers it drew (``DrawGuard``), a double backward
+(``refuse_create_graph``), the tensors it wrote in place (``InPlaceWrites``) and the ops it ran with
+their host values (``OpTrace``). A block's forward capture and a whole step's capture open them
+through one ``CaptureSession``; what differs is asked for, not composed anew: a step draws in its
+own backward (``backward=True``) and refuses what only a step can do (``guards``: Paddle's
+GradScaler, optimizers outside ``optimizers=``), a block refuses a double backward. Host reads,
+raw tensors and value-dependent shapes are refused by the graph itself, inside the capture (on a
+GPU between begin and end of the stream capture): ``Backend.guard`` gives each backend's guard.
+What a backend's capture does differently is the backend's (``Backend.replays_python``): a
+capture that runs the function copies its in-place writes and traces its ops, a recording one
+does neither. The checks run once, after the graph's capture: a rebound slot, then a draw.
+
+The record (``CaptureRecord``) is built once per capture, by the function's runs inside it:
+``outputs`` and ``spec`` of the latest run (a simulated backward differentiates the latest
+replay's outputs), the capture run's ``trace`` and the latest replay's (``replayed``, taken by
+the replay's check: NOTE [ Values a simulated replay reads ] in block/replay_fallback.py).
+"""
+
+import contextlib
+
+from .double_backward import refuse_create_graph
+from .host_reads import OpTrace
+from .layer_attrs import LayerRecorder
+from .rng import DrawGuard
+
+__all__ = ["CaptureRecord", "CaptureSession"]
+
+
+class CaptureRecord(dict):
+    """What the function's runs inside one capture left (NOTE [ One capture session ]).
+
+    Keys: ``outputs`` (the latest run's output tensors), ``spec`` (``(out_spec, out_consts)`` of the
+    latest run), ``trace`` (the capture run's OpTrace, None when untraced), ``replayed`` (the latest
+    replay's OpTrace, taken by ``take_replayed``), and what a body adds to it (the backward body's
+    ``grad_groups``, a step's ``record`` and ``stepped``).
+    """
+
+    @property
+    def captured(self):
+        """Has the capture run of the function returned?"""
+        return "spec" in self
+
+    def take_replayed(self):
+        """The latest replay's OpTrace (None when untraced or taken), forgotten."""
+        return self.pop("replayed", None)
+
+
+class CaptureSession:
+    """The guards of one capture (NOTE [ One capture session ]).
+
+    Args:
+        backend: the key's backend; it says whether the capture runs the function.
+        snapshot, watch: objects with ``add(layer)`` given each Layer the capture calls, before it
+            runs (what the capture writes in the Layers is put back; the slots it must not rebind);
+            ``watch.check()`` runs after the capture. None: the Layers called are not recorded.
+        backward: the capture runs a backward (a step's): DrawGuard(backward=True).
+        double_backward: refuse ``paddle.grad(create_graph=True)`` (a block's forward).
+        writes: an InPlaceWrites entered around the capture run of the function (a block's, made
+            where the backend's capture runs the function: written back after the capture, so the
+            capture call's replay applies them once, as on a GPU), or None.
+        trace: OpTrace's keyword arguments for every run of the function, or None: traced where the
+            backend's replays run the function, or always with ``always=True`` in it (a step's).
+        guards: a body's own context managers, entered around the graph's capture.
+    """
+
+    def __init__(self, backend, snapshot=None, watch=None, backward=False, double_backward=False, writes=None,
+                 trace=None, guards=()):
+        self.record = CaptureRecord()
+        self.recorder = LayerRecorder(snapshot, watch) if snapshot is not None else None
+        self._watch = watch
+        self._draws = DrawGuard(backward=backward)
+        self._double_backward = double_backward
+        self._guards = tuple(guards)
+        self.writes = writes
+        trace = dict(trace) if trace is not None else None
+        if trace is not None and not trace.pop("always", False) and not backend.replays_python:
+            trace = None
+        self._trace = trace
+
+    @property
+    def layers(self):
+        """The Layers the capture called, in call order."""
+        return self.recorder.layers if self.recorder is not None else []
+
+    def capture(self, graph, body, hooks):
+        """``graph.capture(body, hooks)`` under the session's guards, then the checks; returns what
+        the capture returned (raises CaptureError from the first guard that refuses)."""
+        with contextlib.ExitStack() as stack:
+            if self.recorder is not None:
+                stack.enter_context(self.recorder)
+            stack.enter_context(self._draws)
+            if self._double_backward:  # NOTE [ Double backward inside a graphed function ]
+                stack.enter_context(refuse_create_graph())
+            for guard in self._guards:
+                stack.enter_context(guard)
+            outputs = graph.capture(body, hooks)
+        if self._watch is not None:
+            self._watch.check()
+        self._draws.check()  # NOTE [ Random draws seen from generator state ] in guards/rng.py
+        return outputs
+
+    @contextlib.contextmanager
+    def function_run(self):
+        """Around each run of the function inside the graph (the capture run and a simulated
+        replay): the capture run's in-place writes copied (outside the trace, so the copies are no
+        ops of it), the ops traced; the trace goes into the record when the run returns."""
+        first = "trace" not in self.record
+        writes = self.writes if first and self.writes is not None else contextlib.nullcontext()
+        trace = OpTrace(**{"where": first, **self._trace}) if self._trace is not None else None
+        with writes, trace if trace is not None else contextlib.nullcontext():
+            yield
+        self.record["trace" if first else "replayed"] = trace
