@@ -80,8 +80,8 @@ class PerLayerCases(MatmulOnlyCase):
         for batch in (4, 8, 4, 8):
             self.step(probe, draw(batch, self.width), draw(batch, self.width))
         # Room for one key per layer: batches of 4 and 8 then evict each other on every call.
-        stats = probe[0].forward.stats()  # static buffers and graph pools: what max_bytes counts
-        budget = max(stats["key_bytes"][k] + stats["key_pool_bytes"][k] for k in stats["key_bytes"])
+        stats = probe[0].forward.stats()  # held: what max_bytes counts (static buffers outside the pools, pools)
+        budget = max(m["held"] for m in stats["key_memory"].values())
         graphed, eager = self.twins(self.layers, 1)
         for layer in graphed:
             self.graphed(layer, max_bytes=budget)

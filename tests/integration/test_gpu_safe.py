@@ -540,6 +540,21 @@ class GradSafetyCases(TwinCase):
             release_grads(g, e)
 
 
+class _Scratch(paddle.nn.Layer):
+    """Its forward frees a temporary the size of a parameter grad (a product of the detached weights it never
+    returns): in a pool shared with the backward, a grad buffer may sit there (NOTE [ Sharing a pool safely ])."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = self.create_parameter([32, 32], dtype="float32")
+        self.w2 = self.create_parameter([32, 32], dtype="float32")
+
+    def forward(self, x):
+        scratch = paddle.matmul(self.w1.detach(), self.w2.detach())  # freed before the forward ends
+        del scratch
+        return paddle.matmul(paddle.matmul(x, self.w1), self.w2)
+
+
 class MemoryCases(TwinCase):
     """NOTE [ What a key holds ] in core/memory.py: each key's bytes by component, on a GPU measured per
     graph (its pool, the allocator cache released before it: NOTE [ Allocator cache before a capture ])."""
@@ -582,6 +597,22 @@ class MemoryCases(TwinCase):
             self.assertGreater(released, 0, "the eager warmup left cached blocks that the first capture released")
         RECORD.notes.append(f"held {sum(m['held'] for m in memory)} B, pools {sum(m['pool'] or 0 for m in memory)} B, "
                             f"cache released {released} B, reserved now {paddle.device.cuda.memory_reserved() if self.backend == 'cuda' else '-'} B")
+
+    def test_grads_accumulated_as_aliases_survive_the_next_forward(self):
+        """clone_param_grads="auto": p.grad aliases the backward's buffers across micro-batches; the next
+        forward's temporaries must not land there (its backward keeps a pool of its own where pools are shared)."""
+        self.require_all_kernels("accumulating parameter grads needs Paddle's add kernel")
+        g, e = self.twins(_Scratch, 160)
+        self.graphed(g, warmup_steps=1)
+        draw = normal(16)
+        for k in range(3):
+            for m in range(3):
+                xn, dyn = draw(8, 32), draw(8, 32)
+                for model in (g, e):
+                    model(self.tensor(xn)).backward(self.tensor(dyn))
+                self.assertBitwise(grads_of(g), grads_of(e), f"step {k} micro-batch {m} accumulated grads")
+            release_grads(g, e)
+        self.assertCounters(g.forward, captures=1, eager=0)
 
     def test_a_whole_step_accounts_for_its_pool(self):
         from paddlefleet.cudagraph import autocudagraph_step

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph_step
-from testkit.common import MatMLP, build
+from testkit.common import MatMLP, build, cuda_skip_reason
 from testkit.differential import Trainee, assert_same_state, differential_run, state_of
 from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, normal
 from testkit.step_gpu import MatmulSGD
@@ -162,6 +162,48 @@ class StepFailureAfterBackward(MatmulOnlyCase):
         self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
 
 
+class GradsHeldBeforeAFailedCapture(MatmulOnlyCase):
+    """NOTE [ What a failed recording capture leaves ] in step/rollback.py: grads kept between calls (gradient
+    accumulation) exist before a capture that fails after its backward added into them; the eager call that
+    replaces it adds into their values from before (on a GPU kept by their storage, not by copies)."""
+
+    def _step(self, model, fail):
+        def step(x, dy):
+            y = model(x)
+            y.backward(dy)  # adds into the grads the last call left
+            if fail[0]:
+                y.numpy()  # refused during the capture, after the backward
+            return y
+        return step
+
+    def _run(self):
+        if self.backend == "cuda" and cuda_skip_reason("all"):
+            self.skipTest(f"accumulating grads needs Paddle's add kernel: {cuda_skip_reason('all')}")
+        draw = normal(37)
+        eager_model, graphed_model = self.twins(lambda: MatMLP([16, 16, 16]), 7)
+        x0, dy0 = draw(4, 16), draw(4, 16)
+        for model in (eager_model, graphed_model):  # grads before the first call
+            model(self.tensor(x0)).backward(self.tensor(dy0))
+        fail = [True]
+        eager = self._step(eager_model, [False])
+        graphed = autocudagraph_step(self._step(graphed_model, fail), optimizers=[], warmup_steps=1,
+                                     backend=self.backend)
+        for i in range(5):
+            fail[0] = i < 3  # the warmup calls (two: the first creates state) run it eagerly; the capture fails
+            x, dy = draw(4, 16), draw(4, 16, scale=0.1)
+            self.assertBitwise(graphed(self.tensor(x), self.tensor(dy)), eager(self.tensor(x), self.tensor(dy)),
+                               f"step {i} output")
+            self.assertBitwise([p.grad for p in graphed_model.parameters()],
+                               [p.grad for p in eager_model.parameters()], f"step {i} accumulated grads")
+        self.assertEqual(graphed.stats()["eager_reasons"].get("capture failed"), 1, graphed.explain())
+        return graphed
+
+    def test_grads_kept_between_calls_are_put_back_after_a_failed_capture(self):
+        """A simulated capture runs the backward (its values are rolled back); a GPU's records it only (the
+        grads keep their values, held by storage): RecordingGradValues pins that half on the CPU."""
+        self._run()
+
+
 class RecordingGradValues(unittest.TestCase):
     """NOTE [ What a failed recording capture leaves ] in step/rollback.py: a recording capture keeps
     device grads by their storage, a copy of none (a GPU stood in for by a place check)."""
@@ -219,6 +261,6 @@ class GradAssignment(MatmulOnlyCase):
         self.assertTrue(any("p.grad = tensor" in r for r in stats["eager_reasons"]), stats["eager_reasons"])
 
 
-for _base in (StepFailures, StepFailureAfterBackward, GradAssignment):
+for _base in (StepFailures, StepFailureAfterBackward, GradAssignment, GradsHeldBeforeAFailedCapture):
     globals().update(backend_variants(_base))
-del (FailureCase, StepFailures, StepFailureAfterBackward, GradAssignment, _base, _name)
+del (FailureCase, StepFailures, StepFailureAfterBackward, GradAssignment, GradsHeldBeforeAFailedCapture, _base, _name)
