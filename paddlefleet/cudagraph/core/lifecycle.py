@@ -14,7 +14,8 @@ import warnings
 
 from ..io import arguments
 from . import saved_hooks
-from ..backends import capture_open, in_rerun_replay, in_whole_step, is_own_error, resolve_backend
+from ..backends import (backend_env_set, capture_open, cuda_available, in_rerun_replay, in_whole_step, is_own_error,
+                        nesting, resolve_backend)
 from ..backends.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
@@ -24,7 +25,7 @@ from .keys import BoundSignature, KeyMaker, rekeyed
 from .entry import GraphEntry, Phase
 from ..errors import ReplayShapeError
 from .location import user_location, user_stacklevel
-from ..io.stale_outputs import check_fresh
+from ..io.stale_outputs import any_stale, check_fresh
 from .stats import Counters, Reports
 from .views import Views
 
@@ -74,6 +75,46 @@ _IN_FLIGHT = (
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
 
+# NOTE [ Pass-through wrappers ]
+# With backend=None in a Paddle build without CUDA graphs, every call runs eagerly (no tensor of the
+# process can be on a GPU), and the README promises such a wrapper leaves the code untouched: it must
+# cost about what the Layer's own call costs, not a key per call (the key, the backend resolved from
+# the environment and the AMP state cost about the Layer's own call again). Such a wrapper learns this
+# once, from its first call that resolved no backend (Lifecycle._keyless: the reason with _untouched),
+# and from then on calls the function directly, counted with the same reason, while _untouched() holds: the
+# environment names no backend (PADDLEFLEET_CUDAGRAPH_BACKEND is read when a key is first seen, and
+# such a call's key is new every time, so setting it later still graphs the next call), nothing
+# around the call would give it another reason (a capture, a whole step, a replay that re-runs
+# Python, saved-tensors hooks), and no stale output exists that it would have to refuse. Not cached:
+# a wrapper with dispatch_key_fn (its key function is called on every call, and may say None), with
+# a backend option, in a CUDA build (a call's tensors decide), or that ever held a key (a chain may
+# still name its body).
+
+
+def _untouched():
+    """True when a pass-through wrapper's call may skip the key (NOTE [ Pass-through wrappers ])."""
+    return not (backend_env_set() or nesting() or saved_hooks.active() or any_stale())
+
+
+def _always():
+    return True
+
+
+def _all_slower(reason):
+    """The keyless rule of a wrapper whose every key runs eagerly as slower (host_cost.act's
+    ``reason``; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), or None."""
+    return None if reason is None else (reason, _always)
+
+
+def _passes_through(options, reason):
+    """``(reason, _untouched)`` when every later call of a wrapper with ``options`` that never held a
+    key, whose call resolved no backend for ``reason``, runs eagerly for it while _untouched() holds
+    (NOTE [ Pass-through wrappers ]), else None."""
+    if options.backend is not None or options.dispatch_key_fn is not None or cuda_available():
+        return None
+    return None if backend_env_set() else (reason, _untouched)
+
+
 def _nested_reason(warn_once):
     """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
     if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
@@ -105,7 +146,7 @@ class Lifecycle(Reports, Views):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
-        self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
+        self._keyless = None  # (reason, when): calls run eagerly for reason, without a key, while when() holds
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
         self.counters = Counters()
@@ -133,14 +174,15 @@ class Lifecycle(Reports, Views):
             entry.release()
         self._entries.clear()
         self._latest = None
-        self._slower = None
+        self._keyless = None
         self._warned.clear()
         self.counters = Counters()
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
-        if self._slower is not None:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-            self.counters.eager(self._slower)
+        keyless = self._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
+        if keyless is not None and keyless[1]():
+            self.counters.eager(keyless[0])
             return self._body.run(args, kwargs)
         nested = self._nested()
         if nested is not None:
@@ -193,7 +235,7 @@ class Lifecycle(Reports, Views):
         return _nested_reason(self._warn_once)
 
     def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-        self._slower = host_cost.act(entry, self._warn_once, self._entries.values()) or self._slower
+        self._keyless = _all_slower(host_cost.act(entry, self._warn_once, self._entries.values())) or self._keyless
 
     def _eager(self, call, reason):
         self.counters.eager(reason)
@@ -209,6 +251,7 @@ class Lifecycle(Reports, Views):
         backend, reason = resolve_backend(self._options.backend, call.tensors)
         if backend is None:
             self._last_refusal = reason
+            self._keyless = self._keyless if self._tick else _passes_through(self._options, reason)  # no key held
             return None
         named = self._keys.named_arguments(call.args, call.kwargs)
         refused = arguments.refusal(named)
@@ -221,7 +264,7 @@ class Lifecycle(Reports, Views):
         if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
             self._last_refusal = "max_graphs reached"
             return None
-        self._entries[key] = entry
+        self._entries[key], self._keyless = entry, None  # a key held: no call passes through again
         return entry
 
     def _capture(self, entry, call):
