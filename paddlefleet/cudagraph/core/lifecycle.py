@@ -115,6 +115,18 @@ def _passes_through(options, reason):
     return None if backend_env_set() else (reason, _untouched)
 
 
+def _head_seen(cost, result):
+    """``result``, after keeping on ``cost`` (a key judged alone, whose chained calls are still timed)
+    whether the replay that made it started a chain: such a key is not judged in chains (NOTE
+    [ Graphed calls that cannot pay ] in core/host_cost.py, as HostCost.timed_replay keeps it). Its
+    calls alone are not timed any more: the clock reads and the verdict's re-check cost host time
+    on every call of a key that never chains."""
+    if cost.chain_head:
+        cost.chain_head = False
+        cost.chain_verdict = cost.chain_verdict or "head"
+    return result
+
+
 def _nested_reason(warn_once):
     """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
     if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
@@ -184,7 +196,7 @@ class Lifecycle(Reports, Views):
         if keyless is not None and keyless[1]():
             self.counters.eager(keyless[0])
             return self._body.run(args, kwargs)
-        nested = self._nested()
+        nested = _nested_reason(self._warn_once)
         if nested is not None:
             if in_rerun_replay():  # a GPU replay of the graph holding this call runs no Python: not counted
                 return self._body.run(args, kwargs)
@@ -216,8 +228,10 @@ class Lifecycle(Reports, Views):
             self._latest = entry
         if entry.phase is Phase.REPLAY:
             cost = entry.host_cost
-            if cost.timing or cost.timing_chained:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+            if cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
                 return host_cost.timed_call(entry, call, self._replay, self._eager, self._acted)
+            if cost.timing_chained:  # a call alone is no longer timed: only whether it heads a chain is kept
+                return _head_seen(cost, self._replay(entry, call))
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
@@ -230,9 +244,6 @@ class Lifecycle(Reports, Views):
                 return self._eager(call, "max_graphs reached")
             return self._recapture(entry, call)
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
-
-    def _nested(self):
-        return _nested_reason(self._warn_once)
 
     def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
         self._keyless = _all_slower(host_cost.act(entry, self._warn_once, self._entries.values())) or self._keyless
