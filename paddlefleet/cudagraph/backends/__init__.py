@@ -5,8 +5,9 @@ import os
 import paddle
 
 from ..errors import CudaGraphError
+from .base import _state as _THREAD  # read by plain_call() on every call of a pass-through wrapper
 from .base import (Backend, Graph, capture_open, capturing, function_errors, in_own_grad, in_rerun_replay, in_whole_step,
-                   is_capturing, is_own_error, nesting, own_error, own_grad, whole_step)
+                   is_capturing, is_own_error, own_error, own_grad, whole_step)
 from .cuda import CudaBackend, cuda_available, pool_sharing_supported
 from .simulated import SimulatedBackend
 
@@ -25,7 +26,7 @@ __all__ = [
     "in_own_grad",
     "in_whole_step",
     "in_rerun_replay",
-    "nesting",
+    "plain_call",
     "own_grad",
     "whole_step",
     "resolve_backend",
@@ -43,6 +44,18 @@ _SIMULATED = SimulatedBackend()
 _ENVIRON = os.environ
 _ENV_DATA = getattr(_ENVIRON, "_data", None)
 _ENV_KEY = _ENVIRON.encodekey(ENV_BACKEND) if isinstance(_ENV_DATA, dict) and hasattr(_ENVIRON, "encodekey") else None
+
+
+def plain_call():
+    """True when this thread is inside no capture, whole step or re-running replay and the environment
+    names no backend: what a pass-through wrapper's call asks of the backends (NOTE [ Pass-through
+    wrappers ] in core/lifecycle.py), in one call."""
+    state = _THREAD
+    if state.depth or state.steps or state.rerun_replays:
+        return False
+    if _ENV_KEY is not None and os.environ is _ENVIRON:
+        return not _ENV_DATA.get(_ENV_KEY)
+    return not os.environ.get(ENV_BACKEND)
 
 
 def backend_env_set():

@@ -11,7 +11,7 @@ import threading
 from ..errors import CudaGraphError
 
 __all__ = ["Backend", "Graph", "NOT_CAPTURED", "is_capturing", "capturing", "in_own_grad", "in_whole_step", "own_grad",
-           "whole_step", "function_errors", "capture_open", "nesting", "own_error", "is_own_error", "in_rerun_replay",
+           "whole_step", "function_errors", "capture_open", "own_error", "is_own_error", "in_rerun_replay",
            "rerun_replay"]
 
 #: Raised by Graph.replay() on a graph without a capture.
@@ -82,13 +82,6 @@ def capturing(hooks=()):
             yield
         finally:
             _state.depth -= 1
-
-
-def nesting():
-    """Nonzero while this thread is inside a capture, a whole step or a replay that re-runs Python
-    (one read of each, for a call that must be outside all three)."""
-    state = _state
-    return state.depth or state.steps or state.rerun_replays
 
 
 def capture_open():

@@ -15,7 +15,7 @@ import warnings
 from ..io import arguments
 from . import saved_hooks
 from ..backends import (backend_env_set, capture_open, cuda_available, in_rerun_replay, in_whole_step, is_own_error,
-                        nesting, resolve_backend)
+                        plain_call, resolve_backend)
 from ..backends.paddle_patches import install_process_patches
 from .body import Action
 from .budgets import budget_allows, enforce_max_bytes
@@ -93,7 +93,7 @@ WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its
 
 def _untouched():
     """True when a pass-through wrapper's call may skip the key (NOTE [ Pass-through wrappers ])."""
-    return not (backend_env_set() or nesting() or saved_hooks.active() or any_stale())
+    return plain_call() and not saved_hooks.active() and not any_stale()
 
 
 def _always():
