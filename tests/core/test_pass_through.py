@@ -1,7 +1,8 @@
-"""A wrapper that can only run eagerly (backend=None in a Paddle build without CUDA graphs) costs about
-what the Layer's own call costs, and decides as it did before (NOTE [ Pass-through wrappers ] in
+"""Eager calls through a wrapper cost little. A wrapper that can only run eagerly (backend=None in a
+Paddle build without CUDA graphs) costs about what the Layer's own call costs, and decides as it did before (NOTE [ Pass-through wrappers ] in
 core/lifecycle.py): the environment's backend is still read when a key is first seen, and a call
-inside a capture, a whole step or saved-tensors hooks, or given a stale output, is still told apart."""
+inside a capture, a whole step or saved-tensors hooks, or given a stale output, is still told apart. A
+key max_graphs refuses is not labelled on every call."""
 
 import os
 import time
@@ -132,6 +133,25 @@ class PassThroughDecisionTest(PassThroughCase):
             g(x), g(x)
             self.assertIsNone(g._keyless, options)
             self.assertEqual(g.stats()["eager_calls"], 2)
+
+
+class RefusedKeyTest(unittest.TestCase):
+    def test_a_key_max_graphs_refuses_builds_no_label(self):
+        # A refused key is refused again on every call: its label (explain()'s text for an entry it
+        # never gets) is not made for it, while the checks that may raise still run first.
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        g = autocudagraph(lambda t: t * 2.0, backend="simulate", warmup_steps=0, max_graphs=1)
+        with paddle.no_grad():
+            a, b = paddle.randn([2, 4]), paddle.randn([3, 4])
+            g(a)
+            with mock.patch("paddlefleet.cudagraph.core.keys.describe_call", side_effect=AssertionError("a label")):
+                for _ in range(3):
+                    np.testing.assert_array_equal(g(b).numpy(), (b * 2.0).numpy())
+                np.testing.assert_array_equal(g(a).numpy(), (a * 2.0).numpy())
+        self.assertEqual((g.stats()["captures"], g.stats()["replays"]), (1, 1))
+        self.assertEqual(g.stats()["eager_reasons"], {"max_graphs reached": 3})
 
 
 if __name__ == "__main__":

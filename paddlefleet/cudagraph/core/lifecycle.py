@@ -270,11 +270,11 @@ class Lifecycle(Reports, Views):
             self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
             self._last_refusal = refused
             return None
-        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named),
-                           eager_if_slower=self._options.eager_if_slower)
-        if not budget_allows(self._entries, entry, self._options.max_graphs, self._warn_once):
+        host = self._keys.checked(key, call, named)  # raises for a host input too large to key by value
+        if not budget_allows(self._entries, None, self._options.max_graphs, self._warn_once):  # before the label
             self._last_refusal = "max_graphs reached"
             return None
+        entry = GraphEntry(key, backend, label=self._keys.label(key, named, host), eager_if_slower=self._options.eager_if_slower)
         self._entries[key], self._keyless = entry, None  # a key held: no call passes through again
         return entry
 
