@@ -9,7 +9,10 @@ The block rows time one graphed Layer of ``--block`` LAYERSxWIDTHxBATCH matmul l
 backward, then each of its pieces alone (tools/host_breakdown.py's Internals: the same pieces as
 that report's rows) and Paddle's own pieces at that size. ``--block 0`` leaves them out. The
 pass-through rows time a Linear(4, 4) eagerly and wrapped with ``backend=None``, which a Paddle
-without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py).
+without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The
+``layer_call_us`` tables are tools/host_breakdown.py's (one graphed Layer called alone, forward +
+backward, every piece with its share) for the ``--block`` Layer and a 6 x 1024 one, on the stand-in
+graph; perf_counter host time there, not thread CPU time.
 
 NOTE [ Stand-in graph ]
 To time only the host work of a graphed call on a machine without a GPU, the simulated backend is
@@ -47,7 +50,7 @@ from testkit.step_gpu import MatmulStep  # noqa: E402
 from host_breakdown import StepInternals  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_breakdown import Internals, Passthrough  # noqa: E402
+from host_breakdown import Internals, Passthrough, layer_call_lines, layer_call_us  # noqa: E402
 
 clock = time.thread_time
 
@@ -249,6 +252,11 @@ def main():
     for name, us in passing:
         print(f"- {name}: {us} us")
     if args.block != "0":
+        n, width, batch = (int(v) for v in args.block.lower().split("x"))
+        sized = argparse.Namespace(batch=batch, reps=5 * args.steps, backend="simulate", layers=n, width=width)
+        calls = [layer_call_us(sized, lambda: None, n, width, f"{n} parameters ({n} matmuls x {width})"),
+                 layer_call_us(sized, lambda: None, 6, 1024, "realistic: 6 matmuls x 1024")]
+        print("\n".join(layer_call_lines(calls, sized.reps)).replace("## ", "- ") + "\n")
         print(f"One replayed call of a graphed block of {args.block} (LAYERSxWIDTHxBATCH), median of {5 * args.steps}:")
         for name, us in block_rows(args.block, 5 * args.steps):
             print(f"- {name}: {us} us")
