@@ -345,6 +345,7 @@ def layer_call_us(args, sync, matmuls, width, label):
         release()
     sync()
     total = timed_with(call, release, args.reps, sync)
+    forward, backward = forward_backward_us(model, x, dy, release, args.reps, sync)
     pieces = []
     for name, who, resolve in Internals(model.forward, x).pieces():
         if name.startswith("  "):  # a share of the row above it, not a piece of its own
@@ -367,9 +368,26 @@ def layer_call_us(args, sync, matmuls, width, label):
         piece["share"] = None if piece["us"] is None else round(piece["us"] / total, 3)
     by = lambda whose: round(sum(p["us"] for p in pieces if p["whose"] == whose and p["us"] is not None), 2)  # noqa: E731
     return {"layer": label, "parameters": len(params), "matmuls": matmuls, "width": width, "batch": args.batch,
-            "layer_call_us": round(total, 2), "ours_us": by("ours"), "paddle_us": by("Paddle"),
+            "layer_call_us": round(total, 2), "forward_us": round(forward, 2), "backward_us": round(backward, 2),
+            "ours_us": by("ours"), "paddle_us": by("Paddle"),
             "rest_us": round(total - known, 2), "pieces": pieces,
             "counters": {k: model.forward.stats()[k] for k in ("captures", "replays", "eager_calls", "chained_calls")}}
+
+
+def forward_backward_us(model, x, dy, release, reps, sync):
+    """Median host us of ``y = model(x)`` and of ``y.backward(dy)``, each timed within one call."""
+    forward, backward = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        y = model(x)
+        middle = time.perf_counter()
+        y.backward(dy)
+        backward.append(time.perf_counter() - middle)
+        forward.append(middle - start)
+        del y
+        release()
+        sync()
+    return statistics.median(forward) * 1e6, statistics.median(backward) * 1e6
 
 
 def graphed_model(args, options=None, width=None, layers=None):
@@ -633,7 +651,8 @@ def layer_call_lines(calls, reps):
     for c in calls:
         lines += ["", f"## layer_call_us, {c['layer']}: {c['layer_call_us']:.1f} us", "",
                   f"One graphed Layer ({c['parameters']} parameters, batch {c['batch']}) called alone, forward + "
-                  f"backward (grads released untimed), median of {reps}: ours {c['ours_us']:.1f} us, Paddle's "
+                  f"backward (grads released untimed), median of {reps} (forward {c['forward_us']:.1f} us, backward "
+                  f"{c['backward_us']:.1f} us, each timed within one call): ours {c['ours_us']:.1f} us, Paddle's "
                   f"{c['paddle_us']:.1f} us, the rest {c['rest_us']:.1f} us (each piece timed alone; counters "
                   f"{c['counters']}).", "", "| piece | whose | host us | share |", "|---|---|---|---|"]
         for p in c["pieces"]:
