@@ -7,7 +7,12 @@ replayed block call, without a GPU.
 The block rows time one graphed Layer of ``--block`` LAYERSxWIDTHxBATCH matmul layers (default: the
 16 x 512, batch 16 block of docs/reports/host_breakdown.md) replaying: the whole call forward and
 backward, then each of its pieces alone (tools/host_breakdown.py's Internals: the same pieces as
-that report's rows) and Paddle's own pieces at that size. ``--block 0`` leaves them out.
+that report's rows) and Paddle's own pieces at that size. ``--block 0`` leaves them out. The
+pass-through rows time a Linear(4, 4) eagerly and wrapped with ``backend=None``, which a Paddle
+without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The
+``layer_call_us`` tables are tools/host_breakdown.py's (one graphed Layer called alone, forward +
+backward, every piece with its share) for the ``--block`` Layer and a 6 x 1024 one, on the stand-in
+graph; perf_counter host time there, not thread CPU time.
 
 NOTE [ Stand-in graph ]
 To time only the host work of a graphed call on a machine without a GPU, the simulated backend is
@@ -45,7 +50,7 @@ from testkit.step_gpu import MatmulStep  # noqa: E402
 from host_breakdown import StepInternals  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_breakdown import Internals, Passthrough  # noqa: E402
+from host_breakdown import Internals, Passthrough, layer_call_lines, layer_call_us  # noqa: E402
 
 clock = time.thread_time
 
@@ -183,6 +188,24 @@ def block_rows(spec, reps):
     return [(name, us if isinstance(us, str) else f"{us:.1f}") for name, us in rows]
 
 
+def pass_through_rows(reps):
+    """``[(row, us)]``: a Linear(4, 4) called eagerly, then the same Layer wrapped with backend=None
+    (run before stand_in(): a Paddle without CUDA graphs passes such calls through, NOTE
+    [ Pass-through wrappers ] in core/lifecycle.py), best of ``reps`` rounds of 200 calls each."""
+    paddle.seed(0)
+    own, wrapped = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+    wrapped.set_state_dict(own.state_dict())
+    autocudagraph(wrapped)
+    x = paddle.randn([2, 4])
+    own_us, wrapped_us = [], []
+    for _ in range(reps):  # interleaved
+        own_us.append(cpu_us(lambda: [own(x) for _ in range(200)]) / 200)
+        wrapped_us.append(cpu_us(lambda: [wrapped(x) for _ in range(200)]) / 200)
+    o, w = min(own_us), min(wrapped_us)
+    return [("Linear(4, 4) forward, eagerly", f"{o:.2f}"),
+            (f"the same wrapped with backend=None ({wrapped.forward.stats()['eager_reasons']})", f"{w:.2f} ({w / o:.2f}x)")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="graphed layers of the per-layer model (default 32)")
@@ -193,6 +216,8 @@ def main():
     parser.add_argument("--block", default="16x512x16", help="LAYERSxWIDTHxBATCH of the timed block, or 0 for none")
     args = parser.parse_args()
     paddle.set_device("cpu")
+    os.environ.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)  # the pass-through rows time backend=None itself
+    passing = pass_through_rows(15)
     stand_in()
     draw = normal(0)
     x, dy = host_tensor(draw(args.batch, args.width)), host_tensor(draw(args.batch, args.width))
@@ -223,7 +248,15 @@ def main():
         print(f"  | {name} | " + " | ".join(rows[k][1] for _, rows in pieces) + " |")
     key_line = next(line for line in layers[0].forward.explain().splitlines() if line.strip().startswith("key "))
     print(f"- explain() of the first layer: {key_line.strip()}")
+    print("A wrapper that can only run eagerly (backend=None, no CUDA build), us per call, best of 15 rounds:")
+    for name, us in passing:
+        print(f"- {name}: {us} us")
     if args.block != "0":
+        n, width, batch = (int(v) for v in args.block.lower().split("x"))
+        sized = argparse.Namespace(batch=batch, reps=5 * args.steps, backend="simulate", layers=n, width=width)
+        calls = [layer_call_us(sized, lambda: None, n, width, f"{n} parameters ({n} matmuls x {width})"),
+                 layer_call_us(sized, lambda: None, 6, 1024, "realistic: 6 matmuls x 1024")]
+        print("\n".join(layer_call_lines(calls, sized.reps)).replace("## ", "- ") + "\n")
         print(f"One replayed call of a graphed block of {args.block} (LAYERSxWIDTHxBATCH), median of {5 * args.steps}:")
         for name, us in block_rows(args.block, 5 * args.steps):
             print(f"- {name}: {us} us")

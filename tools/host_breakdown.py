@@ -13,7 +13,11 @@ inside the timed region; one sync after each repetition so the queue stays short
 ``--layers`` x ``--width`` matmul MLP at ``--batch`` rows (default: 16 x 512, batch 16, the
 first config of tools/bench.py). The rows split a graphed step into the wrapper's own pieces (key,
 checks, copies), Paddle's (PyLayer, autograd engine, Tensor.backward, copies), and the whole step
-with default options and with each speed option this version has. ``--profile PATH`` also writes
+with default options and with each speed option this version has. ``layer_call_us`` (layer_call_us()):
+one graphed Layer called alone, forward + backward, for ``--layers`` matmuls (16 parameters by
+default) and for a realistic layer (6 matmuls x 1024), with every piece's share, ours and Paddle's;
+written as tables in the report and as JSON to ``--json`` (by default the report's path with
+``.json``: docs/reports/host_breakdown.json). ``--profile PATH`` also writes
 a cProfile of the graphed step's host side, and of the start-up (first 3 steps: warmup, capture,
 first replay) of a model graphed layer by layer, to PATH.startup.
 
@@ -24,7 +28,7 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
-``Lifecycle._nested``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
+``lifecycle._nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
 view of the StepBody: ``blocker``, ``_between``,
 ``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
 ``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
@@ -37,6 +41,7 @@ import argparse
 import collections
 import cProfile
 import io
+import json
 import os
 import pstats
 import statistics
@@ -87,6 +92,22 @@ class Passthrough(PyLayer):
     @staticmethod
     def backward(ctx, dy):
         return (None,) + tuple(Passthrough.grads)  # x needs no grad, as in the benchmark
+
+
+class BridgeShape(PyLayer):
+    """Paddle's share of the bridge alone: a PyLayer taking the input and every parameter, whose
+    forward hands out a view (no copy: the output copy is a row of ours) and whose backward hands
+    autograd one grad per parameter (as the bridge does)."""
+
+    grads = ()
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        return _C_ops.view_shape(x, x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (None,) + tuple(BridgeShape.grads)
 
 
 class Internals:
@@ -185,7 +206,9 @@ class StepInternals:
         return Call, Call(self.args, self.kwargs)
 
     def nested(self):
-        return self.step._nested
+        from paddlefleet.cudagraph.core.lifecycle import _nested_reason
+
+        return lambda: _nested_reason(self.step._warn_once)
 
     def flatten(self):
         make, _ = self._call()
@@ -292,9 +315,84 @@ def timed(fn, reps, sync):
     return statistics.median(samples) * 1e6
 
 
-def graphed_model(args, options=None):
+def timed_with(fn, after, reps, sync):
+    """Median host us of ``fn()`` alone, ``after()`` and a device sync run untimed after each call."""
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+        after()
+        sync()
+    return statistics.median(samples) * 1e6
+
+
+def layer_call_us(args, sync, matmuls, width, label):
+    """``layer_call_us`` of one graphed Layer of ``matmuls`` matmuls x ``width`` (batch ``args.batch``):
+    the host time of one call alone (not chained), forward and backward (``model(x).backward(dy)``;
+    the grads are released untimed), and each piece's share: ours (the wrapper's pieces, each timed
+    alone), Paddle's (the graph replays; its PyLayer bridge, BridgeShape: apply with every parameter,
+    and its backward node handing one grad per parameter) and the rest (Python between the pieces,
+    the autograd engine's walk)."""
+    draw = normal(3)
+    x, dy = host_tensor(draw(args.batch, width)), host_tensor(draw(args.batch, width))
+    model = graphed_model(args, width=width, layers=matmuls)
+    params = model.parameters()
+    release = lambda: [p.clear_gradient(False) for p in params]  # noqa: E731
+    call = lambda: model(x).backward(dy)  # noqa: E731
+    for _ in range(24):  # warmup, capture, and past the replays core/host_cost.py times
+        call()
+        release()
+    sync()
+    total = timed_with(call, release, args.reps, sync)
+    forward, backward = forward_backward_us(model, x, dy, release, args.reps, sync)
+    pieces = []
+    for name, who, resolve in Internals(model.forward, x).pieces():
+        if name.startswith("  "):  # a share of the row above it, not a piece of its own
+            continue
+        try:
+            us = timed(resolve(), args.reps, sync)
+        except Exception as err:  # noqa: BLE001 - a private name a refactor moved (NOTE [ Host breakdown internals ])
+            pieces.append({"piece": name, "whose": who, "us": None, "why": short(err, 160)})
+            continue
+        pieces.append({"piece": name, "whose": "Paddle" if who == "Paddle" else "ours", "us": round(us, 2)})
+    BridgeShape.grads = [host_tensor(draw(width, width)) for _ in params]
+    bridge = timed_with(lambda: BridgeShape.apply(x, *params).backward(dy), release, args.reps, sync)
+    pieces.append({"piece": f"PyLayer bridge: apply with {len(params) + 1} inputs and its backward node handing "
+                            f"{len(params)} grads to autograd (accumulated into p.grad)", "whose": "Paddle",
+                   "us": round(bridge, 2)})
+    known = sum(p["us"] for p in pieces if p["us"] is not None)
+    pieces.append({"piece": "the rest: Python between the pieces (lifecycle, bridge bodies), the autograd engine",
+                   "whose": "ours and Paddle", "us": round(total - known, 2)})
+    for piece in pieces:
+        piece["share"] = None if piece["us"] is None else round(piece["us"] / total, 3)
+    by = lambda whose: round(sum(p["us"] for p in pieces if p["whose"] == whose and p["us"] is not None), 2)  # noqa: E731
+    return {"layer": label, "parameters": len(params), "matmuls": matmuls, "width": width, "batch": args.batch,
+            "layer_call_us": round(total, 2), "forward_us": round(forward, 2), "backward_us": round(backward, 2),
+            "ours_us": by("ours"), "paddle_us": by("Paddle"),
+            "rest_us": round(total - known, 2), "pieces": pieces,
+            "counters": {k: model.forward.stats()[k] for k in ("captures", "replays", "eager_calls", "chained_calls")}}
+
+
+def forward_backward_us(model, x, dy, release, reps, sync):
+    """Median host us of ``y = model(x)`` and of ``y.backward(dy)``, each timed within one call."""
+    forward, backward = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        y = model(x)
+        middle = time.perf_counter()
+        y.backward(dy)
+        backward.append(time.perf_counter() - middle)
+        forward.append(middle - start)
+        del y
+        release()
+        sync()
+    return statistics.median(forward) * 1e6, statistics.median(backward) * 1e6
+
+
+def graphed_model(args, options=None, width=None, layers=None):
     """A graphed MatMLP, captured and replaying (warmup 1, then capture, then a replay)."""
-    model = build(lambda: MatMLP([args.width] * (args.layers + 1)), seed=0)
+    model = build(lambda: MatMLP([width or args.width] * ((layers or args.layers) + 1)), seed=0)
     # The graphed path is what is timed: never run eagerly as slower (eager_if_slower).
     autocudagraph(model, backend=args.backend, warmup_steps=1, **{"eager_if_slower": False, **(options or {})})
     return model
@@ -489,16 +587,19 @@ def parse():
                        ("reps", "timed repetitions per piece")):
         parser.add_argument(f"--{name}", type=int, help=sized_help(text, *SIZES[name]))
     parser.add_argument("--out", help="write the report here (markdown; text above its generated-text mark is kept)")
+    parser.add_argument("--json", help="write layer_call_us here (default: --out with .json for .md)")
     parser.add_argument("--profile", help="also write a cProfile of 100 graphed steps here")
     args = parser.parse_args()
     if args.smoke:
         args.backend = "simulate"
         args.out = args.out or os.path.join(tempfile.gettempdir(), "host_breakdown_smoke.md")
+    if args.out and not args.json:
+        args.json = os.path.splitext(args.out)[0] + ".json"
     require_gpu(TOOL, args.backend)
     for name, (full, smoke) in SIZES.items():
         setattr(args, name, sized(getattr(args, name), args.backend, full, smoke))
     try:
-        for path in (args.out, args.profile) if args.backend != "cuda" else ():
+        for path in (args.out, args.json, args.profile) if args.backend != "cuda" else ():
             if path:
                 check_smoke_path(path, TOOL)
     except ValueError as err:
@@ -512,6 +613,9 @@ def main():
     cuda = args.backend == "cuda"
     paddle.set_device("gpu" if cuda else "cpu")
     bd = Breakdown(args)
+    calls = [layer_call_us(args, bd.sync, matmuls, width, label) for matmuls, width, label in (
+        (args.layers, args.width, f"{args.layers} parameters ({args.layers} matmuls x {args.width})"),
+        (6, 1024 if cuda else args.width, f"realistic: 6 matmuls x {1024 if cuda else args.width}"))]
     model, step = bd.wrapper_rows()
     bd.per_layer_rows()
     bd.option_rows()
@@ -527,11 +631,35 @@ def main():
         f"run: {model.forward.stats().get('replays')} replays, {model.forward.stats().get('captures')} capture",
         "", "| piece | whose | host us |", "|---|---|---|"]
     lines += [f"| {name} | {who} | {us} |" for name, who, us in bd.rows]
+    lines += layer_call_lines(calls, args.reps)
     sys.stdout.write("\n".join(lines) + "\n")
     if args.out:
         write_generated(args.out, lines, TOOL, smoke=not cuda)
         print(f"wrote {args.out}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"tool": TOOL, "smoke": not cuda, "backend": args.backend, "run": run_info(cuda, REPO),
+                       "layer_call_us": calls}, fh, indent=1)
+            fh.write("\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def layer_call_lines(calls, reps):
+    """Markdown of the layer_call_us results: one table per layer, every piece with its share."""
+    lines = []
+    for c in calls:
+        lines += ["", f"## layer_call_us, {c['layer']}: {c['layer_call_us']:.1f} us", "",
+                  f"One graphed Layer ({c['parameters']} parameters, batch {c['batch']}) called alone, forward + "
+                  f"backward (grads released untimed), median of {reps} (forward {c['forward_us']:.1f} us, backward "
+                  f"{c['backward_us']:.1f} us, each timed within one call): ours {c['ours_us']:.1f} us, Paddle's "
+                  f"{c['paddle_us']:.1f} us, the rest {c['rest_us']:.1f} us (each piece timed alone; counters "
+                  f"{c['counters']}).", "", "| piece | whose | host us | share |", "|---|---|---|---|"]
+        for p in c["pieces"]:
+            us = "n/a (" + p["why"] + ")" if p["us"] is None else f"{p['us']:.1f}"
+            share = "" if p["share"] is None else f"{100 * p['share']:.0f}%"
+            lines.append(f"| {p['piece']} | {p['whose']} | {us} | {share} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -162,6 +162,29 @@ class TestEagerIfSlower(unittest.TestCase):
             timed = sorted(round(s * 1e6) for s in entry.host_cost.replay_s[1:])
             self.assertEqual(timed, [60] * 4 + [400] * 4)  # a median of 230 us would have sent it eager
 
+    def test_a_faster_key_that_never_chains_is_not_timed_after_its_verdict(self):
+        """Judged graphed alone, a key whose calls never chain (one layer) is not timed on its later
+        calls: only whether a replay heads a chain is kept, and no call of its did."""
+        self.clock.alone_us = -40.0
+        reads = []
+        clock = self.clock
+        self.patches.enter_context(mock.patch.object(host_cost, "clock", lambda: reads.append(1) or clock()))
+        graphed, eager = layers(n=1), layers(n=1)
+        autocudagraph(graphed[0], backend="simulate")
+        draw = normal(1)
+        x, dy = host_tensor(draw(4, 8)), host_tensor(draw(4, 8))
+        for i in range(30):
+            if i == 20:
+                [entry] = graphed[0].forward.entries().values()
+                self.assertEqual((entry.host_cost.verdict, entry.host_cost.chain_verdict), ("graphed", None))
+                before = len(reads)
+            for a, e in zip(step(graphed, x, dy), step(eager, x, dy)):
+                np.testing.assert_array_equal(a, e, err_msg=f"step {i}")
+        # One read a call: the start of a call a chain might serve (Lifecycle.__call__); the old code
+        # read it twice more a call, forever, timing a replay no verdict would use.
+        self.assertEqual(len(reads) - before, 10)
+        self.assertEqual(graphed[0].forward.stats()["replays"], 30 - 2 - (host_cost.SAMPLES - 1))
+
     def test_keys_slower_only_in_chains_run_eagerly(self):
         self.clock.alone_us = -40.0  # alone: 60 us; the head of a chain too (its replay opens the run)
         self.clock.chained_us = 20.0  # a call a chain serves: 120 us (the head's own call is not judged in chains)

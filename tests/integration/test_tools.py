@@ -63,6 +63,13 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
     for name in private:
         assert not pieces[name.strip()].startswith("n/a"), (name, pieces[name.strip()])
     assert float(pieces["graphed step: forward call + backward + release grads"]) > 0
+    calls = json.loads((tmp_path / "host.json").read_text())["layer_call_us"]
+    assert [c["parameters"] for c in calls] == [4, 6], calls
+    for c in calls:
+        assert c["layer_call_us"] > 0 and c["counters"]["replays"] > 0 and c["counters"]["eager_calls"] == 0, c
+        whose = {p["whose"] for p in c["pieces"]}
+        assert {"ours", "Paddle"} <= whose and all(p["us"] is not None for p in c["pieces"]), c["pieces"]
+        assert abs(sum(p["share"] for p in c["pieces"]) - 1) < 0.01, c["pieces"]
 
 
 # ----------------------------------------------------------------------------- every tool on a CPU

@@ -25,7 +25,20 @@ NOT_CAPTURED = (
     "of replaying the graph directly."
 )
 
-_state = threading.local()
+class _PerThread(threading.local):
+    """This thread's nesting (captures, whole steps, re-running replays, the package's own grads),
+    read on every graphed call: each field has a class default, so that a thread that never set one
+    reads it without the AttributeError ``getattr(local, name, default)`` raises and catches (about
+    0.3 us a read against 0.04)."""
+
+    depth = 0
+    steps = 0
+    rerun_replays = 0
+    own_grads = 0
+    asked = False
+
+
+_state = _PerThread()
 
 
 def is_capturing():

@@ -102,10 +102,7 @@ class GraphedFunction(PyLayer):
     @staticmethod
     def forward(ctx, graphs, args, *inputs):
         graphs.fwd_graph.replay()
-        ctx.token = new_token(graphs)
-        ctx.args = args
-        ctx.graphs = graphs
-        ctx.generation = graphs.generation
+        ctx.held = (graphs, args, new_token(graphs), graphs.generation)  # one attribute of the C++ ctx
         outputs = hand_out_outputs(graphs)
         if graphs.non_diff_at:  # NOTE [ Replay work decided at capture ] in block/replay.py
             ctx.mark_non_differentiable(*[outputs[i] for i in graphs.non_diff_at])
@@ -115,18 +112,18 @@ class GraphedFunction(PyLayer):
     def backward(ctx, *grads):
         if paddle.is_grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
-        graphs, token = ctx.graphs, ctx.token
+        graphs, args, token, generation = ctx.held
         if token.outside is not None:  # watched by the block's hooks (see Token)
             token.check(grads[0])
         try:
-            plan = replay_backward(graphs, grads, ctx.generation, token)
+            plan = replay_backward(graphs, grads, generation, token)
         except BaseException:
             token.done = True  # Paddle never runs a failed backward again: the forward waits no more
             raise
         handed = plan.hand_out()
         if token.feeds is not None:
             token.feed(handed[0])
-        return ctx.args.grads(bridge_grads(graphs.backward, handed, len(graphs.static_inputs.buffers)))
+        return args.grads(bridge_grads(graphs.backward, handed, len(graphs.static_inputs.buffers)))
 
 
 #: Paddle runs a PyLayer's backward with grad enabled only for create_graph=True.

@@ -129,7 +129,10 @@ class BlockBody(Body):
         graphs = entry.graphs.current
         bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
         if bridged:
-            with state_restored_on_refusal(graphs.layers, entry.backend.replays_python):
+            if entry.backend.replays_python:  # a head that replays executes the body: state put back on refusal
+                with state_restored_on_refusal(graphs.layers, True):
+                    started = self.hooks.head(self, entry, call)
+            else:  # nothing to put back (and no context manager's host time on every call)
                 started = self.hooks.head(self, entry, call)
             if started is not None:
                 entry.host_cost.chain_head = True  # timed as a chained call (NOTE [ Graphed calls that cannot pay ])

@@ -100,9 +100,9 @@ class KeyMaker:
         except TypeError:
             return [("args", args), ("kwargs", kwargs)]
 
-    def label(self, key, call, named):
-        """A readable label for a new key (explain() and messages); ``named``: the call's
-        ``named_arguments``.
+    def checked(self, key, call, named):
+        """The host tensors of a call whose ``key`` is new (``named``: its ``named_arguments``), once
+        they are checked.
 
         Raises:
             CudaGraphError: for a host input (CPU tensor, numpy array) too large to be keyed by value.
@@ -112,7 +112,11 @@ class KeyMaker:
             check_host_inputs(call.tensors, host, leaf_names(named))
         if not key.user:  # a dispatch_key_fn key: the user chose the graph
             check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/nested.py
-        host_tensors = [t for t, h in zip(call.tensors, host or ()) if h]
+        return [t for t, h in zip(call.tensors, host or ()) if h]
+
+    def label(self, key, named, host_tensors):
+        """A readable label for a new key (explain() and messages): its ``named_arguments`` and the
+        host tensors ``checked()`` gave. Made only for a key that gets an entry (no budget refused it)."""
         return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):

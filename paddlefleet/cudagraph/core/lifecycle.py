@@ -26,6 +26,7 @@ from ..guards.location import user_location, user_stacklevel
 from ..io.stale_outputs import check_fresh
 from .explain import Reports
 from .stats import Counters
+from .pass_through import all_slower, passes_through
 from .views import Views
 
 __all__ = ["Lifecycle"]
@@ -78,6 +79,18 @@ _ENDLESS = (
 WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
 
 
+def _head_seen(cost, result):
+    """``result``, after keeping on ``cost`` (a key judged alone, whose chained calls are still timed)
+    whether the replay that made it started a chain: such a key is not judged in chains (NOTE
+    [ Graphed calls that cannot pay ] in core/host_cost.py, as HostCost.timed_replay keeps it). Its
+    calls alone are not timed any more: the clock reads and the verdict's re-check cost host time
+    on every call of a key that never chains."""
+    if cost.chain_head:
+        cost.chain_head = False
+        cost.chain_verdict = cost.chain_verdict or "head"
+    return result
+
+
 def _nested_reason(warn_once):
     """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
     if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
@@ -109,7 +122,7 @@ class Lifecycle(Reports, Views):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
-        self._slower = None  # set when every key runs eagerly as slower (core/host_cost.py)
+        self._keyless = None  # (reason, when): calls run eagerly for reason, without a key, while when() holds
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
@@ -139,17 +152,18 @@ class Lifecycle(Reports, Views):
             entry.release()
         self._entries.clear()
         self._latest = None
-        self._slower = None
+        self._keyless = None
         self._places.clear()
         self._warned.clear()
         self.counters = Counters()
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
-        if self._slower is not None:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-            self.counters.eager(self._slower)
+        keyless = self._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
+        if keyless is not None and keyless[1]():
+            self.counters.eager(keyless[0])
             return self._body.run(args, kwargs)
-        nested = self._nested()
+        nested = _nested_reason(self._warn_once)
         if nested is not None:
             if in_rerun_replay():  # a GPU replay of the graph holding this call runs no Python: not counted
                 return self._body.run(args, kwargs)
@@ -171,7 +185,7 @@ class Lifecycle(Reports, Views):
             return self._eager(call, "dispatch_key_fn returned None")
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._new_entry(key, call)
+            entry = _new_entry(self, key, call)
             if entry is None:
                 return self._eager(call, self._last_refusal)
         self._tick += 1
@@ -181,8 +195,10 @@ class Lifecycle(Reports, Views):
             self._latest = entry
         if entry.phase is Phase.REPLAY:
             cost = entry.host_cost
-            if cost.timing or cost.timing_chained:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+            if cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
                 return host_cost.timed_call(entry, call, self._replay, self._eager, self._acted)
+            if cost.timing_chained:  # a call alone is no longer timed: only whether it heads a chain is kept
+                return _head_seen(cost, self._replay(entry, call))
             return self._replay(entry, call)
         if entry.phase is Phase.WARMUP:
             if entry.warmup_calls < self._options.warmup_steps or not self._body.ready(entry):
@@ -194,11 +210,8 @@ class Lifecycle(Reports, Views):
             return self._recapture(entry, call) if _admitted(self, entry) else self._eager(call, "max_graphs reached")
         return self._eager(call, f"key fell back: {entry.fallback_reason}")
 
-    def _nested(self):
-        return _nested_reason(self._warn_once)
-
     def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-        self._slower = host_cost.act(entry, self._warn_once, self._entries.values()) or self._slower
+        self._keyless = all_slower(host_cost.act(entry, self._warn_once, self._entries.values())) or self._keyless
 
     def _eager(self, call, reason):
         self.counters.eager(reason)
@@ -209,25 +222,6 @@ class Lifecycle(Reports, Views):
             return
         self._warned.add(topic)
         warnings.warn(f"{self._body.api}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
-
-    def _new_entry(self, key, call):
-        backend, reason = resolve_backend(self._options.backend, call.tensors)
-        if backend is None:
-            self._last_refusal = reason
-            return None
-        named = self._keys.named_arguments(call.args, call.kwargs)
-        refused = arguments.refusal(named)
-        if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
-            self._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
-            self._last_refusal = refused
-            return None
-        entry = GraphEntry(key=key, backend=backend, label=self._keys.label(key, call, named),
-                           eager_if_slower=self._options.eager_if_slower)
-        if not _admitted(self, entry):
-            self._last_refusal = "max_graphs reached"
-            return None
-        self._entries[key] = entry
-        return entry
 
     def _capture(self, entry, call):
         last_inputs = entry.last_inputs
@@ -340,6 +334,30 @@ class Lifecycle(Reports, Views):
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _new_entry(lifecycle, key, call):
+    """The entry of a new key of ``lifecycle`` (a Lifecycle), or None where the call runs eagerly (the reason in
+    ``lifecycle._last_refusal``)."""
+    backend, reason = resolve_backend(lifecycle._options.backend, call.tensors)
+    if backend is None:
+        lifecycle._last_refusal = reason
+        lifecycle._keyless = lifecycle._keyless if lifecycle._tick else passes_through(lifecycle._options, reason)  # no key held
+        return None
+    named = lifecycle._keys.named_arguments(call.args, call.kwargs)
+    refused = arguments.refusal(named)
+    if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
+        lifecycle._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
+        lifecycle._last_refusal = refused
+        return None
+    host = lifecycle._keys.checked(key, call, named)  # raises for a host input too large to key by value
+    entry = GraphEntry(key=key, backend=backend, label=lifecycle._keys.label(key, named, host),
+                       eager_if_slower=lifecycle._options.eager_if_slower)
+    if not _admitted(lifecycle, entry):  # its label names what varies: NOTE [ Places under max_graphs ]
+        lifecycle._last_refusal = "max_graphs reached"
+        return None
+    lifecycle._entries[key], lifecycle._keyless = entry, None  # a key held: no call passes through again
+    return entry
 
 
 def _bytes_grown(lifecycle, entry):

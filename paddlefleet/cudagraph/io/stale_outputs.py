@@ -29,7 +29,7 @@ import weakref
 from ..errors import StaleOutputError
 from ..guards.paddle_patches import install_for_process
 
-__all__ = ["StaleOutputs", "check_fresh"]
+__all__ = ["StaleOutputs", "any_stale", "check_fresh"]
 
 # id -> (weakref, message) of outputs a later replay overwrote (NOTE [ Stale outputs ]).
 _stale = {}
@@ -37,6 +37,11 @@ _stale = {}
 
 def _forget(key):
     _stale.pop(key, None)
+
+
+def any_stale():
+    """True while some output a later replay overwrote is alive (check_fresh may raise)."""
+    return bool(_stale)
 
 
 def check_fresh(tensors):

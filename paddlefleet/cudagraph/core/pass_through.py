@@ -1,0 +1,48 @@
+"""Wrappers that can only run eagerly pass calls straight through (NOTE [ Pass-through wrappers ]); a
+wrapper whose every key runs eagerly as slower does the same (core/host_cost.py)."""
+
+from ..backends import backend_env_set, cuda_available, plain_call
+from ..guards import saved_hooks
+from ..io.stale_outputs import any_stale
+
+__all__ = ["all_slower", "passes_through"]
+
+
+# NOTE [ Pass-through wrappers ]
+# With backend=None in a Paddle build without CUDA graphs, every call runs eagerly (no tensor of the
+# process can be on a GPU), and the README promises such a wrapper leaves the code untouched: it must
+# cost about what the Layer's own call costs, not a key per call (the key, the backend resolved from
+# the environment and the AMP state cost about the Layer's own call again). Such a wrapper learns this
+# once, from its first call that resolved no backend (Lifecycle._keyless: the reason with _untouched),
+# and from then on calls the function directly, counted with the same reason, while _untouched() holds: the
+# environment names no backend (PADDLEFLEET_CUDAGRAPH_BACKEND is read when a key is first seen, and
+# such a call's key is new every time, so setting it later still graphs the next call), nothing
+# around the call would give it another reason (a capture, a whole step, a replay that re-runs
+# Python, saved-tensors hooks), and no stale output exists that it would have to refuse. Not cached:
+# a wrapper with dispatch_key_fn (its key function is called on every call, and may say None), with
+# a backend option, in a CUDA build (a call's tensors decide), or that ever held a key (a chain may
+# still name its body).
+
+
+def _untouched():
+    """True when a pass-through wrapper's call may skip the key (NOTE [ Pass-through wrappers ])."""
+    return plain_call() and not saved_hooks.active() and not any_stale()
+
+
+def _always():
+    return True
+
+
+def all_slower(reason):
+    """The keyless rule of a wrapper whose every key runs eagerly as slower (host_cost.act's
+    ``reason``; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), or None."""
+    return None if reason is None else (reason, _always)
+
+
+def passes_through(options, reason):
+    """``(reason, _untouched)`` when every later call of a wrapper with ``options`` that never held a
+    key, whose call resolved no backend for ``reason``, runs eagerly for it while _untouched() holds
+    (NOTE [ Pass-through wrappers ]), else None."""
+    if options.backend is not None or options.dispatch_key_fn is not None or cuda_available():
+        return None
+    return None if backend_env_set() else (reason, _untouched)

@@ -1,0 +1,139 @@
+"""Eager calls through a wrapper cost little. A wrapper that can only run eagerly (backend=None in a
+Paddle build without CUDA graphs) costs about what the Layer's own call costs, and decides as it did before (NOTE [ Pass-through wrappers ] in
+core/lifecycle.py): the environment's backend is still read when a key is first seen, and a call
+inside a capture, a whole step or saved-tensors hooks, or given a stale output, is still told apart. A
+key max_graphs refuses is not labelled on every call."""
+
+import os
+import time
+import unittest
+from unittest import mock
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import StaleOutputError, autocudagraph
+from paddlefleet.cudagraph.backends import cuda as cuda_backend
+from paddlefleet.cudagraph.guards import saved_hooks
+from paddlefleet.cudagraph.options import ENV_BACKEND
+
+from testkit.harness import paddle_device
+
+NO_BACKEND = "no GPU tensors or no CUDA build (backend=None runs eagerly)"
+
+
+def twins(width=4, **options):
+    paddle.seed(0)
+    own, wrapped = paddle.nn.Linear(width, width), paddle.nn.Linear(width, width)
+    wrapped.set_state_dict(own.state_dict())
+    return own, autocudagraph(wrapped, **options)
+
+
+def best_us(fn, calls):
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - start) / calls * 1e6
+
+
+class PassThroughCase(unittest.TestCase):
+    def setUp(self):
+        if cuda_backend.cuda_available():
+            self.skipTest("this Paddle has CUDA graphs: a call's tensors decide its backend")
+        device = paddle_device("cpu")
+        device.__enter__()
+        self.addCleanup(device.__exit__, None, None, None)
+        patcher = mock.patch.dict(os.environ, {ENV_BACKEND: ""})  # unset for the test, restored after
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+
+class PassThroughCostTest(PassThroughCase):
+    def test_a_wrapped_layer_costs_about_its_own_eager_call(self):
+        # Best of interleaved rounds of many calls each, so that a loaded machine slows both sides
+        # alike and a round without interruption decides. A wrapper that makes a key per call cost
+        # 1.9x-2.1x here; one that passes through about 1.05x.
+        own, wrapped = twins()
+        x = paddle.randn([2, 4])
+        np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+        for _ in range(50):
+            own(x), wrapped(x)
+        own_us, wrapped_us = [], []
+        for _ in range(15):
+            own_us.append(best_us(lambda: own(x), 300))
+            wrapped_us.append(best_us(lambda: wrapped(x), 300))
+        ratio = min(wrapped_us) / min(own_us)
+        self.assertLess(ratio, 1.3, f"wrapped {min(wrapped_us):.2f} us against the Layer's own {min(own_us):.2f} us")
+        self.assertEqual(wrapped.forward.stats()["eager_reasons"], {NO_BACKEND: 1 + 50 + 15 * 300})
+
+
+class PassThroughDecisionTest(PassThroughCase):
+    def test_the_environment_is_read_when_a_key_is_first_seen(self):
+        own, wrapped = twins(warmup_steps=0)
+        x = paddle.randn([2, 4])
+        no_grad = paddle.no_grad()  # a forward without a backward in flight: the next call may replay
+        no_grad.__enter__()
+        self.addCleanup(no_grad.__exit__, None, None, None)
+        for _ in range(3):
+            np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+        self.assertEqual(wrapped.forward.stats()["eager_reasons"], {NO_BACKEND: 3})
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "simulate"}):  # set later: the next key graphs
+            np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+        self.assertEqual(wrapped.forward.stats()["captures"], 1)
+        np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())  # unset: the key keeps its backend
+        self.assertEqual(wrapped.forward.stats()["replays"], 1, wrapped.forward.explain())
+        wrapped.forward.reset()
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "eager"}):
+            wrapped(x)
+        wrapped(x)
+        self.assertEqual(wrapped.forward.stats()["eager_reasons"],
+                         {f"backend is eager: the environment sets {ENV_BACKEND}=eager": 1, NO_BACKEND: 1})
+
+    def test_an_environment_set_at_the_first_call_still_passes_through_once_unset(self):
+        own, wrapped = twins()
+        x = paddle.randn([2, 4])
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "eager"}):
+            wrapped(x)
+        for _ in range(2):
+            np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+        self.assertEqual(wrapped.forward._keyless[0], NO_BACKEND)
+        with mock.patch.dict(os.environ, {ENV_BACKEND: "simulate"}):
+            for _ in range(3):  # warmup, capture, replay
+                np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+        self.assertEqual((wrapped.forward.stats()["captures"], wrapped.forward.stats()["replays"]), (1, 1))
+        wrapped.forward.reset()
+        wrapped(x)
+        self.assertIsNone(wrapped.forward._keyless)  # it held a key (a chain may name it): every call makes one
+
+    def test_saved_tensors_hooks_still_give_their_reason(self):
+        _, wrapped = twins()
+        x = paddle.randn([2, 4])
+        wrapped(x)
+        with paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with self.assertWarns(RuntimeWarning):
+                wrapped(x)
+        self.assertEqual(wrapped.forward.stats()["eager_reasons"], {NO_BACKEND: 1, saved_hooks.REASON: 1})
+
+    def test_a_stale_output_passed_to_it_still_raises(self):
+        double = autocudagraph(lambda t: t * 2.0, backend="simulate", warmup_steps=0, clone_outputs=False,
+                               check_stale_outputs=True)
+        _, wrapped = twins()
+        x = paddle.randn([2, 4])
+        wrapped(x)
+        y1 = double(x)
+        double(x + 1.0)
+        with self.assertRaises(StaleOutputError):
+            wrapped(y1)
+        self.assertEqual(wrapped.forward.stats()["eager_reasons"], {NO_BACKEND: 1})
+
+    def test_options_that_decide_per_call_never_pass_through(self):
+        x = paddle.randn([2, 4])
+        for options in ({"dispatch_key_fn": lambda bound: None}, {"backend": "eager"}):
+            g = autocudagraph(lambda t: t * 2.0, **options)
+            g(x), g(x)
+            self.assertIsNone(g._keyless, options)
+            self.assertEqual(g.stats()["eager_calls"], 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
