@@ -25,7 +25,9 @@ once for a run of consecutive graphed calls:
   itself is its member's key** (KeyMaker.key: every non-tensor argument by value as any call's key
   compares it - a config dict changed in place or a numpy buffer refilled between two calls gives
   another key -, each tensor's metadata, grad mode, AMP state and the training flags), its key still
-  replays the same graphs (none waiting for a backward) and no parameter of it moved. Then its
+  replays the same graphs (none waiting for a backward) and every precondition an alone replay
+  checks holds (NOTE [ Replay preconditions ] in block/replay.py: no parameter moved, no Layer
+  attribute or structure changed; ChainRun._mismatch is the one place a member's call is checked). Then its
   inputs are copied in, its forward graph replays - when the call comes, so that parameters,
   random numbers and running statistics are read and drawn at eager's moment - and its output is
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through

@@ -16,6 +16,7 @@ from ..block import partial_grad
 from ..block.capture import capture_second_backward
 from .bridge import ChainFunction, replay_forward
 from .links import current_run, forget_link, remember, set_run
+from ..block.replay import replay_blocker
 from ..block.replay_fallback import state_restored_on_refusal
 
 __all__ = ["ChainRun"]
@@ -152,7 +153,10 @@ class ChainRun:
         if not member.current():
             self.forget()
             return "its key's graphs changed or wait for a backward"
-        return member.graphs.params.moved()
+        # Every precondition an alone replay checks (NOTE [ Replay preconditions ] in block/replay.py):
+        # parameters, adopted inputs, Layer attributes and structure. A blocked call runs alone, which acts on it.
+        blocked = replay_blocker(member.graphs, call, check_inputs=False)
+        return None if blocked is None else blocked.reason
 
     def break_at(self, j, reason):
         """No call from member ``j`` on is handed its output: their graphs are free for their own
