@@ -18,7 +18,7 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.common import MatLayer, MatMLP, build
 from testkit.differential import Trainee, differential_run
-from testkit.harness import MatmulOnlyCase, for_each_backend, normal, release_grads
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, normal, release_grads
 from testkit.step_gpu import MatmulSGD
 
 
@@ -252,6 +252,31 @@ class ChainedAttributeCases(MatmulOnlyCase):
         graphed, messages = self.run_chain(TimesLayer, lambda m: m[3].register_forward_pre_hook(apply_weight_first))
         self.assertEqual(graphed[3].forward.stats()["captures"], 2)
         self.assertTrue(any("forward_pre_hooks" in m for m in messages), messages)
+
+
+def scaled(x):
+    return paddle.matmul(x, x) * paddle.to_tensor(0.1)  # a fill of the default dtype
+
+
+@for_each_backend
+class DefaultDtypeCases(BackendCase):
+    def test_the_default_dtype_changed_after_capture_captures_again(self):
+        """``paddle.set_default_dtype('float64')`` after capture: ``to_tensor(0.1)`` is a float64 fill
+        eagerly, the capture's float32 fill on a GPU replay: the key is captured again, bitwise."""
+        graphed = self.graphed(scaled, warmup_steps=1)
+        draw = normal(8)
+        self.addCleanup(paddle.set_default_dtype, paddle.get_default_dtype())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(6):
+                if k == 3:
+                    paddle.set_default_dtype("float64")
+                xn = draw(4, 4)
+                outs = [fn(paddle.to_tensor(xn)) for fn in (graphed, scaled)]
+                self.assertBitwise(outs[0], outs[1], f"step {k}")
+        self.assertCounters(graphed, captures=2, replays=3, eager=0)
+        messages = [str(w.message) for w in caught]
+        self.assertTrue(any("default dtype" in m and "float32 -> float64" in m for m in messages), messages)
 
 
 @for_each_backend

@@ -22,7 +22,10 @@ watched Layer's three dicts a ``StampedDict`` (an OrderedDict whose every mutati
 copied and pickled as a plain OrderedDict); forward pre/post hooks are stamped by
 ``register_forward_pre_hook`` / ``register_forward_post_hook``, and a hook handle's ``remove()`` moves
 a hooks epoch that makes the next check compare every watched Layer. A replay pays nothing for it
-(the clock compare above).
+(the clock compare above). The default dtype is watched the same way: Paddle's one setter
+(``LayerHelperBase.set_default_dtype``, behind ``paddle.set_default_dtype``) moves the clock, and a
+check compares ``paddle.get_default_dtype()`` with the capture's (``to_tensor(0.1)`` and
+``create_parameter`` read it: a graph keeps the capture's fill dtype).
 
 Seen: an assignment through the Layer (``self.extra = True``, ``layer.drop.p = 0.2``,
 ``setattr``, ``del``, a sublayer, parameter or buffer replaced) of any Layer the key uses; a
@@ -137,6 +140,7 @@ def install():
     install_for_process(layer, "__delattr__", __delattr__)
     for name in ("register_forward_pre_hook", "register_forward_post_hook"):
         install_for_process(layer, name, _stamping(getattr(layer, name)))
+    _watch_default_dtype()
     helper = _hook_remove_helper()
     if helper is not None:
         remove = helper.remove
@@ -147,6 +151,18 @@ def install():
             _HOOK_EPOCH[0] += 1
 
         install_for_process(helper, "remove", remove_hook)
+
+
+def _watch_default_dtype():
+    from paddle.base.layer_helper_base import LayerHelperBase
+
+    setter = LayerHelperBase.set_default_dtype  # bound to the class that holds the value
+
+    def set_default_dtype(cls, dtype):
+        setter(dtype)
+        _CLOCK[0] += 1
+
+    install_for_process(LayerHelperBase, "set_default_dtype", classmethod(set_default_dtype))
 
 
 def _stamping(register):
@@ -226,15 +242,19 @@ class AttrWatch:
         self._stamps = self._read_stamps()
         self._clock = _CLOCK[0]
         self._hook_epoch = _HOOK_EPOCH[0]
+        self._dtype = paddle.get_default_dtype()
 
     def _read_stamps(self):
         return [l.__dict__.get(_STAMP, 0) for l in self._layers]
 
     def changed(self):
         """None when no attribute of the key's Layers differs from the capture's, else
-        ``(where, attribute, old, new)`` of the first that does."""
+        ``(where, attribute, old, new)`` of the first that does (``where`` None: the default dtype)."""
         if _CLOCK[0] == self._clock:
             return None
+        dtype = paddle.get_default_dtype()
+        if dtype != self._dtype:
+            return None, "default dtype", self._dtype, dtype
         stamps = self._read_stamps()
         every = self._hook_epoch != _HOOK_EPOCH[0]  # a hook removed: its Layer is not known
         if stamps != self._stamps or every:
@@ -262,6 +282,11 @@ class AttrWatch:
 def attr_message(changed, what="the graphed call"):
     """The reason and warning for a changed attribute ``(where, name, old, new)``."""
     where, name, old, new = changed
+    if where is None:
+        reason = f"the default dtype changed since capture ({old} -> {new})"
+        return reason, (f"paddle.set_default_dtype changed the default dtype since {what} was captured ({old} -> "
+                        f"{new}). A CUDA graph keeps the dtype its capture's fills and parameters were made with "
+                        "(paddle.to_tensor(0.1)), so the key is captured again.")
     reason = f"attribute '{name}' of {where} changed since capture"
     warning = (f"attribute '{name}' of {where} changed since {what} was captured ({old} -> {new}). "
                "A CUDA graph replays the kernels its capture launched with the old value, so the key is captured "
