@@ -41,7 +41,7 @@ import paddle
 
 from ..backends import function_errors
 from ..core import state
-from ..guards.in_place_writes import InPlaceWrites
+from ..guards.in_place_writes import InPlaceWrites, VersionlessWrites
 from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
 from ..guards.rng import DrawGuard
 from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
@@ -187,14 +187,14 @@ class _BlockCapture:
         adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
             backend.capture_executes) else []
         static_args, static_kwargs = call.rebuild(static.buffers)
-        grad_enabled = paddle.is_grad_enabled()
-        fn, owner, live = self.fn, self.owner, {}
+        fn, owner, live, grad_enabled = self.fn, self.owner, {}, paddle.is_grad_enabled()
 
         traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
+        versionless = VersionlessWrites()  # NOTE [ Writes without a version bump ] in guards/in_place_writes.py
 
         def forward_body():
             trace = OpTrace() if traced else contextlib.nullcontext()
-            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
+            with self._capture_writes(live, versionless), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
             live["replayed" if "spec" in live else "trace"] = trace if traced else None
@@ -216,7 +216,7 @@ class _BlockCapture:
             watch.check()
             rng_guard.check()
             _refuse_objects_holding_tensors(live["spec"][1])
-            _refuse_written_inputs(static, adopted_values)
+            _refuse_written_inputs(static, adopted_values, versionless)
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
@@ -241,10 +241,16 @@ class _BlockCapture:
             if backend.capture_executes or not captured:
                 state.restore_rng(rng)
 
-    def _capture_writes(self, live):
-        """What copies the capture run's in-place writes (NOTE [ RNG across capture ]); entered
-        outside the op trace, so the copies are no ops of it. A replay (``live`` has run) copies none."""
-        return self.writes if self.writes is not None and "spec" not in live else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _capture_writes(self, live, versionless):
+        """What copies the capture run's in-place writes (NOTE [ RNG across capture ]) and notes the
+        targets of ``copy_`` and ``set_value`` (NOTE [ Writes without a version bump ]); entered outside
+        the op trace, so the copies are no ops of it. A replay (``live`` has run) copies and notes none."""
+        if "spec" in live:
+            yield
+            return
+        with self.writes if self.writes is not None else contextlib.nullcontext(), versionless:
+            yield
 
     def _watch_layers(self):
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
@@ -357,8 +363,10 @@ def _refuse_objects_holding_tensors(out_consts):
             )
 
 
-def _refuse_written_inputs(static, adopted_values):
+def _refuse_written_inputs(static, adopted_values, versionless):
     written = static.written()
+    written += [static.name(i) for i, b in enumerate(static.buffers)
+                if versionless.wrote(b) and static.name(i) not in written]
     if not written:
         return
     with paddle.no_grad():

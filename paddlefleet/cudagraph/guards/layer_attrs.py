@@ -64,6 +64,19 @@ def _stamp(layer):
     layer.__dict__[_STAMP] = _CLOCK[0]
 
 
+def _mutator(name):
+    base = getattr(collections.OrderedDict, name)
+
+    def method(self, *args, **kwargs):
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            self._touch()
+
+    method.__name__ = name
+    return method
+
+
 class StampedDict(collections.OrderedDict):
     """A watched Layer's ``_parameters``, ``_buffers`` or ``_sub_layers``: every mutation stamps the
     Layer (NOTE [ Layer attributes a replay freezes ]); a copy or a pickle is a plain OrderedDict."""
@@ -88,24 +101,15 @@ class StampedDict(collections.OrderedDict):
     def __copy__(self):
         return collections.OrderedDict(self)
 
-
-def _mutator(name):
-    base = getattr(collections.OrderedDict, name)
-
-    def method(self, *args, **kwargs):
-        try:
-            return base(self, *args, **kwargs)
-        finally:
-            self._touch()
-
-    method.__name__ = name
-    return method
-
-
-for _name in ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault",
-              "move_to_end"):
-    if hasattr(collections.OrderedDict, _name):
-        setattr(StampedDict, _name, _mutator(_name))
+    __setitem__ = _mutator("__setitem__")
+    __delitem__ = _mutator("__delitem__")
+    __ior__ = _mutator("__ior__")
+    pop = _mutator("pop")
+    popitem = _mutator("popitem")
+    clear = _mutator("clear")
+    update = _mutator("update")
+    setdefault = _mutator("setdefault")
+    move_to_end = _mutator("move_to_end")
 
 
 def _watch_structure(layer):
