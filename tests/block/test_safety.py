@@ -168,6 +168,27 @@ class CaptureFailureTest(SafetyCase):
         self.assertIn("syncing_block", row["fallback_reason"])
         self.assertEqual(stats["eager_reasons"], {"capture failed": 1, "key fell back: " + row["fallback_reason"]: 2})
 
+    def test_a_forward_rewinding_the_rng_before_a_draw_is_refused(self):
+        """R-Drop in a block: ``get_rng_state(); dropout; set_rng_state(); dropout``. A replay would
+        re-seed the second dropout with a new offset (other masks than eager's): the capture is
+        refused, and every call, with the random numbers that follow, is eager's."""
+        def rdrop(x):
+            state = paddle.get_rng_state()
+            first = paddle.nn.functional.dropout(x, 0.5)
+            paddle.set_rng_state(state)
+            return first + paddle.nn.functional.dropout(x, 0.5)
+
+        f = self.graphed(rdrop, warmup_steps=1)
+        log = self.caught()
+        for i in range(4):
+            x = data(4, 8, seed=i)
+            got = [paddle.seed(i) and None, f(x), paddle.rand([4])]
+            want = [paddle.seed(i) and None, rdrop(x), paddle.rand([4])]
+            self.assertBitwise(got, want, f"call {i}")
+        (warned,) = self.runtime_warnings(log)
+        self.assertIn("sets the RNG state and then runs the random kernel 'dropout'", str(warned.message))
+        self.assertEqual(f.stats()["captures"], 0)
+
     @parameterized.expand([("forward",), ("backward",)])
     def test_failed_capture_leaks_no_state(self, fail_in):
         eager, graphed = twin_layers(lambda: FailingBlock(fail_in))
