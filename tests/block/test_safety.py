@@ -503,6 +503,27 @@ class OutsideWritesTest(SafetyCase):
             self.assertBitwise(list(state.values()), list(eager_state.values()), f"call {i}")
         self.assertEqual((f.stats()["captures"], f.stats()["replays"]), (1, 2))
 
+    def test_running_statistics_outside_any_layer_move_once_per_call(self):
+        """``F.batch_norm`` with running statistics that are no Layer's buffers: the kernel writes them
+        under names without a trailing ``_`` (NOTE [ Kernels that write their inputs ] in
+        guards/in_place_writes.py); the capture call moves them once, as eagerly."""
+        def make():
+            mean, var = paddle.zeros([2]), paddle.ones([2])
+
+            def normed(x):
+                return paddle.nn.functional.batch_norm(x, mean, var, training=True) * 2.0
+
+            return normed, [mean, var]
+
+        (normed, stats), (eager, eager_stats) = make(), make()
+        f = self.graphed(normed, warmup_steps=1)
+        for i in range(4):
+            x = data(3, 2, seed=i)
+            self.assertBitwise(f(x), eager(x), f"call {i}")
+            self.assertBitwise(stats, eager_stats, f"call {i} running statistics")
+        self.assertEqual((f.stats()["captures"], f.stats()["replays"]), (1, 2))
+
+
 class RestoreRngTest(unittest.TestCase):
     def test_a_snapshot_restored_twice_keeps_its_tracker_states(self):
         """NOTE [ Restoring the tracker ] in core/state.py: Paddle 2.6's set_states_tracker adopts the

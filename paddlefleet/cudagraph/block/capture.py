@@ -12,8 +12,9 @@ what the function writes in place: a capture that executes the body writes the L
 a dict attribute's); InPlaceWrites (guards/in_place_writes.py) copies each tensor an in-place op is
 handed during the capture and writes the copies back after it, so the capture call's replay
 applies each update once, as on a GPU (a view shares its tensor's memory: writing the view's copy
-back restores the tensor too). Not covered: a kernel that writes an input under a name not ending
-in ``_`` (BatchNorm's statistics: buffers, restored by BufferSnapshot).
+back restores the tensor too), and each argument of a kernel that writes its inputs under a name
+without a trailing ``_`` (``batch_norm``'s running statistics outside any Layer: NOTE [ Kernels
+that write their inputs ] in guards/in_place_writes.py).
 
 NOTE [ Backward body ]
 The backward graph is captured from ``paddle.grad(outputs, leaves, grad_outputs)`` run under a
