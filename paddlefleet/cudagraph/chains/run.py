@@ -28,13 +28,16 @@ class ChainRun:
         members: the chain's Members (chains/chain.py), in call order, the head first.
         call: the head call (its Call).
         forget: drops the head's cached members (a member no longer fits).
+        through_view: the bridge takes the head's first argument through two reshapes (NOTE [ Chains
+            of graphed calls ] in chains/chain.py: a root consumed by another root's node).
     """
 
     __slots__ = ("members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
+                 "ids", "order", "hooks", "args", "forget", "executes", "through_view", "__weakref__")
 
-    def __init__(self, members, call, forget):
+    def __init__(self, members, call, forget, through_view=False):
         self.members = members
+        self.through_view = through_view
         self.call = call
         self.forget = forget
         self.extras = call.tensors[1:]
@@ -72,7 +75,11 @@ class ChainRun:
         copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
         # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
         params = [p for m in self.members for p in m.params]
-        self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
+        tensors = self.call.tensors
+        if self.through_view:
+            first = tensors[0]
+            tensors = [first.reshape([-1]).reshape(first.shape)] + tensors[1:]
+        self.args = partial_grad.BridgeArgs(params + tensors, len(params))
         return ChainFunction.apply(self, *self.args.args), copied, skipped
 
     @staticmethod
