@@ -254,6 +254,61 @@ class ChainedAttributeCases(MatmulOnlyCase):
         self.assertTrue(any("forward_pre_hooks" in m for m in messages), messages)
 
 
+class ScaledDropout(paddle.nn.Layer):
+    """``dropout(x @ w * self.scale)``: a plain attribute and a sublayer's rate read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.create_parameter([8, 8], dtype="float32")
+        self.scale = 1.0
+        self.drop = paddle.nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.drop(paddle.matmul(x, self.w) * self.scale)
+
+
+@for_each_backend
+class ChainedDropoutCases(BackendCase):
+    """Chained calls see a scale or a dropout rate changed after the chain formed, as alone calls do."""
+
+    def run_chain(self, change, steps=8, change_at=5):
+        graphed, eager = (build(lambda: paddle.nn.LayerList([ScaledDropout() for _ in range(4)]), 47)
+                          for _ in range(2))
+        for layer in graphed:
+            self.graphed(layer, warmup_steps=1)
+        draw = normal(7)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(steps):
+                if k == change_at:
+                    change(graphed)
+                    change(eager)
+                xn, dyn = draw(4, 8), draw(4, 8)
+                got = []
+                for model in (graphed, eager):
+                    paddle.seed(100 + k)
+                    x = paddle.to_tensor(xn, stop_gradient=False)
+                    h = x
+                    for layer in model:
+                        h = layer(h)
+                    h.backward(paddle.to_tensor(dyn))
+                    got.append([h, x.grad] + [p.grad for p in model.parameters()])
+                self.assertBitwise(got[0], got[1], f"step {k}")
+                release_grads(graphed, eager)
+        self.assertGreater(graphed[2].forward.stats()["chained_calls"], 0, "no chain formed")
+        return graphed, [str(w.message) for w in caught]
+
+    def test_a_scale_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(lambda m: setattr(m[1], "scale", 0.5))
+        self.assertEqual(graphed[1].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'scale' of ScaledDropout" in m and "1.0 -> 0.5" in m for m in messages), messages)
+
+    def test_a_dropout_rate_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(lambda m: setattr(m[2].drop, "p", 0.6))
+        self.assertEqual(graphed[2].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'p' of ScaledDropout.drop" in m for m in messages), messages)
+
+
 def scaled(x):
     return paddle.matmul(x, x) * paddle.to_tensor(0.1)  # a fill of the default dtype
 
