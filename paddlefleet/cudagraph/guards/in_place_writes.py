@@ -19,8 +19,8 @@ A capture sees that the function wrote an argument in place by its inplace versi
 not bump it: ``Tensor.copy_`` and ``Tensor.set_value``. Captured, they write the graph's own copy of
 the argument and never the caller's tensor. ``VersionlessWrites`` notes their targets while the
 capture runs the function (on every backend: a GPU capture runs it once too), and ``wrote(t)`` says
-whether one of them is ``t`` or shares its memory (a view of it), so the capture refuses them as it
-refuses any other in-place write of an argument.
+whether one of them is ``t`` or shares its memory (a view of it), so a block's or a step's capture
+refuses them as it refuses any other in-place write of an argument it copies.
 """
 
 import paddle

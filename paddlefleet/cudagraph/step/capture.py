@@ -29,6 +29,7 @@ import contextlib
 import paddle
 
 from ..core import state
+from ..guards.in_place_writes import VersionlessWrites
 from ..guards.rng import DrawGuard
 from ..guards.paddle_patches import Patches
 from ..backends import function_errors
@@ -85,10 +86,12 @@ def _refusing_scaler(name):
     return refusing
 
 
-def _refuse_written_copies(static):
+def _refuse_written_copies(static, versionless):
     """Raises CaptureError where the step wrote an input it copies (an adopted input is the caller's
-    tensor: written as eagerly)."""
+    tensor: written as eagerly), in place or through ``copy_``/``set_value`` (``versionless``)."""
     written = static.written(skip=static.adopted)
+    written += [static.name(i) for i, b in enumerate(static.buffers)
+                if i not in static.adopted and versionless.wrote(b) and static.name(i) not in written]
     if written:
         raise CaptureError(
             f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
@@ -196,12 +199,13 @@ class StepCapture:
                 raise body.unlisted_error([opt])
 
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
+        versionless = VersionlessWrites()  # NOTE [ Writes without a version bump ] in guards/in_place_writes.py
         with LayerRecorder(watch, NO_WATCH), guard, _refuse_paddle_scaler(), watch_steps(
-                on_step), tag_learning_rates(), writes:
+                on_step), tag_learning_rates(), writes, versionless:
             outputs = graphs.graph.capture(step_body, body.options.capture_hooks)
         guard.check()
         self._check(live, before, watch, graphs)
-        _refuse_written_copies(static)
+        _refuse_written_copies(static, versionless)
         graphs.static_inputs = static
         graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
