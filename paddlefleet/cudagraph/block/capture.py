@@ -152,6 +152,7 @@ class _BlockCapture:
         self.names = leaf_names(request.named)
         self.last_inputs = request.last_inputs or ()
         self.by_grad = by_grad
+        self.versionless = VersionlessWrites()  # NOTE [ Writes without a version bump ] in guards/in_place_writes.py
 
     def run(self):
         graphs = BlockGraphs(backend=self.backend, pool=self.backend.new_pool(), clone_outputs=self.opts.clone_outputs)
@@ -188,14 +189,14 @@ class _BlockCapture:
         adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
             backend.capture_executes) else []
         static_args, static_kwargs = call.rebuild(static.buffers)
-        fn, owner, live, grad_enabled = self.fn, self.owner, {}, paddle.is_grad_enabled()
+        grad_enabled = paddle.is_grad_enabled()
+        fn, owner, live = self.fn, self.owner, {}
 
         traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
-        versionless = VersionlessWrites()  # NOTE [ Writes without a version bump ] in guards/in_place_writes.py
 
         def forward_body():
             trace = OpTrace() if traced else contextlib.nullcontext()
-            with self._capture_writes(live, versionless), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
+            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
             live["replayed" if "spec" in live else "trace"] = trace if traced else None
@@ -217,7 +218,7 @@ class _BlockCapture:
             watch.check()
             rng_guard.check()
             _refuse_objects_holding_tensors(live["spec"][1])
-            _refuse_written_inputs(static, adopted_values, versionless)
+            _refuse_written_inputs(static, adopted_values, self.versionless)
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
@@ -243,14 +244,14 @@ class _BlockCapture:
                 state.restore_rng(rng)
 
     @contextlib.contextmanager
-    def _capture_writes(self, live, versionless):
+    def _capture_writes(self, live):
         """What copies the capture run's in-place writes (NOTE [ RNG across capture ]) and notes the
         targets of ``copy_`` and ``set_value`` (NOTE [ Writes without a version bump ]); entered outside
         the op trace, so the copies are no ops of it. A replay (``live`` has run) copies and notes none."""
         if "spec" in live:
             yield
             return
-        with self.writes if self.writes is not None else contextlib.nullcontext(), versionless:
+        with self.writes if self.writes is not None else contextlib.nullcontext(), self.versionless:
             yield
 
     def _watch_layers(self):

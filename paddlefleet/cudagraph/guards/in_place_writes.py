@@ -92,18 +92,20 @@ class InPlaceWrites:
                     self._save(value)
                 return original(*args, **kwargs)
             inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t._is_initialized()]
+            known = set(self._saved)
             self._probing = True
             try:
-                with paddle.no_grad():
-                    before = [(t, t.clone()) for t in inputs]
+                for t in inputs:  # copied as an in-place op's arguments are: kept only where written
+                    self._save(t)
             finally:
                 self._probing = False
             out = original(*args, **kwargs)
             outs = _tensors(out if isinstance(out, (list, tuple)) else [out])
-            written = [(t, c) for t, c in before if any(_aliases(o, t) for o in outs)]
+            written = {id(t) for t in inputs if any(_aliases(o, t) for o in outs)}
             _WRITES_INPUTS[name] = bool(written)
-            for t, saved in written:
-                self._saved.setdefault(id(t), (t, saved))
+            for t in inputs:
+                if id(t) not in written and id(t) not in known:
+                    self._saved.pop(id(t), None)
             return out
 
         return maybe_writing
