@@ -172,4 +172,6 @@ class VersionlessWrites:
 
     def wrote(self, tensor):
         """Whether a noted write went into ``tensor`` or a tensor sharing its memory."""
-        return any(t is tensor or t._is_shared_buffer_with(tensor) for t in self.targets)
+        if not tensor._is_initialized():
+            return any(t is tensor for t in self.targets)
+        return any(t is tensor or (t._is_initialized() and t._is_shared_buffer_with(tensor)) for t in self.targets)
