@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROCESS_PATCHES = sorted([
     "Tensor._register_grad_hook", "Tensor._remove_grad_hook",
     "core.eager.register_saved_tensors_hooks", "core.eager.reset_saved_tensors_hooks", "core.eager.run_partial_grad",
-    "Layer.__setattr__", "Layer.__delattr__",
+    "Layer.__setattr__", "Layer.__delattr__", "Layer.register_forward_pre_hook", "Layer.register_forward_post_hook",
+    "HookRemoveHelper.remove", "LayerHelperBase.set_default_dtype",
 ])
 # What the first wrapper with chain_calls=True adds (NOTE [ Hooks on a chain's outputs ] in chains/outputs.py).
 CHAIN_PATCHES = ["Tensor.retain_grads"]
@@ -34,6 +35,8 @@ SCRIPT = textwrap.dedent(
         "paddle": paddle, "paddle.autograd": paddle.autograd, "Layer": paddle.nn.Layer, "F": F,
         "F.loss": getattr(F, "loss", F), "_C_ops": paddle._C_ops, "Optimizer": paddle.optimizer.Optimizer,
         "GradScaler": paddle.amp.GradScaler, "paddle.device": paddle.device, "paddle.device.cuda": paddle.device.cuda,
+        "HookRemoveHelper": paddle.nn.layer.layers.HookRemoveHelper,
+        "LayerHelperBase": paddle.base.layer_helper_base.LayerHelperBase,
     }
 
     def snapshot():

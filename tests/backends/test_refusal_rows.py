@@ -81,7 +81,9 @@ def _step(name):
 
 _STEP_ROWS = ("grad assigned", "paddle.amp.GradScaler in a whole step", "host value that changes between steps",
               "grads freed at the end of an accumulation window")
-_GUARD_ROWS = {"recompute with dropout": "after rewind", "tracker dropout without state indices": "foreign state"}
+# row -> (the problem DrawGuard found, whether it guards a backward)
+_GUARD_ROWS = {"recompute with dropout": ("after rewind", True), "RNG rewound in the function": ("after rewind", False),
+               "tracker dropout without state indices": ("foreign state", False)}
 
 
 class RowGuardTest(unittest.TestCase):
@@ -131,10 +133,10 @@ class RowGuardTest(unittest.TestCase):
                 self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
 
     def test_the_draw_rows_are_raised_by_the_draw_guard(self):
-        for name, kind in _GUARD_ROWS.items():
+        for name, (kind, backward) in _GUARD_ROWS.items():
             row = refusals.row(name)
             with self.subTest(row=name):
-                guard = DrawGuard(enabled=False)
+                guard = DrawGuard(enabled=False, backward=backward)
                 guard.problem = (kind, "dropout", "here.py:1 in f")
                 with self.assertRaises(CaptureError) as raised:
                     guard.check()

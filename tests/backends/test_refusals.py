@@ -58,6 +58,8 @@ ROW_TESTS = {
          f"{_FAILURES}::BlockFailures::test_random_kernel"),
     'recompute with dropout': ("tests/block/test_footguns.py::RecordingCaptureTest::test_recompute_with_dropout_runs_eagerly_on_cuda",
          "tests/grads/test_training.py::RecomputeTest::test_layer_calling_recompute_with_dropout_runs_eagerly_like_eager"),
+    'RNG rewound in the function': ("tests/block/test_safety.py::CaptureFailureTest::"
+         "test_a_forward_rewinding_the_rng_before_a_draw_is_refused",),
     'tracker dropout without state indices': ("tests/block/test_footguns.py::RecordingCaptureTest::"
          "test_tracker_dropout_inside_the_function_runs_eagerly_without_state_indices",),
     'double backward': (f"{_REFUSALS}::DoubleBackward::test_paddle_grad_with_create_graph_is_refused_by_name",

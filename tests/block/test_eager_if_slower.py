@@ -49,14 +49,14 @@ def layers(n=4, width=8, seed=0):
     return build(lambda: paddle.nn.LayerList([TimedMLP([width, width]) for _ in range(n)]), seed)
 
 
-def step(model, x, dy):
+def step(model, x, dy, set_to_zero=False):
     h = x
     for layer in model:
         h = layer(h)
     h.backward(dy)
     got = [h.numpy()] + [p.grad.numpy() for p in model.parameters()]
     for p in model.parameters():
-        p.clear_gradient(False)
+        p.clear_gradient(set_to_zero)
     return got
 
 
@@ -83,9 +83,9 @@ class TestEagerIfSlower(unittest.TestCase):
         self.patches.close()
         host_cost._warned[:] = self.saved
 
-    def run_steps(self, n, **options):
-        """``n`` steps of a graphed model and its eager twin, bitwise equal at every step; returns the
-        graphed model and the warnings given."""
+    def run_steps(self, n, set_to_zero=False, **options):
+        """``n`` steps of a graphed model and its eager twin, bitwise equal at every step (grads cleared
+        with ``clear_gradient(set_to_zero)``); returns the graphed model and the warnings given."""
         graphed, eager = layers(), layers()
         for layer in graphed:
             autocudagraph(layer, backend="simulate", **options)
@@ -94,7 +94,7 @@ class TestEagerIfSlower(unittest.TestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(n):
-                for a, e in zip(step(graphed, x, dy), step(eager, x, dy)):
+                for a, e in zip(step(graphed, x, dy, set_to_zero), step(eager, x, dy, set_to_zero)):
                     np.testing.assert_array_equal(a, e, err_msg=f"step {i}")
         return graphed, [str(w.message) for w in caught if "us of host time" in str(w.message)]
 
@@ -198,6 +198,24 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(entry.phase.value, "fallback", layer.forward.explain())
             self.assertIn("graphed calls in chains cost more host time than its eager calls: 120.0 against 100.0",
                           entry.fallback_reason)
+
+    def test_accumulating_in_the_graph_a_faster_key_keeps_its_accumulator_through_timed_eager_calls(self):
+        """accumulate_in_graph=True, grads zeroed (or freed) after every step: the timed eager calls'
+        backward adds into the accumulator instead of binding a new grad, so the key is never captured
+        again and stays graphed, bitwise eager's at every step."""
+        self.clock.alone_us = -40.0
+        for set_to_zero in (True, False):
+            self.check_accumulator_kept(set_to_zero)
+
+    def check_accumulator_kept(self, set_to_zero):
+        model, warned = self.run_steps(24, set_to_zero, chain_calls=False, accumulate_in_graph=True)
+        self.assertEqual(warned, [])
+        for layer in model:
+            [entry] = layer.forward.entries().values()
+            self.assertEqual((entry.phase.value, entry.host_cost.verdict), ("replay", "graphed"), layer.forward.explain())
+            stats = layer.forward.stats()
+            self.assertEqual((stats["captures"], stats["recaptures"]), (1, 0), layer.forward.explain())
+            self.assertEqual(stats["eager_reasons"], {host_cost.TIMED: host_cost.SAMPLES - 1})
 
     def test_eager_if_slower_false_keeps_the_key_graphed_and_warns_once(self):
         self.clock.alone_us = 30.0

@@ -151,6 +151,30 @@ class FootgunTest(BackendCase):
         (message,) = self.our_warnings()
         self.assertIn("writes its input(s) 'x' in place", message)
 
+    def check_versionless_write(self, write):
+        """``write(x, value)`` (a write that leaves the inplace version alone) into the argument: the
+        capture refuses it, and the caller's tensors are written exactly once, as eagerly."""
+        def block(x):
+            with paddle.no_grad():
+                write(x, paddle.full_like(x, 3.0))
+            return x * 2.0
+
+        f = self.graphed(block, warmup_steps=0)
+        xs, xe = [paddle.zeros([2, 2]) for _ in range(3)], [paddle.zeros([2, 2]) for _ in range(3)]
+        self.assertBitwise([f(x) for x in xs], [block(x) for x in xe])
+        self.assertBitwise(xs, xe, "the caller's tensors are written, as in eager")
+        (message,) = self.our_warnings()
+        self.assertIn("writes its input(s) 'x' in place", message)
+
+    def test_function_copying_into_its_input_runs_eagerly(self):
+        self.check_versionless_write(lambda x, v: x.copy_(v, False))
+
+    def test_function_setting_its_input_value_runs_eagerly(self):
+        self.check_versionless_write(lambda x, v: x.set_value(v))
+
+    def test_function_copying_into_a_view_of_its_input_runs_eagerly(self):
+        self.check_versionless_write(lambda x, v: x.reshape([4]).copy_(v.reshape([4]), False))
+
     def test_closure_tensor_requiring_grad_runs_eagerly(self):
         w = data(3, 3, grad=True)
 

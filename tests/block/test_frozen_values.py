@@ -1,6 +1,8 @@
 """Python values a replay would freeze, seen: a plain attribute of a graphed Layer or of any
 sublayer changed after capture (NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py),
-a parameter of a whole step frozen or unfrozen, a plain attribute of a Layer a step calls.
+the Layer tree's structure changed in place (a sublayer swapped through ``_sub_layers`` or a
+LayerDict, ``LayerList.append``, a forward hook added or removed), alone and in a chain of graphed
+layers, a parameter of a whole step frozen or unfrozen, a plain attribute of a Layer a step calls.
 
 Matmul-only (MatmulOnlyCase: conftest marks them ``gpu_safe``, tools/gpu_check.py runs them on a
 GPU): explicit ``y.backward(dy)``, every output and grad bitwise against an eager twin after every
@@ -14,9 +16,9 @@ import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
-from testkit.common import MatMLP, build
+from testkit.common import MatLayer, MatMLP, build
 from testkit.differential import Trainee, differential_run
-from testkit.harness import MatmulOnlyCase, for_each_backend, normal, release_grads
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, normal, release_grads
 from testkit.step_gpu import MatmulSGD
 
 
@@ -165,6 +167,209 @@ class LayerAttributeCases(MatmulOnlyCase):
 
         self.run_twins(graphed, eager, 5, 3, flip_and_back)
         self.assertCounters(graphed.forward, captures=1, replays=3, eager=0)
+
+
+class Stacked(paddle.nn.Layer):
+    """Two MatLayers in a LayerList and one in a LayerDict, called in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = paddle.nn.LayerList([MatLayer(8, 8) for _ in range(2)])
+        self.named = paddle.nn.LayerDict({"last": MatLayer(8, 8)})
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.named["last"](x)
+
+
+def detach_input(layer, inputs):
+    return (inputs[0].detach(),)
+
+
+def apply_weight_first(layer, inputs):
+    return (paddle.matmul(inputs[0], layer.w),)
+
+
+def fresh_layer():
+    return build(lambda: MatLayer(8, 8), 77)
+
+
+@for_each_backend
+class LayerStructureCases(LayerAttributeCases):
+    """The tree's structure changed after capture without ``__setattr__``: the key is captured
+    again, each call bitwise eager's (never the capture's backward), with a warning naming it."""
+
+    def check_change(self, change, expected):
+        graphed, eager = self.twins(Stacked, 44)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        messages = self.run_twins(graphed, eager, 6, 3, change)
+        self.assertCounters(graphed.forward, captures=2, replays=3, eager=0)
+        self.assertTrue(any(expected in m for m in messages), messages)
+
+    def test_a_sublayer_swapped_through_sub_layers_captures_again(self):
+        def change(m):
+            m.layers._sub_layers["1"] = fresh_layer()
+
+        self.check_change(change, "attribute 'sub_layers['1']' of Stacked.layers")
+
+    def test_a_layer_dict_entry_replaced_captures_again(self):
+        def change(m):
+            m.named["last"] = fresh_layer()
+
+        self.check_change(change, "attribute 'sub_layers['last']' of Stacked.named")
+
+    def test_a_layer_appended_to_a_layer_list_gets_its_grad(self):
+        def change(m):
+            m.layers.append(fresh_layer())
+
+        self.check_change(change, "attribute 'sub_layers (order)' of Stacked.layers")
+
+    def test_a_forward_pre_hook_added_after_capture_captures_again(self):
+        def change(m):
+            m.layers[1].register_forward_pre_hook(detach_input)
+
+        self.check_change(change, "attribute 'forward_pre_hooks (order)' of Stacked.layers.1")
+
+    def test_a_forward_hook_removed_after_capture_captures_again(self):
+        graphed, eager = self.twins(Stacked, 45)
+        handles = [m.layers[0].register_forward_post_hook(lambda layer, i, out: out.detach()) for m in (graphed, eager)]
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        messages = self.run_twins(graphed, eager, 6, 3, lambda m: handles[0 if m is graphed else 1].remove())
+        self.assertCounters(graphed.forward, captures=2, replays=3, eager=0)
+        self.assertTrue(any("forward_post_hooks" in m and "Stacked.layers.0" in m for m in messages), messages)
+
+
+class TimesLayer(Twice):
+    """Twice with another width check: ``x @ w`` ``self.times`` times (a chain member)."""
+
+
+@for_each_backend
+class ChainedAttributeCases(MatmulOnlyCase):
+    """Chained calls (NOTE [ Chains of graphed calls ] in chains/chain.py) run every check an alone
+    call runs: a member's attribute or structure changed after the chain formed is seen."""
+
+    def run_chain(self, factory, change, steps=8, change_at=5):
+        graphed, eager = self.twins(lambda: paddle.nn.LayerList([factory() for _ in range(4)]), 46)
+        for layer in graphed:
+            autocudagraph(layer, backend=self.backend, warmup_steps=1)
+        draw = normal(6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(steps):
+                if k == change_at:
+                    change(graphed)
+                    change(eager)
+                xn, dyn = draw(4, 8), draw(4, 8)
+                outs, grads = [], []
+                for model in (graphed, eager):
+                    x = self.tensor(xn, grad=True)
+                    h = x
+                    for layer in model:
+                        h = layer(h)
+                    h.backward(self.tensor(dyn))
+                    outs.append(h)
+                    grads.append([x.grad] + [p.grad for p in model.parameters()])
+                self.assertBitwise(outs[0], outs[1], f"step {k} y")
+                self.assertBitwise(grads[0], grads[1], f"step {k} grads")
+                release_grads(graphed, eager)
+        self.assertGreater(graphed[2].forward.stats()["chained_calls"], 0, "no chain formed")
+        return graphed, [str(w.message) for w in caught]
+
+    def test_a_flag_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(Flagged, lambda m: setattr(m[2], "extra", True))
+        self.assertEqual(graphed[2].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'extra' of Flagged" in m for m in messages), messages)
+
+    def test_a_curriculum_switch_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(TimesLayer, lambda m: setattr(m[1], "times", 2))
+        self.assertEqual(graphed[1].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'times' of TimesLayer" in m for m in messages), messages)
+
+    def test_a_forward_pre_hook_on_a_later_member_added_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(TimesLayer, lambda m: m[3].register_forward_pre_hook(apply_weight_first))
+        self.assertEqual(graphed[3].forward.stats()["captures"], 2)
+        self.assertTrue(any("forward_pre_hooks" in m for m in messages), messages)
+
+
+class ScaledDropout(paddle.nn.Layer):
+    """``dropout(x @ w * self.scale)``: a plain attribute and a sublayer's rate read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.create_parameter([8, 8], dtype="float32")
+        self.scale = 1.0
+        self.drop = paddle.nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.drop(paddle.matmul(x, self.w) * self.scale)
+
+
+@for_each_backend
+class ChainedDropoutCases(BackendCase):
+    """Chained calls see a scale or a dropout rate changed after the chain formed, as alone calls do."""
+
+    def run_chain(self, change, steps=8, change_at=5):
+        graphed, eager = (build(lambda: paddle.nn.LayerList([ScaledDropout() for _ in range(4)]), 47)
+                          for _ in range(2))
+        for layer in graphed:
+            self.graphed(layer, warmup_steps=1)
+        draw = normal(7)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(steps):
+                if k == change_at:
+                    change(graphed)
+                    change(eager)
+                xn, dyn = draw(4, 8), draw(4, 8)
+                got = []
+                for model in (graphed, eager):
+                    paddle.seed(100 + k)
+                    x = paddle.to_tensor(xn, stop_gradient=False)
+                    h = x
+                    for layer in model:
+                        h = layer(h)
+                    h.backward(paddle.to_tensor(dyn))
+                    got.append([h, x.grad] + [p.grad for p in model.parameters()])
+                self.assertBitwise(got[0], got[1], f"step {k}")
+                release_grads(graphed, eager)
+        self.assertGreater(graphed[2].forward.stats()["chained_calls"], 0, "no chain formed")
+        return graphed, [str(w.message) for w in caught]
+
+    def test_a_scale_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(lambda m: setattr(m[1], "scale", 0.5))
+        self.assertEqual(graphed[1].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'scale' of ScaledDropout" in m and "1.0 -> 0.5" in m for m in messages), messages)
+
+    def test_a_dropout_rate_of_a_later_member_changed_after_the_chain_formed(self):
+        graphed, messages = self.run_chain(lambda m: setattr(m[2].drop, "p", 0.6))
+        self.assertEqual(graphed[2].forward.stats()["captures"], 2)
+        self.assertTrue(any("attribute 'p' of ScaledDropout.drop" in m for m in messages), messages)
+
+
+def scaled(x):
+    return paddle.matmul(x, x) * paddle.to_tensor(0.1)  # a fill of the default dtype
+
+
+@for_each_backend
+class DefaultDtypeCases(BackendCase):
+    def test_the_default_dtype_changed_after_capture_captures_again(self):
+        """``paddle.set_default_dtype('float64')`` after capture: ``to_tensor(0.1)`` is a float64 fill
+        eagerly, the capture's float32 fill on a GPU replay: the key is captured again, bitwise."""
+        graphed = self.graphed(scaled, warmup_steps=1)
+        draw = normal(8)
+        self.addCleanup(paddle.set_default_dtype, paddle.get_default_dtype())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(6):
+                if k == 3:
+                    paddle.set_default_dtype("float64")
+                xn = draw(4, 4)
+                outs = [fn(paddle.to_tensor(xn)) for fn in (graphed, scaled)]
+                self.assertBitwise(outs[0], outs[1], f"step {k}")
+        self.assertCounters(graphed, captures=2, replays=3, eager=0)
+        messages = [str(w.message) for w in caught]
+        self.assertTrue(any("default dtype" in m and "float32 -> float64" in m for m in messages), messages)
 
 
 @for_each_backend

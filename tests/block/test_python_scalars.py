@@ -2,7 +2,7 @@
 
 ``paddle.to_tensor(<Python bool, int or float>)`` inside a capture becomes a device fill with eager's
 value, dtype, shape, place and stop_gradient, so ``paddle.where(mask, 0.0, finfo.min)`` and model code
-like it capture; Python lists, numpy arrays and numpy scalars stay refused. Every result is compared
+like it capture, numpy scalars too; Python lists and numpy arrays stay refused. Every result is compared
 bit for bit with eager, on both backends; counters pin that the graphs captured and replayed.
 """
 
@@ -72,11 +72,19 @@ class ToTensorOfScalarTest(unittest.TestCase):
         for call in calls:
             self.assertEqual(_made(call, guarded=True), _made(call))
 
-    def test_lists_arrays_and_numpy_scalars_stay_refused_as_before(self):
+    def test_numpy_scalars_equal_eager_bit_for_bit(self):
+        """``paddle.to_tensor(np.float32(0.1))`` is a scalar like a Python float: a fill with eager's
+        value and dtype (the numpy scalar's own where no dtype is given)."""
+        values = [np.float32(0.1), np.float32(-0.0), np.float32("nan"), np.float64(1 / 3), np.float16(65504),
+                  np.int64(-7), np.int32(2 ** 31 - 1), np.uint8(200), np.int8(-3), np.bool_(True)]
+        for value in values:
+            for dtype in DTYPES:
+                self.check(value, dtype)
+
+    def test_lists_arrays_and_complex_values_stay_refused_as_before(self):
         cases = [([1.0, 2.0], "paddle.to_tensor() of a list"), ((1, 2), "paddle.to_tensor() of a tuple"),
                  (np.ones([2], "float32"), "paddle.to_tensor() of a numpy array"),
                  (np.array(1.0), "paddle.to_tensor() of a numpy array"),
-                 (np.float32(1.0), "paddle.to_tensor() of a numpy float32"),
                  (1 + 2j, "paddle.to_tensor() of a Python complex")]
         for data, named in cases:
             with host_guard(is_marked_host):
@@ -96,7 +104,7 @@ def masked_scores(x, mask):
     """An attention-mask helper as models write it (PaddleFormers' _prepare_decoder_attention_mask)."""
     bias = paddle.where(mask, 0.0, paddle.finfo(x.dtype).min)
     scale = paddle.to_tensor(0.5)
-    shift = paddle.to_tensor(3, dtype=x.dtype)
+    shift = paddle.to_tensor(3, dtype=x.dtype) + paddle.to_tensor(np.float32(0.25))  # a numpy scalar too
     return paddle.nn.functional.softmax(x * scale + bias, axis=-1) * shift
 
 

@@ -168,6 +168,27 @@ class CaptureFailureTest(SafetyCase):
         self.assertIn("syncing_block", row["fallback_reason"])
         self.assertEqual(stats["eager_reasons"], {"capture failed": 1, "key fell back: " + row["fallback_reason"]: 2})
 
+    def test_a_forward_rewinding_the_rng_before_a_draw_is_refused(self):
+        """R-Drop in a block: ``get_rng_state(); dropout; set_rng_state(); dropout``. A replay would
+        re-seed the second dropout with a new offset (other masks than eager's): the capture is
+        refused, and every call, with the random numbers that follow, is eager's."""
+        def rdrop(x):
+            state = paddle.get_rng_state()
+            first = paddle.nn.functional.dropout(x, 0.5)
+            paddle.set_rng_state(state)
+            return first + paddle.nn.functional.dropout(x, 0.5)
+
+        f = self.graphed(rdrop, warmup_steps=1)
+        log = self.caught()
+        for i in range(4):
+            x = data(4, 8, seed=i)
+            got = [paddle.seed(i) and None, f(x), paddle.rand([4])]
+            want = [paddle.seed(i) and None, rdrop(x), paddle.rand([4])]
+            self.assertBitwise(got, want, f"call {i}")
+        (warned,) = self.runtime_warnings(log)
+        self.assertIn("sets the RNG state and then runs the random kernel 'dropout'", str(warned.message))
+        self.assertEqual(f.stats()["captures"], 0)
+
     @parameterized.expand([("forward",), ("backward",)])
     def test_failed_capture_leaks_no_state(self, fail_in):
         eager, graphed = twin_layers(lambda: FailingBlock(fail_in))
@@ -482,6 +503,27 @@ class OutsideWritesTest(SafetyCase):
             self.assertBitwise(f(x), eager(x), f"call {i}")
             self.assertBitwise(list(state.values()), list(eager_state.values()), f"call {i}")
         self.assertEqual((f.stats()["captures"], f.stats()["replays"]), (1, 2))
+
+    def test_running_statistics_outside_any_layer_move_once_per_call(self):
+        """``F.batch_norm`` with running statistics that are no Layer's buffers: the kernel writes them
+        under names without a trailing ``_`` (NOTE [ Kernels that write their inputs ] in
+        guards/in_place_writes.py); the capture call moves them once, as eagerly."""
+        def make():
+            mean, var = paddle.zeros([2]), paddle.ones([2])
+
+            def normed(x):
+                return paddle.nn.functional.batch_norm(x, mean, var, training=True) * 2.0
+
+            return normed, [mean, var]
+
+        (normed, stats), (eager, eager_stats) = make(), make()
+        f = self.graphed(normed, warmup_steps=1)
+        for i in range(4):
+            x = data(3, 2, seed=i)
+            self.assertBitwise(f(x), eager(x), f"call {i}")
+            self.assertBitwise(stats, eager_stats, f"call {i} running statistics")
+        self.assertEqual((f.stats()["captures"], f.stats()["replays"]), (1, 2))
+
 
 class RestoreRngTest(unittest.TestCase):
     def test_a_snapshot_restored_twice_keeps_its_tracker_states(self):

@@ -73,3 +73,13 @@ class OutsideConsumerCases(ChainCase, MatmulOnlyCase):
         # a chain into Layer 3 from step 7 on.
         self.assertEqual(chained(model), [0, STEPS - 4, 3, STEPS - 4])
         self.assertIn("consumers outside the chain", model[1].forward.explain())
+
+    def test_an_intermediate_output_given_its_own_grad_as_a_root(self):
+        """``paddle.autograd.backward([h, h1], ...)``: an auxiliary loss's grad handed to Layer 1's output
+        itself. Some Paddles (2.6) crash when a root is consumed directly by another root's grad node; the
+        chain headed by Layer 2 would be that node, so there it takes its first argument through views
+        (NOTE [ Chains of graphed calls ] in chains/chain.py) and the backward runs, bitwise eager's."""
+        model = self.supervised(lambda h1: [h1], first_step=6)
+        # Steps 4-6 chain all four Layers; step 6's backward bars the link into Layer 2, which heads a chain
+        # into Layer 3 from step 7 on.
+        self.assertEqual(chained(model), [0, STEPS - 4, 3, STEPS - 4])

@@ -582,6 +582,17 @@ class DrawGuardTest(unittest.TestCase):
                          ("after rewind", "dropout"))
         self.assertIsNone(self.problem(body, generator_state_indices_or_not(), backward=False))
 
+    def test_a_forward_drawing_again_from_a_state_it_set_back_is_refused(self):
+        """R-Drop: a replay re-seeds the second dropout with a new offset instead of the state set
+        back, so its mask would differ from the first where eager's are equal."""
+        def body():
+            saved = paddle.get_rng_state()
+            F.dropout(paddle.ones([8]), 0.5)
+            paddle.set_rng_state(saved)
+            F.dropout(paddle.ones([8]), 0.5)
+
+        self.assertEqual(self.problem(body, generator_state_indices_or_not()), ("after rewind", "dropout"))
+
     def test_the_refusal_names_the_kernel_and_the_users_line(self):
         guard = rng.DrawGuard(state_indices=True)
         with guard:

@@ -12,8 +12,9 @@ what the function writes in place: a capture that executes the body writes the L
 a dict attribute's); InPlaceWrites (guards/in_place_writes.py) copies each tensor an in-place op is
 handed during the capture and writes the copies back after it, so the capture call's replay
 applies each update once, as on a GPU (a view shares its tensor's memory: writing the view's copy
-back restores the tensor too). Not covered: a kernel that writes an input under a name not ending
-in ``_`` (BatchNorm's statistics: buffers, restored by BufferSnapshot).
+back restores the tensor too), and each argument of a kernel that writes its inputs under a name
+without a trailing ``_`` (``batch_norm``'s running statistics outside any Layer: NOTE [ Kernels
+that write their inputs ] in guards/in_place_writes.py).
 
 NOTE [ Backward body ]
 The backward graph is captured from ``paddle.grad(outputs, leaves, grad_outputs)`` run under a
@@ -199,7 +200,7 @@ class _BlockCapture:
             graphs.fwd_graph = backend.new_graph(graphs.pool)
             outputs = session.capture(graphs.fwd_graph, body, opts.capture_hooks)
             _refuse_objects_holding_tensors(live["spec"][1])
-            _refuse_written_inputs(static, adopted_values)
+            _refuse_written_inputs(static, adopted_values, session.versionless)
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
@@ -378,8 +379,10 @@ def _refuse_objects_holding_tensors(out_consts):
             )
 
 
-def _refuse_written_inputs(static, adopted_values):
+def _refuse_written_inputs(static, adopted_values, versionless):
     written = static.written()
+    written += [static.name(i) for i, b in enumerate(static.buffers)
+                if versionless.wrote(b) and static.name(i) not in written]
     if not written:
         return
     with paddle.no_grad():

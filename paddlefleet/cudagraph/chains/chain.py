@@ -25,7 +25,9 @@ once for a run of consecutive graphed calls:
   itself is its member's key** (KeyMaker.key: every non-tensor argument by value as any call's key
   compares it - a config dict changed in place or a numpy buffer refilled between two calls gives
   another key -, each tensor's metadata, grad mode, AMP state and the training flags), its key still
-  replays the same graphs (none waiting for a backward) and no parameter of it moved. Then its
+  replays the same graphs (none waiting for a backward) and every precondition an alone replay
+  checks holds (NOTE [ Replay preconditions ] in block/replay.py: no parameter moved, no Layer
+  attribute or structure changed; ChainRun._mismatch is the one place a member's call is checked). Then its
   inputs are copied in, its forward graph replays - when the call comes, so that parameters,
   random numbers and running statistics are read and drawn at eager's moment - and its output is
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
@@ -43,6 +45,15 @@ once for a run of consecutive graphed calls:
   and applied to the whole grad (chains/outputs.py); ``paddle.grad`` with respect to one the
   next member consumed raises, naming ``chain_calls=False`` (the grad it would return misses the
   chain's part).
+
+* **A root consumed by another root's node.** Some Paddles (2.6) crash in
+  ``paddle.autograd.backward([b, a])`` when ``a`` is a root that ``b``'s own grad node consumes
+  directly ("Unable to find next node in the GradTensorHolder"). Eager layers rarely meet it (a node
+  per op sits between), but a chain collapses its members into one node: with an auxiliary loss on
+  an intermediate output ``h`` (the link after it barred), a chain headed by the call given ``h``
+  would be that node for the final output. So, where a probe run once shows the crash
+  (``root_consumer_crashes``), a chain whose head is fed through a barred link takes the head's first
+  argument through two reshapes (views: no kernel), whose grad nodes sit between, as an eager layer's do.
 
 ``chain_calls=False`` keeps a wrapper out of chains. Keys with accumulate_in_graph,
 verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several slots do not chain.
@@ -133,20 +144,23 @@ def start_chain(body, entry, call):
         return None
     chain = entry.chain  # held by the entry: released with its graphs
     if chain is None or chain.version != TABLE.version or len(chain.members) < 2 or not chain.members[0].current():
-        chain = entry.chain = Chain(TABLE.version, _members(body, entry, call))
+        members = _members(body, entry, call)
+        through_view = len(members) >= 2 and _fed_through_barred_link(entry) and root_consumer_crashes()
+        chain = entry.chain = Chain(TABLE.version, members, through_view)
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, chain.forget).start()
+    return ChainRun(chain.members, call, chain.forget, chain.through_view).start()
 
 
 class Chain:
     """The members confirmed links lead to from one head (checked again at each call)."""
 
-    __slots__ = ("version", "members", "__weakref__")
+    __slots__ = ("version", "members", "through_view", "__weakref__")
 
-    def __init__(self, version, members):
+    def __init__(self, version, members, through_view=False):
         self.version = version
         self.members = members
+        self.through_view = through_view  # NOTE [ Chains of graphed calls ]: a root consumed by another root's node
 
     def forget(self):
         """A member no longer fits: the next run builds the chain again."""
@@ -192,6 +206,30 @@ def _may_join(member, head, call, params):
     params.update(id(p) for p in member.params)
     predicted = _Predicted([graphs.static_inputs.buffers[0]] + call.tensors[1:])
     return replay_blocker(graphs, predicted, check_inputs=False) is None
+
+
+def _fed_through_barred_link(entry):
+    return any(link.barred and link.entry() is entry for link in TABLE.links.values())
+
+
+_ROOT_CONSUMER = []  # [whether this Paddle's backward crashes on a root its other root's node consumes]
+
+
+def root_consumer_crashes():
+    """Whether ``paddle.autograd.backward([b, a])`` fails when ``b``'s grad node consumes the root
+    ``a`` directly (NOTE [ Chains of graphed calls ]); probed once, on tiny tensors."""
+    if not _ROOT_CONSUMER:
+        with paddle.set_grad_enabled(True):
+            x = paddle.ones([1])
+            x.stop_gradient = False
+            a = x * 3.0
+            b = a * 5.0
+            try:
+                paddle.autograd.backward([b, a], [paddle.ones([1]), paddle.ones([1])])
+                _ROOT_CONSUMER.append(False)
+            except (SystemError, RuntimeError, OSError):
+                _ROOT_CONSUMER.append(True)
+    return _ROOT_CONSUMER[0]
 
 
 class _Predicted:

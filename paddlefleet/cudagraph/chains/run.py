@@ -16,6 +16,7 @@ from ..block import partial_grad
 from ..block.capture import capture_second_backward
 from .bridge import ChainFunction, replay_forward
 from .links import current_run, forget_link, remember, set_run
+from ..block.replay import replay_blocker
 from ..block.replay_fallback import state_restored_on_refusal
 
 __all__ = ["ChainRun"]
@@ -27,13 +28,16 @@ class ChainRun:
         members: the chain's Members (chains/chain.py), in call order, the head first.
         call: the head call (its Call).
         forget: drops the head's cached members (a member no longer fits).
+        through_view: the bridge takes the head's first argument through two reshapes (NOTE [ Chains
+            of graphed calls ] in chains/chain.py: a root consumed by another root's node).
     """
 
     __slots__ = ("members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "__weakref__")
+                 "ids", "order", "hooks", "args", "forget", "executes", "through_view", "__weakref__")
 
-    def __init__(self, members, call, forget):
+    def __init__(self, members, call, forget, through_view=False):
         self.members = members
+        self.through_view = through_view
         self.call = call
         self.forget = forget
         self.extras = call.tensors[1:]
@@ -71,7 +75,11 @@ class ChainRun:
         copied, skipped = head.graphs.static_inputs.copy_in(self.call.tensors)
         # NOTE [ paddle.grad through a graphed call ] in block/partial_grad.py
         params = [p for m in self.members for p in m.params]
-        self.args = partial_grad.BridgeArgs(params + self.call.tensors, len(params))
+        tensors = self.call.tensors
+        if self.through_view:
+            first = tensors[0]
+            tensors = [first.reshape([-1]).reshape(first.shape)] + tensors[1:]
+        self.args = partial_grad.BridgeArgs(params + tensors, len(params))
         return ChainFunction.apply(self, *self.args.args), copied, skipped
 
     @staticmethod
@@ -152,7 +160,10 @@ class ChainRun:
         if not member.current():
             self.forget()
             return "its key's graphs changed or wait for a backward"
-        return member.graphs.params.moved()
+        # Every precondition an alone replay checks (NOTE [ Replay preconditions ] in block/replay.py):
+        # parameters, adopted inputs, Layer attributes and structure. A blocked call runs alone, which acts on it.
+        blocked = replay_blocker(member.graphs, call, check_inputs=False)
+        return None if blocked is None else blocked.reason
 
     def break_at(self, j, reason):
         """No call from member ``j`` on is handed its output: their graphs are free for their own

@@ -19,7 +19,9 @@ graphed calls cost more is run eagerly:
   the eager warmup calls count among the eager samples). Host noise (another process, a
   garbage collection, clock changes) falls on both sides alike. The eager calls of this window
   are eager's own computation: results stay bitwise those of eager; stats() counts them among
-  eager calls with the reason "timed against its graphed calls".
+  eager calls with the reason "timed against its graphed calls". With accumulate_in_graph, their
+  backward adds into the key's accumulators (``Accumulators.keep_through_eager``), so the grads they
+  make do not look rebound to the next replay (which would capture the key again).
 * **Each side's number is its lower quartile**, not its median. Noise only ever adds host time,
   and on some calls it adds much: on the H100 (32 layers of six matmuls, width 512) the first
   layer of every step paid about 150 us more than the next layer, eagerly and graphed alike,
@@ -231,6 +233,10 @@ def timed_call(entry, call, replay, eager, acted):
     ``eager(call, TIMED)`` as an eager sample; then ``acted(entry)``."""
     cost = entry.host_cost
     if cost.wants_eager():
+        slots = entry.graphs
+        accumulators = getattr(slots.current, "accumulators", None) if slots is not None else None
+        if accumulators is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
+            accumulators.keep_through_eager()
         result = cost.timed_eager(eager, call, TIMED)
     else:
         result = cost.timed_replay(replay, entry, call)

@@ -29,8 +29,9 @@ scalar on a GPU): the host conversion runs as eager runs it (``_to_tensor_non_st
 CPU place, pure host work: default dtype, ``dtype=``, bfloat16 rounding of this Paddle), and the
 fill writes that value, so the result has eager's bits, dtype, shape ([]), place and
 stop_gradient. The value is a kernel argument: a replay writes the capture-time value, as for
-every Python scalar a graphed function uses (``x * 0.5``). Python lists, numpy arrays and numpy
-scalars stay refused: they are data. The fill happens in ``_to_tensor_non_static``, below the
+every Python scalar a graphed function uses (``x * 0.5``). A numpy scalar (``np.float32(0.1)``, a
+bool, integer or float one) is a scalar alike, with the dtype eager gives it. Python lists and numpy
+arrays (a 0-D one too) stay refused: they are data. The fill happens in ``_to_tensor_non_static``, below the
 public ``paddle.to_tensor``, so the whole-step op trace (guards/host_reads.py) records the user's
 call with the user's arguments at warmup and at capture alike; where this Paddle lacks that
 function, scalars stay refused.
@@ -43,6 +44,7 @@ import contextlib
 import threading
 import types
 
+import numpy as np
 import paddle
 
 from .paddle_patches import Patches
@@ -66,6 +68,11 @@ _HOST_DATA = (list, tuple, bool, int, float, complex)
 
 #: Python types whose to_tensor becomes a device fill during capture (NOTE [ Python scalars during capture ]).
 _SCALARS = (bool, int, float)
+
+
+def _is_scalar(data):
+    """A Python bool, int or float, or a numpy scalar of a bool, integer or float dtype."""
+    return type(data) in _SCALARS or (isinstance(data, np.generic) and data.dtype.kind in "biuf")
 
 
 def constructor_guarded():
@@ -204,7 +211,7 @@ class _Guard(RawTensorGuard):
                     raise copy_error("paddle.to_tensor() of a host tensor")
                 if on_host and not source_host:
                     raise read_error("paddle.to_tensor(device tensor, place=cpu)")
-            elif type(data) in _SCALARS and not on_host and guard.fills_scalars:
+            elif _is_scalar(data) and not on_host and guard.fills_scalars:
                 # Not through allowed(): the patched _to_tensor_non_static below must see the call.
                 guard.scalar_call = True
                 try:
@@ -240,7 +247,7 @@ class _Guard(RawTensorGuard):
         guard = self
 
         def to_tensor_non_static(data, dtype=None, place=None, stop_gradient=True):
-            if not guard.scalar_call or type(data) not in _SCALARS:
+            if not guard.scalar_call or not (_is_scalar(data) or (isinstance(data, np.ndarray) and data.ndim == 0)):
                 return original(data, dtype, place, stop_gradient)
             guard.scalar_call = False  # one fill per to_tensor call
             return guard.allowed(_device_fill, original, data, dtype, place, stop_gradient)

@@ -15,12 +15,30 @@ moved it compares the attributes by value (tensors and Layers by identity), so s
 back (``train()`` after ``eval()``, a rate set to what it was) replays. A change returns the
 first differing attribute with both values, and the key is captured again.
 
+The Layer tree's structure is watched alike: ``_parameters``, ``_buffers`` and ``_sub_layers``
+are changed in place without ``__setattr__`` (``layer._sub_layers[name] = other``, a ``LayerDict``
+entry replaced, ``LayerList.append``, ``add_sublayer``, ``register_buffer``), so an AttrWatch gives each
+watched Layer's three dicts a ``StampedDict`` (an OrderedDict whose every mutation stamps its Layer,
+copied and pickled as a plain OrderedDict); forward pre/post hooks are stamped by
+``register_forward_pre_hook`` / ``register_forward_post_hook``, and a hook handle's ``remove()`` moves
+a hooks epoch that makes the next check compare every watched Layer. A replay pays nothing for it
+(the clock compare above). The default dtype is watched the same way: Paddle's one setter
+(``LayerHelperBase.set_default_dtype``, behind ``paddle.set_default_dtype``) moves the clock, and a
+check compares ``paddle.get_default_dtype()`` with the capture's (``to_tensor(0.1)`` and
+``create_parameter`` read it: a graph keeps the capture's fill dtype).
+
 Seen: an assignment through the Layer (``self.extra = True``, ``layer.drop.p = 0.2``,
-``setattr``, ``del``, a sublayer, parameter or buffer replaced) of any Layer the key uses.
+``setattr``, ``del``, a sublayer, parameter or buffer replaced) of any Layer the key uses; a
+sublayer, parameter or buffer added, removed, replaced or reordered in its dict however it is done
+(``_sub_layers[...]``, ``LayerDict``, ``LayerList``); a forward pre/post hook registered or removed.
 Not seen: a value the forward reads from elsewhere (a module global read by a plain function, a
 closure, a config object or a dict held by the Layer and changed in place, ``object.__setattr__``
-or a write to ``__dict__``); a graph replays the capture's value of those.
+or a write to ``__dict__``, a hook written into the hook dicts directly); a graph replays the
+capture's value of those.
 """
+
+import collections
+import weakref
 
 import numpy as np
 import paddle
@@ -28,16 +46,80 @@ import paddle
 from ..errors import CaptureError
 from .paddle_patches import Patches, install_for_process
 
-__all__ = ["install", "AttrWatch", "LayerRecorder", "SlotWatch", "layers_with_sublayers"]
+__all__ = ["install", "AttrWatch", "LayerRecorder", "SlotWatch", "StampedDict", "layers_with_sublayers"]
 
 _STAMP = "_autocudagraph_attr_stamp"
 _CLOCK = [0]
+_HOOK_EPOCH = [0]  # moved by every hook handle's remove(), which does not know its Layer
 # Paddle's own bookkeeping: hook tables, helpers, recorders (mutated in place, never compared).
-_INTERNAL = frozenset(("_helper", "_op_recorder", "_loaddict_holder", "_original_funcs", "_customized_attrs",
-                       "_forward_pre_hooks", "_forward_post_hooks", "_forward_pre_hooks_with_kwargs_flag",
+_INTERNAL = frozenset(("_helper", "_built", "_op_recorder", "_loaddict_holder", "_original_funcs",
+                       "_customized_attrs", "_forward_pre_hooks_with_kwargs_flag",
                        "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called",
                        "_state_dict_hooks", "_non_persistable_buffer_names_set", _STAMP))
 _SLOTS = ("_parameters", "_buffers", "_sub_layers")
+_HOOKS = ("_forward_pre_hooks", "_forward_post_hooks")
+
+
+def _stamp(layer):
+    _CLOCK[0] += 1
+    layer.__dict__[_STAMP] = _CLOCK[0]
+
+
+def _mutator(name):
+    base = getattr(collections.OrderedDict, name)
+
+    def method(self, *args, **kwargs):
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            self._touch()
+
+    method.__name__ = name
+    return method
+
+
+class StampedDict(collections.OrderedDict):
+    """A watched Layer's ``_parameters``, ``_buffers`` or ``_sub_layers``: every mutation stamps the
+    Layer (NOTE [ Layer attributes a replay freezes ]); a copy or a pickle is a plain OrderedDict."""
+
+    def __init__(self, items, owner):
+        self._owner = weakref.ref(owner)
+        collections.OrderedDict.update(self, items)
+
+    def _touch(self):
+        owner = self._owner()
+        if owner is not None:
+            _stamp(owner)
+        else:
+            _CLOCK[0] += 1
+
+    def __reduce__(self):
+        return collections.OrderedDict, (list(self.items()),)
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
+
+    def __copy__(self):
+        return collections.OrderedDict(self)
+
+    __setitem__ = _mutator("__setitem__")
+    __delitem__ = _mutator("__delitem__")
+    __ior__ = _mutator("__ior__")
+    pop = _mutator("pop")
+    popitem = _mutator("popitem")
+    clear = _mutator("clear")
+    update = _mutator("update")
+    setdefault = _mutator("setdefault")
+    move_to_end = _mutator("move_to_end")
+
+
+def _watch_structure(layer):
+    """Gives ``layer`` StampedDicts for its parameters, buffers and sublayers (same entries, in order)."""
+    held = layer.__dict__
+    for name in _SLOTS:
+        value = held.get(name)
+        if isinstance(value, collections.OrderedDict) and not isinstance(value, StampedDict):
+            held[name] = StampedDict(value.items(), layer)
 
 
 def install():
@@ -61,6 +143,48 @@ def install():
     __setattr__._stamps = True
     install_for_process(layer, "__setattr__", __setattr__)  # NOTE [ Paddle patches ]
     install_for_process(layer, "__delattr__", __delattr__)
+    for name in ("register_forward_pre_hook", "register_forward_post_hook"):
+        install_for_process(layer, name, _stamping(getattr(layer, name)))
+    _watch_default_dtype()
+    helper = _hook_remove_helper()
+    if helper is not None:
+        remove = helper.remove
+
+        def remove_hook(self):
+            remove(self)
+            _CLOCK[0] += 1
+            _HOOK_EPOCH[0] += 1
+
+        install_for_process(helper, "remove", remove_hook)
+
+
+def _watch_default_dtype():
+    from paddle.base.layer_helper_base import LayerHelperBase
+
+    setter = LayerHelperBase.set_default_dtype  # bound to the class that holds the value
+
+    def set_default_dtype(cls, dtype):
+        setter(dtype)
+        _CLOCK[0] += 1
+
+    install_for_process(LayerHelperBase, "set_default_dtype", classmethod(set_default_dtype))
+
+
+def _stamping(register):
+    def method(self, *args, **kwargs):
+        handle = register(self, *args, **kwargs)
+        _stamp(self)
+        return handle
+
+    method.__name__ = register.__name__
+    return method
+
+
+def _hook_remove_helper():
+    """Paddle's HookRemoveHelper (where a Layer's hook handles come from), or None."""
+    from paddle.nn.layer import layers
+
+    return getattr(layers, "HookRemoveHelper", None)
 
 
 def layers_with_sublayers(layers):
@@ -77,9 +201,10 @@ def layers_with_sublayers(layers):
 def _attributes(layer):
     values = {}
     for name, value in vars(layer).items():
-        if name in _SLOTS:
+        if name in _SLOTS or name in _HOOKS:
             for key, held in value.items():
                 values[f"{name[1:]}['{key}']"] = held
+            values[f"{name[1:]} (order)"] = tuple(value)
         elif name not in _INTERNAL:
             values[name] = value
     return values
@@ -116,26 +241,35 @@ class AttrWatch:
     def __init__(self, layers):
         self._names = [n for n, _ in layers]
         self._layers = [l for _, l in layers]
+        for layer in self._layers:
+            _watch_structure(layer)
         self._values = [_attributes(l) for l in self._layers]
         self._stamps = self._read_stamps()
         self._clock = _CLOCK[0]
+        self._hook_epoch = _HOOK_EPOCH[0]
+        self._dtype = paddle.get_default_dtype()
 
     def _read_stamps(self):
         return [l.__dict__.get(_STAMP, 0) for l in self._layers]
 
     def changed(self):
         """None when no attribute of the key's Layers differs from the capture's, else
-        ``(where, attribute, old, new)`` of the first that does."""
+        ``(where, attribute, old, new)`` of the first that does (``where`` None: the default dtype)."""
         if _CLOCK[0] == self._clock:
             return None
+        dtype = paddle.get_default_dtype()
+        if dtype != self._dtype:
+            return None, "default dtype", self._dtype, dtype
         stamps = self._read_stamps()
-        if stamps != self._stamps:
+        every = self._hook_epoch != _HOOK_EPOCH[0]  # a hook removed: its Layer is not known
+        if stamps != self._stamps or every:
             for i, (old, new) in enumerate(zip(self._stamps, stamps)):
-                if old != new:
+                if old != new or every:
                     found = self._differs(i)
                     if found is not None:
                         return found
             self._stamps = stamps
+            self._hook_epoch = _HOOK_EPOCH[0]
         self._clock = _CLOCK[0]
         return None
 
@@ -153,6 +287,11 @@ class AttrWatch:
 def attr_message(changed, what="the graphed call"):
     """The reason and warning for a changed attribute ``(where, name, old, new)``."""
     where, name, old, new = changed
+    if where is None:
+        reason = f"the default dtype changed since capture ({old} -> {new})"
+        return reason, (f"paddle.set_default_dtype changed the default dtype since {what} was captured ({old} -> "
+                        f"{new}). A CUDA graph keeps the dtype its capture's fills and parameters were made with "
+                        "(paddle.to_tensor(0.1)), so the key is captured again.")
     reason = f"attribute '{name}' of {where} changed since capture"
     warning = (f"attribute '{name}' of {where} changed since {what} was captured ({old} -> {new}). "
                "A CUDA graph replays the kernels its capture launched with the old value, so the key is captured "

@@ -21,7 +21,7 @@ from ..errors import CaptureError
 
 __all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
            "DEVICE_SYNC", "STREAM_WAIT", "GRAD_ASSIGNED", "VALUE_SHAPE", "DEVICE_INDEX", "RANDOM_KERNEL",
-           "RECOMPUTE_DROPOUT", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
+           "RECOMPUTE_DROPOUT", "RNG_REWOUND", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
            "FREED_GRADS", "CHANGING_HOST_VALUE"]
 
 
@@ -122,6 +122,13 @@ REFUSALS = (
         "refused, as on cuda (its replays, which re-run the recompute, would redraw the forward's masks)",
         "rewinds the RNG state and then runs the random kernel", "Graph the blocks inside the recompute"),
     Refusal(
+        "RNG rewound in the function",
+        "a graphed function sets the RNG state back and draws again: `s = paddle.get_rng_state(); dropout; "
+        "paddle.set_rng_state(s); dropout` (R-Drop, a hand-written recompute)",
+        "refused: a replay re-seeds each dropout with a new offset, so the two masks would differ from eager's",
+        "refused, as on cuda (decided from the generators' state)",
+        "sets the RNG state and then runs the random kernel", "Run the rewind and the draws outside the graphed function"),
+    Refusal(
         "tracker dropout without state indices",
         "dropout under a Fleet tracker `rng_state(name)` block inside a graphed function, on a Paddle without "
         "generator state indices (2.6)",
@@ -165,7 +172,7 @@ REFUSALS = (
 )
 
 (HOST_READ, RAW_TENSOR_READ, HOST_TO_DEVICE, DEVICE_SYNC, STREAM_WAIT, GRAD_ASSIGNED, VALUE_SHAPE, DEVICE_INDEX,
- RANDOM_KERNEL, RECOMPUTE_DROPOUT, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, PADDLE_SCALER,
+ RANDOM_KERNEL, RECOMPUTE_DROPOUT, RNG_REWOUND, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, PADDLE_SCALER,
  FREED_GRADS, CHANGING_HOST_VALUE) = REFUSALS
 
 #: What looks like a refusal and is not: captured on both backends, eager's result bit for bit.

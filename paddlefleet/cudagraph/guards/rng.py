@@ -31,6 +31,14 @@ refusal here applies on every backend: the simulated backend, whose replays re-r
 would draw eager's numbers, but a CPU run must refuse what a GPU refuses. The reading costs a
 few microseconds per op, at capture only.
 
+A forward that sets the RNG state back to one it drew from and draws again (R-Drop:
+``get_rng_state(); dropout; set_rng_state(); dropout``; a hand-written recompute) is refused alike,
+whatever the kernel: a replay re-seeds the second dropout with a new offset instead of the state
+set, so the two masks would differ where eager's are equal. Each draw's starting reading is kept;
+a draw after an RNG setter that starts from one of them is that case (a Fleet tracker's
+``rng_state(name)`` block, which sets its own state and then the caller's back, draws from new
+states only).
+
 NOTE [ Recompute under CUDA graphs ]
 Reentrant recompute restores the forward's RNG state in its backward and re-runs the block, so
 its dropout draws the forward's masks again. A captured random kernel advances the generator
@@ -45,7 +53,7 @@ import paddle
 
 from .location import user_call_site
 from .paddle_patches import Patches
-from .refusals import RANDOM_KERNEL, RECOMPUTE_DROPOUT, TRACKER_DROPOUT
+from .refusals import RANDOM_KERNEL, RECOMPUTE_DROPOUT, RNG_REWOUND, TRACKER_DROPOUT
 
 __all__ = ["DrawGuard", "generator_state_indices", "RESEEDED_OPS"]
 
@@ -142,6 +150,7 @@ class DrawGuard:
         self._last = None
         self._start_seeds = None
         self._depth = 0
+        self._drawn_from = []  # the readings each draw started from
 
     # ----------------------------------------------------------------- readings
     def _read(self):
@@ -178,12 +187,14 @@ class DrawGuard:
                 after = guard._read()
                 guard._last = after
                 if guard._changed(before, after) is not None:
-                    guard._drew(name)
+                    guard._drew(name, before)
 
         return watched
 
-    def _drew(self, name):
-        if self.backward and self.rewound:
+    def _drew(self, name, before):
+        again = self.rewound and before in self._drawn_from  # a state drawn from before, set again
+        self._drawn_from.append(before)
+        if (self.backward and self.rewound) or again:
             self._note("after rewind", name)
         elif name not in RESEEDED_OPS:
             self._note("frozen", name)
@@ -254,6 +265,13 @@ class DrawGuard:
         from ..errors import CaptureError
 
         kind, what, where = self.problem
+        if kind == "after rewind" and not self.backward:
+            raise RNG_REWOUND.error(
+                f"autocudagraph: the function sets the RNG state and then runs the random kernel '{what}' (at "
+                f"{where}; R-Drop or a hand-written recompute: paddle.set_rng_state after get_rng_state). A CUDA "
+                "graph replays that kernel with a new offset instead of the state set, so its masks would differ "
+                "from eager's. Run the rewind and the draws outside the graphed function."
+            )
         if kind == "after rewind":
             raise RECOMPUTE_DROPOUT.error(
                 f"autocudagraph: the backward rewinds the RNG state and then runs the random kernel '{what}' "

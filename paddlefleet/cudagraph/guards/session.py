@@ -25,6 +25,7 @@ import contextlib
 
 from .double_backward import refuse_create_graph
 from .host_reads import OpTrace
+from .in_place_writes import VersionlessWrites
 from .layer_attrs import LayerRecorder
 from .rng import DrawGuard
 
@@ -77,6 +78,7 @@ class CaptureSession:
         self._double_backward = double_backward
         self._guards = tuple(guards)
         self.writes = writes
+        self.versionless = VersionlessWrites()  # NOTE [ Writes without a version bump ] in guards/in_place_writes.py
         trace = dict(trace) if trace is not None else None
         if trace is not None and not trace.pop("always", False) and not backend.replays_python:
             trace = None
@@ -108,10 +110,11 @@ class CaptureSession:
     def function_run(self):
         """Around each run of the function inside the graph (the capture run and a simulated
         replay): the capture run's in-place writes copied (outside the trace, so the copies are no
-        ops of it), the ops traced; the trace goes into the record when the run returns."""
+        ops of it) and the targets of ``copy_``/``set_value`` noted, the ops traced; the trace goes into the record when the run returns."""
         first = "trace" not in self.record
         writes = self.writes if first and self.writes is not None else contextlib.nullcontext()
+        versionless = self.versionless if first else contextlib.nullcontext()  # copy_/set_value targets noted
         trace = OpTrace(**{"where": first, **self._trace}) if self._trace is not None else None
-        with writes, trace if trace is not None else contextlib.nullcontext():
+        with writes, versionless, trace if trace is not None else contextlib.nullcontext():
             yield
         self.record["trace" if first else "replayed"] = trace

@@ -85,10 +85,12 @@ def _refusing_scaler(name):
     return refusing
 
 
-def _refuse_written_copies(static):
+def _refuse_written_copies(static, versionless):
     """Raises CaptureError where the step wrote an input it copies (an adopted input is the caller's
-    tensor: written as eagerly)."""
+    tensor: written as eagerly), in place or through ``copy_``/``set_value`` (``versionless``)."""
     written = static.written(skip=static.adopted)
+    written += [static.name(i) for i, b in enumerate(static.buffers)
+                if i not in static.adopted and versionless.wrote(b) and static.name(i) not in written]
     if written:
         raise INPUT_WRITTEN.error(
             f"autocudagraph_step: the step writes its input(s) {', '.join(map(repr, written))} in place. The "
@@ -188,7 +190,7 @@ class StepCapture:
         outputs = session.capture(graphs.graph, self._step_body(session, call.rebuild(static.buffers)),
                                   body.options.capture_hooks)
         self._check(live, before, watch, graphs)
-        _refuse_written_copies(static)
+        _refuse_written_copies(static, session.versionless)
         graphs.static_inputs = static
         graphs.in_place = len(static.adopted) + len(static.host) == len(static.buffers)
         graphs.static_outputs = list(outputs)
