@@ -55,6 +55,8 @@ from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
 from ..guards.host_reads import OpTrace
+from ..guards.traced_ops import install as install_traced_ops
+from .replay_fallback import check_replay_trace
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -105,6 +107,7 @@ def capture_block(request):
     grad_mode = paddle.is_grad_enabled()
     # NOTE [ RNG across capture ]: what the function writes in place while a capture executes it is written back.
     if request.backend.capture_executes:
+        install_traced_ops()  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
         request = dataclasses.replace(request, writes=InPlaceWrites())
     with CAPTURE_LOCK:
         try:
@@ -191,14 +194,20 @@ class _BlockCapture:
         fn, owner, live = self.fn, self.owner, {}
 
         traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
+        names = _tensor_names(self._bound_layers()) if traced else None
 
         def forward_body():
-            trace = OpTrace() if traced else contextlib.nullcontext()
+            replay = "spec" in live
+            trace = OpTrace(where=not replay, inputs=static.buffers, names=names) if traced else contextlib.nullcontext()
             with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
-            live["replayed" if "spec" in live else "trace"] = trace if traced else None
-            if "spec" not in live:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
+            if traced:  # before anything is copied into the static outputs
+                trace.note_result(out_consts)
+                if replay:
+                    check_replay_trace(live["trace"], trace)
+                live["trace"] = live.get("trace", trace)
+            if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
@@ -246,13 +255,16 @@ class _BlockCapture:
         outside the op trace, so the copies are no ops of it. A replay (``live`` has run) copies none."""
         return self.writes if self.writes is not None and "spec" not in live else contextlib.nullcontext()
 
+    def _bound_layers(self):
+        layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
+        return ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
+
     def _watch_layers(self):
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
         snapshotted (restored after a capture that runs the body) and their slots watched."""
         snapshot = state.BufferSnapshot(enabled=self.backend.capture_executes)
         watch = state.SlotWatch()
-        layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
-        bound_layers = ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
+        bound_layers = self._bound_layers()
         for layer in bound_layers:
             snapshot.add(layer)
             for _, sub in layer.named_sublayers(include_self=True):
@@ -370,3 +382,14 @@ def _refuse_written_inputs(static, adopted_values):
         "(and the capture run would apply the write twice). Return the new value instead of "
         "writing the argument, or write it after the call."
     )
+
+
+def _tensor_names(layers):
+    """``{id(tensor): "Layer.name"}`` of the parameters and buffers of ``layers``, for messages."""
+    names = {}
+    for layer in layers:
+        for name, t in layer.named_parameters():
+            names.setdefault(id(t), f"parameter {name}")
+        for name, t in layer.named_buffers():
+            names.setdefault(id(t), f"buffer {name}")
+    return names

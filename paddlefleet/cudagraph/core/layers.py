@@ -6,6 +6,7 @@ import threading
 import paddle
 
 from ..guards.paddle_patches import Patches
+from ..guards.traced_ops import paused
 
 __all__ = [
     "CAPTURE_LOCK",
@@ -39,8 +40,9 @@ class LayerRecorder:
             if id(layer) not in recorder._seen:
                 recorder._seen.add(id(layer))
                 recorder.layers.append(layer)
-                recorder._snapshot.add(layer)
-                recorder._watch.add(layer)
+                with paused():  # the snapshot's copies are no ops of the function's trace
+                    recorder._snapshot.add(layer)
+                    recorder._watch.add(layer)
             return original(layer, *args, **kwargs)
 
         self._patches.set(paddle.nn.Layer, "__call__", recording_call)

@@ -48,6 +48,7 @@ import paddle
 from .paddle_patches import Patches
 from .host_errors import copy_error, grad_assignment_error, read_error, sync_error, what_value
 from .host_marks import mark_host
+from .traced_ops import paused
 from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
 
 __all__ = ["host_guard", "gpu_is_host", "constructor_guarded"]
@@ -168,7 +169,7 @@ class _Guard(RawTensorGuard):
                     f"with a {value.dtype} tensor of shape {list(value.shape)} to a {grad.dtype} grad of shape "
                     f"{list(grad.shape)}")
             if grad is not value:
-                with paddle.no_grad():
+                with paddle.no_grad(), paused():  # eager rebinds: no op of the trace
                     guard.allowed(paddle.Tensor.copy_, grad, value, False)
 
         self.patches.set(paddle.Tensor, "grad", property(descriptor.__get__, assign, None, descriptor.__doc__))

@@ -24,12 +24,14 @@ import contextlib
 import threading
 
 __all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "install_process_patches",
-           "process_patches_installed"]
+           "process_patches_installed", "temporarily_patched"]
 
 _MISSING = object()
 # The install functions of the process-wide patches, in order, and whether they ran.
 _PROCESS = {"installs": [], "installed": False}
 _PROCESS_LOCK = threading.Lock()
+# (id(owner), name) -> how many Patches hold that attribute replaced now.
+_HELD = {}
 
 
 class Patches:
@@ -43,10 +45,17 @@ class Patches:
         """Replaces ``owner.name`` with ``replacement`` until restore()."""
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, replacement)
+        key = (id(owner), name)
+        _HELD[key] = _HELD.get(key, 0) + 1
 
     def restore(self):
         saved, self._saved = self._saved, []
         for owner, name, own in reversed(saved):
+            key = (id(owner), name)
+            if _HELD.get(key, 0) > 1:
+                _HELD[key] -= 1
+            else:
+                _HELD.pop(key, None)
             if own is _MISSING:
                 if name in owner.__dict__:
                     delattr(owner, name)
@@ -71,6 +80,11 @@ def patched(*replacements):
         yield patches
     finally:
         patches.restore()
+
+
+def temporarily_patched(owner, name):
+    """Whether a ``Patches`` holds ``owner.name`` replaced now."""
+    return (id(owner), name) in _HELD
 
 
 def install_for_process(owner, name, replacement):

@@ -27,6 +27,7 @@ from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
 from ..guards.host_reads import BindingWatch, OpTrace, describe_trace_difference
+from ..guards.traced_ops import install as install_traced_ops
 from ..core.layers import CAPTURE_LOCK, LayerRecorder
 from .optimizer_state import (LRFeed, SchedulerWatch, check_supported, inner_optimizer, suppress_lr_fill,
                               unlisted_message, watch_steps)
@@ -136,8 +137,9 @@ class StepBody(Body):
             if not any(o is opt for o in self.optimizers):
                 self._unlisted.setdefault(id(opt), opt)
 
+        install_traced_ops()  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
         with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
-                on_gpu=entry.backend.name == "cuda") as trace, watch_steps(on_step):
+                on_gpu=entry.backend.name == "cuda", inputs=call.tensors) as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
         warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)

@@ -177,7 +177,8 @@ class StepCapture:
             stepped.add(id(opt))
 
         def step_body():
-            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None) as trace, \
+            with body._scope(filled) as record, OpTrace(on_gpu=on_gpu, where=graphs.trace is None,
+                                                         inputs=static.buffers) as trace, \
                     function_errors():
                 out = fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
