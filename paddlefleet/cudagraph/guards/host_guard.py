@@ -157,7 +157,8 @@ class _Guard(RawTensorGuard):
         def assign(tensor, value):
             if guard.depth or threading.get_ident() != guard.thread or guard.is_host(tensor):
                 return descriptor.__set__(tensor, value)
-            grad = descriptor.__get__(tensor, type(tensor))
+            with paused():  # the guard's own read: no op of the trace
+                grad = descriptor.__get__(tensor, type(tensor))
             if not isinstance(value, paddle.Tensor):
                 raise grad_assignment_error(f"to {what_value(value)}")
             if guard.is_host(value):

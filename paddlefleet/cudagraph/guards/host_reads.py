@@ -104,6 +104,15 @@ def _address(t):
         return None
 
 
+_GENERATED = ("eager_tmp", "generated_tensor", "tmp_")
+
+
+def _lasting_name(t):
+    """``t``'s name where Paddle did not make it up for a temporary (parameters, accumulators), else None."""
+    name = t.name
+    return None if not name or name.startswith(_GENERATED) else name
+
+
 def _ref(t):
     try:
         return weakref.ref(t)
@@ -126,7 +135,7 @@ class OpTrace:
         self.ops = []
         self.lines = []
         self.host_ops = []
-        self.objects = []  # [(weak reference, address)] of the tensors from outside, by first read
+        self.objects = []  # [(weak reference, address, lasting name)] of the tensors from outside, by first read
         self._on_gpu = on_gpu
         self._where = where
         self._names = names
@@ -148,7 +157,7 @@ class OpTrace:
         if n is not None and self.objects[n][0]() is t:
             return (_OBJ, n)
         n = len(self.objects)
-        self.objects.append((_ref(t), _address(t)))
+        self.objects.append((_ref(t), _address(t), _lasting_name(t)))
         self._seen[key] = n
         return (_OBJ, n)
 
@@ -249,8 +258,12 @@ def _argument_difference(a, b, before, after):
 
 
 def _same_object(a, b):
+    """The same tensor at the same address; or, where the first is gone, one with its lasting name
+    (an optimizer's accumulator that the package moved to the device before the capture)."""
     t = a[0]()
-    return t is not None and t is b[0]() and a[1] == b[1]
+    if t is not None:
+        return t is b[0]() and a[1] == b[1]
+    return a[2] is not None and a[2] == b[2]
 
 
 def _reads(ops, n):
