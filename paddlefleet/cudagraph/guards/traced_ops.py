@@ -127,7 +127,7 @@ def native_tensor_attributes():
     for name in dir(paddle.Tensor):
         for owner in paddle.Tensor.__mro__[:-1]:
             if name in owner.__dict__:
-                kind = type(owner.__dict__[name]).__name__
+                kind = type(_STATE["originals"].get((id(owner), name)) or owner.__dict__[name]).__name__
                 if kind in _NATIVE_KINDS:
                     found[name] = kind
                 break
@@ -138,7 +138,7 @@ def traced_tensor_methods():
     """The Tensor attributes the trace wraps: every one that Paddle binds in C++ and every Python
     function of the class, except HARMLESS and REFUSED."""
     own = paddle.Tensor.__dict__
-    names = set(native_tensor_attributes()) | {n for n, v in own.items() if isinstance(v, types.FunctionType)}
+    names = set(native_tensor_attributes()) | {n for n in own if isinstance(original(paddle.Tensor, n), types.FunctionType)}
     return sorted(n for n in names if n not in HARMLESS and n not in REFUSED)
 
 
@@ -238,5 +238,5 @@ def installed():
 def original(owner, name):
     """What ``owner.name`` was before the trace wrapped it (the attribute itself when not wrapped)."""
     found = _STATE["originals"].get((id(owner), name))
-    return found if found is not None else getattr(owner, name)
+    return found if found is not None else owner.__dict__.get(name, getattr(owner, name, None))
 
