@@ -216,6 +216,11 @@ class OpTrace:
         name = self._names.get(id(t)) if self._names else None
         return name or f"a tensor from outside ({t.name}, shape {list(t.shape)})"
 
+    def requiring_grad(self):
+        """The tensors from outside that the trace read and that require grad (still alive)."""
+        found = [ref() for ref, _, _ in self.objects]
+        return [t for t in found if t is not None and not t.stop_gradient]
+
     def host_inputs(self):
         """``[(index, op, line)]`` of ops that read a host tensor (a CPU tensor on a GPU step, or
         one marked with mark_host on the simulated backend)."""
@@ -286,25 +291,28 @@ def describe_trace_difference(before, after, before_name, after_name, lines=()):
     """None when the two traces record the same ops with the same host values on the same tensors
     (NOTE [ The dataflow of a trace ]), else a sentence naming the first difference (and the user's
     line, when ``lines`` of ``after`` or ``before`` are known)."""
-    if before.ops == after.ops:
-        for n, (a, b) in enumerate(zip(before.objects, after.objects)):
-            if not _same_object(a, b):
-                i = _reads(after.ops, n)
-                return (f"op #{i} {after.ops[i][0]}{_line(before, after, i, lines)} read {before.name_of(n)} at the "
-                        f"{before_name} and another tensor, {after.name_of(n)}, at the {after_name}")
+    same_ops = before.ops == after.ops
+    first = None if same_ops else next(
+        (i for i, (a, b) in enumerate(zip(before.ops, after.ops)) if a != b), min(len(before.ops), len(after.ops)))
+    moved = [(_reads(after.ops, n), n) for n, (a, b) in enumerate(zip(before.objects, after.objects))
+             if not _same_object(a, b)]
+    if moved and (first is None or min(moved)[0] <= first):
+        i, n = min(moved)
+        return (f"op #{i} {after.ops[i][0]}{_line(before, after, i, lines)} read {before.name_of(n)} at the "
+                f"{before_name} and another tensor, {after.name_of(n)}, at the {after_name}")
+    if first is None:
         return None
-    for i, (a, b) in enumerate(zip(before.ops, after.ops)):
-        if a != b:
-            at = _line(before, after, i, lines)
-            if a[0] != b[0]:
-                return (f"op #{i} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the code "
-                        "takes another branch)")
-            return f"op #{i} {a[0]}{at} got " + _argument_difference(a, b, before, after).format(
-                before_name, after_name)
+    if first < min(len(before.ops), len(after.ops)):
+        a, b = before.ops[first], after.ops[first]
+        at = _line(before, after, first, lines)
+        if a[0] != b[0]:
+            return (f"op #{first} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the code "
+                    "takes another branch)")
+        return f"op #{first} {a[0]}{at} got " + _argument_difference(a, b, before, after).format(
+            before_name, after_name)
     longer, name = (before, before_name) if len(before.ops) > len(after.ops) else (after, after_name)
-    i = min(len(before.ops), len(after.ops))
     return (f"the {before_name} ran {len(before.ops)} ops and the {after_name} {len(after.ops)}; the first extra op "
-            f"at the {name} is {longer.ops[i][0]}")
+            f"at the {name} is {longer.ops[first][0]}")
 
 
 class BindingWatch:

@@ -214,6 +214,7 @@ class StepCapture:
         graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
         graphs.trace = live["trace"] if self.backend.capture_executes else None
+        graphs.read_leaves = live["trace"].requiring_grad()  # NOTE [ Step replay checks ] in step/replay_checks.py
         graphs.bindings = body._bindings.snapshot()
         graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
         body._after_host_run(live["record"])
