@@ -235,3 +235,49 @@ class ReturnedPythonValuesTest(_Simulated):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ChainedMemberTest(_Simulated):
+    """A chained call (the layer-by-layer pattern) runs the same trace check as a call alone."""
+
+    def test_a_dict_value_read_by_every_chained_member(self):
+        cfg = {"s": 1.0}
+
+        class Scaled(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([8, 8])
+
+            def forward(self, x):
+                return paddle.matmul(x, self.w) * cfg["s"]
+
+        paddle.seed(4)
+        graphed = paddle.nn.LayerList([Scaled() for _ in range(4)])
+        eager = paddle.nn.LayerList([Scaled() for _ in range(4)])
+        eager.set_state_dict(graphed.state_dict())
+        for layer in graphed:
+            autocudagraph(layer, backend="simulate", warmup_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(8):
+                cfg["s"] = 1.0 if i < 5 else 0.5
+                x = paddle.ones([2, 8])
+                x.stop_gradient = False
+                twin = x.detach().clone()
+                twin.stop_gradient = False
+                h, g = x, twin
+                for a, b in zip(graphed, eager):
+                    h, g = a(h), b(g)
+                self.assertBitwise(h, g, f"output of step {i}")
+                dy = paddle.full(h.shape, 0.25)
+                h.backward(dy)
+                g.backward(dy)
+                self.assertBitwise(x.grad, twin.grad, f"input grad of step {i}")
+                for a, b in zip(graphed, eager):
+                    self.assertBitwise(a.w.grad, b.w.grad, f"grad of step {i}")
+                    a.w.clear_gradient(False)
+                    b.w.clear_gradient(False)
+        self.assertGreater(graphed[1].forward.stats()["chained_calls"], 0, graphed[1].forward.explain())
+        self.assertTrue(all("fell back" in layer.forward.explain() for layer in graphed),
+                        [layer.forward.explain() for layer in graphed])
+        self.assertTrue(any("Tensor.__mul__" in m for m in _ours(caught)), _ours(caught))
