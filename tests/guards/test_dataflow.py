@@ -281,3 +281,63 @@ class ChainedMemberTest(_Simulated):
         self.assertTrue(all("fell back" in layer.forward.explain() for layer in graphed),
                         [layer.forward.explain() for layer in graphed])
         self.assertTrue(any("Tensor.__mul__" in m for m in _ours(caught)), _ours(caught))
+
+
+class BackwardPythonTest(_Simulated):
+    """E: Python that runs in a graphed call's backward (a hook on an activation, a PyLayer backward)
+    is traced at capture and at every replay; a replay whose backward differs keeps eager's grads and
+    the key runs eagerly from the next call on."""
+
+    def run_layer(self, make, change, calls=6):
+        paddle.seed(5)
+        graphed, eager = make(), make()
+        eager.set_state_dict(graphed.state_dict())
+        pairs = [(graphed.w, eager.w)]
+        graphed = autocudagraph(graphed, backend="simulate", warmup_steps=1)
+        messages = self.run_twins(graphed, eager, calls, change, lambda i: [paddle.ones([2, 4])], params=pairs)
+        self.assertIn("fell back: ReplayTraceError", graphed.forward.explain())
+        warned = [m for m in messages if "backward read other values" in m]
+        self.assertEqual(len(warned), 1, messages)
+        return warned[0]
+
+    def test_a_hook_on_an_activation_reads_a_schedule(self):
+        sched = {"c": 1.0}
+
+        class Hooked(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([4, 4])
+
+            def forward(self, x):
+                h = paddle.matmul(x, self.w)
+                h.register_hook(lambda g: g * sched["c"])
+                return h * 2.0
+
+        warned = self.run_layer(Hooked, lambda i: sched.update(c=1.0 if i < 3 else 0.25))
+        self.assertIn("1.0 at the capture and 0.25 at the replay", warned)
+
+    def test_a_pylayer_backward_reads_a_coefficient_and_a_flag(self):
+        sched = {"coef": 1.0, "flip": False}
+
+        class Reverse(paddle.autograd.PyLayer):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 1.0
+
+            @staticmethod
+            def backward(ctx, g):
+                return -g * sched["coef"] if sched["flip"] else g * sched["coef"]
+
+        class Adversarial(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.w = self.create_parameter([4, 4])
+
+            def forward(self, x):
+                return Reverse.apply(paddle.matmul(x, self.w))
+
+        def change(i):
+            sched["coef"] = 1.0 if i < 2 else 0.5
+            sched["flip"] = i >= 4
+
+        self.run_layer(Adversarial, change)

@@ -46,7 +46,7 @@ from ..guards.layer_attrs import AttrWatch, layers_with_sublayers
 from ..guards.rng import DrawGuard
 from .double_backward import refuse_create_graph  # NOTE [ Double backward inside a graphed function ]
 from .graphs import BackwardGraphs, BlockGraphs
-from ..errors import CaptureError, CudaGraphError
+from ..errors import CaptureError, CudaGraphError, ReplayTraceError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
@@ -56,7 +56,7 @@ from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
 from ..guards.host_reads import OpTrace
 from ..guards.traced_ops import install as install_traced_ops
-from .replay_fallback import check_replay_trace
+from .replay_fallback import check_replay_trace, traced_backward
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -198,6 +198,10 @@ class _BlockCapture:
 
         def forward_body():
             replay = "spec" in live
+            if "backward_differs" in live:  # the last replay's backward ran other values than the capture's
+                raise ReplayTraceError(f"a replay's backward read other values than the capture's: "
+                                       f"{live['backward_differs']}. On a GPU the backward graph would reuse the "
+                                       "capture's values; that call's grads were eager's, and this call runs eagerly")
             trace = OpTrace(where=not replay, inputs=static.buffers, names=names) if traced else contextlib.nullcontext()
             with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
@@ -290,7 +294,7 @@ class _BlockCapture:
         graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.capture_executes else None
         try:
-            results = self._capture_backward(graphs, backward.body)
+            results = self._capture_backward(graphs, backward.body, live)
         finally:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
@@ -301,9 +305,11 @@ class _BlockCapture:
         if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
             acc.register(graphs)
 
-    def _capture_backward(self, graphs, body):
+    def _capture_backward(self, graphs, body, live):
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool)
+        if self.backend.capture_executes:  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
+            body = traced_backward(body, live)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
         guard = DrawGuard(backward=True)
         try:

@@ -36,10 +36,10 @@ import contextlib
 import paddle
 
 from ..core import state
-from ..guards.host_reads import describe_trace_difference
+from ..guards.host_reads import OpTrace, describe_trace_difference
 from ..errors import ReplayShapeError, ReplayTraceError
 
-__all__ = ["state_restored_on_refusal", "check_replay_trace"]
+__all__ = ["state_restored_on_refusal", "check_replay_trace", "traced_backward"]
 
 
 def _buffers(layers):
@@ -71,6 +71,27 @@ def state_restored_on_refusal(layers, enabled):
             for b, value in zip(buffers, saved):
                 b.copy_(value, False)  # keeps the inplace version, as a replay's writes do
         raise
+
+
+def traced_backward(body, live):
+    """``body`` (a backward graph's) run under an op trace at capture and at every simulated replay
+    (NOTE [ Values a simulated replay reads ]): a replay whose backward ran other ops or values than
+    the capture's (a gradient hook or a PyLayer backward reading a schedule) leaves the difference in
+    ``live``, and the key's next forward replay raises ReplayTraceError before it runs."""
+
+    def traced():
+        replay = "backward_trace" in live
+        with OpTrace(where=not replay, identities=False) as trace:
+            out = body()
+        if not replay:
+            live["backward_trace"] = trace
+        elif "backward_differs" not in live:
+            diff = describe_trace_difference(live["backward_trace"], trace, "capture", "replay")
+            if diff is not None:
+                live["backward_differs"] = diff
+        return out
+
+    return traced
 
 
 def check_replay_trace(captured, replayed):

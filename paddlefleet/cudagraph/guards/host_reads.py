@@ -129,9 +129,11 @@ class OpTrace:
         where: also record the user's line of each op (for messages; costs a frame walk per op).
         inputs: the tensors that are input slot 0, 1, ... (the same slot across traces compared).
         names: ``{id(tensor): name}`` of tensors to name in messages (parameters, buffers), or None.
+        identities: False records a tensor from outside as such, without which one it is (a
+            backward, whose tensors from outside are the forward's, new on every call).
     """
 
-    def __init__(self, on_gpu=False, where=True, inputs=(), names=None):
+    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True):
         self.ops = []
         self.lines = []
         self.host_ops = []
@@ -144,6 +146,7 @@ class OpTrace:
         self._made = {}  # id -> (weak reference, role) of op outputs
         self._seen = {}  # id -> index into objects
         self._outer = None
+        self._identities = identities
 
     def _role(self, t):
         key = id(t)
@@ -153,6 +156,8 @@ class OpTrace:
         hit = self._known.get(key)
         if hit is not None and hit[0] is t:
             return hit[1]
+        if not self._identities:
+            return (_OBJ, -1)
         n = self._seen.get(key)
         if n is not None and self.objects[n][0]() is t:
             return (_OBJ, n)
@@ -210,6 +215,8 @@ class OpTrace:
 
     def name_of(self, n):
         """A readable name of outside tensor ``n`` (a parameter's name where known)."""
+        if n < 0:
+            return "a tensor from outside"
         t = self.objects[n][0]()
         if t is None:
             return f"a tensor from outside (freed since)"
@@ -263,11 +270,14 @@ def _argument_difference(a, b, before, after):
 
 
 def _same_object(a, b):
-    """The same tensor at the same address; or, where the first is gone, one with its lasting name
-    (an optimizer's accumulator that the package moved to the device before the capture)."""
-    t = a[0]()
+    """The same tensor at the same address; or, where the first is gone, one also gone (each run's
+    own temporary, made where no traced op shows it) or one with its lasting name (an optimizer's
+    accumulator that the package moved to the device before the capture)."""
+    t, u = a[0](), b[0]()
     if t is not None:
-        return t is b[0]() and a[1] == b[1]
+        return t is u and a[1] == b[1]
+    if u is None:  # both gone once their run ended: temporaries each run made (a hook's grad)
+        return True
     return a[2] is not None and a[2] == b[2]
 
 
