@@ -37,6 +37,7 @@ import paddle
 
 from ..core import state
 from ..guards.host_reads import OpTrace, describe_trace_difference
+from ..guards.paddle_patches import patched
 from ..errors import ReplayShapeError, ReplayTraceError
 
 __all__ = ["state_restored_on_refusal", "check_replay_trace", "traced_backward"]
@@ -81,7 +82,16 @@ def traced_backward(body, live):
 
     def traced():
         replay = "backward_trace" in live
-        with OpTrace(where=not replay, identities=False) as trace:
+        trace = OpTrace(where=not replay, identities=False)
+
+        def armed(original):
+            def run(*args, **kwargs):
+                with trace:  # what autograd runs of the user's Python (the package's own work is not traced)
+                    return original(*args, **kwargs)
+
+            return run
+
+        with patched((paddle, "grad", armed(paddle.grad)), (paddle.autograd, "backward", armed(paddle.autograd.backward))):
             out = body()
         if not replay:
             live["backward_trace"] = trace
