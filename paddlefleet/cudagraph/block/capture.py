@@ -189,34 +189,9 @@ class _BlockCapture:
         # A capture that runs the body must not leave its in-place writes in the caller's tensors.
         adopted_values = [(static.buffers[i], static.buffers[i].clone()) for i in static.adopted] if (
             backend.capture_executes) else []
-        static_args, static_kwargs = call.rebuild(static.buffers)
         grad_enabled = paddle.is_grad_enabled()
-        fn, owner, live = self.fn, self.owner, {}
-
-        traced = backend.capture_executes  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
-        names = _tensor_names(self._bound_layers()) if traced else None
-
-        def forward_body():
-            replay = "spec" in live
-            if "backward_differs" in live:  # the last replay's backward ran other values than the capture's
-                raise ReplayTraceError(f"a replay's backward read other values than the capture's: "
-                                       f"{live['backward_differs']}. On a GPU the backward graph would reuse the "
-                                       "capture's values; that call's grads were eager's, and this call runs eagerly")
-            trace = OpTrace(where=not replay, inputs=static.buffers, names=names) if traced else contextlib.nullcontext()
-            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
-                out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
-            out_tensors, out_consts, out_spec = flatten(out)
-            if traced:  # before anything is copied into the static outputs
-                trace.note_result(out_consts)
-                if replay:
-                    check_replay_trace(live["trace"], trace)
-                live["trace"] = live.get("trace", trace)
-            if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
-                check_rebuild(out, "the result")
-            live["outputs"] = out_tensors
-            live["spec"] = (out_spec, out_consts)
-            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
-
+        live = {}
+        forward_body = self._forward_body(static, live)
         snapshot, watch, bound_layers = self._watch_layers()
         rng = state.rng_snapshot()
         captured = False
@@ -253,6 +228,37 @@ class _BlockCapture:
             # A failed capture leaves RNG as the eager re-run that replaces it expects.
             if backend.capture_executes or not captured:
                 state.restore_rng(rng)
+
+    def _forward_body(self, static, live):
+        """The body the forward graph captures: the function on the static inputs, traced where the
+        capture executes it (NOTE [ Values a simulated replay reads ] in block/replay_fallback.py)."""
+        fn, owner, grad_enabled = self.fn, self.owner, paddle.is_grad_enabled()
+        static_args, static_kwargs = self.call.rebuild(static.buffers)
+        traced = self.backend.capture_executes
+        names = _tensor_names(self._bound_layers()) if traced else None
+
+        def forward_body():
+            replay = "spec" in live
+            if "backward_differs" in live:  # the last replay's backward ran other values than the capture's
+                raise ReplayTraceError(f"a replay's backward read other values than the capture's: "
+                                       f"{live['backward_differs']}. On a GPU the backward graph would reuse the "
+                                       "capture's values; that call's grads were eager's, and this call runs eagerly")
+            trace = OpTrace(where=not replay, inputs=static.buffers, names=names) if traced else contextlib.nullcontext()
+            with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
+                out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
+            out_tensors, out_consts, out_spec = flatten(out)
+            if traced:  # before anything is copied into the static outputs
+                trace.note_result(out_consts)
+                if replay:
+                    check_replay_trace(live["trace"], trace)
+                live["trace"] = live.get("trace", trace)
+            if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
+                check_rebuild(out, "the result")
+            live["outputs"] = out_tensors
+            live["spec"] = (out_spec, out_consts)
+            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
+
+        return forward_body
 
     def _capture_writes(self, live):
         """What copies the capture run's in-place writes (NOTE [ RNG across capture ]); entered

@@ -1,6 +1,5 @@
-"""Host values a whole-step graph would freeze: what a step reads on the host, compared across
-steps, so that a value that changes is refused (or, on a replay, sent to eager) instead of
-being replayed with the value capture saw.
+"""What a graph would freeze, seen by comparing runs: the dataflow of a call (``OpTrace``) and
+the bindings of a step function (``BindingWatch``).
 
 NOTE [ Host values of a step ]
 A CUDA graph replays kernels with the arguments they had at capture. Whatever the step computes
@@ -8,14 +7,12 @@ on the host - a Python counter, ``random.random()``, a branch on Python state, a
 a global - reaches the device as a kernel argument or as a choice of kernels, and a replay
 repeats the capture-time choice. Two checks make that visible instead of silent:
 
-* ``OpTrace`` records every Paddle op the step calls (``paddle._C_ops``, ``_legacy_C_ops``,
-  the Tensor operators implemented in C++, ``t[i] = v``, ``paddle.to_tensor``) with its non-tensor
-  arguments.
-  The capture's trace must equal the last warmup step's: a differing argument or op sequence
-  means the step reads a host value that changes, and the capture is refused naming the op,
-  both values and the user's line. On the simulated backend every replay re-runs the step's
-  Python, so each replay is traced too: a replay whose trace differs from the capture's is one
-  a GPU would have replayed wrong, and its key falls back to eager with a warning.
+* ``OpTrace`` records the step's dataflow (NOTE [ The dataflow of a trace ]). The capture's trace
+  must equal the last warmup step's: a differing op, argument or tensor means the step reads a host
+  value that changes, and the capture is refused naming the op, both values and the user's line.
+  On the simulated backend every replay re-runs the step's Python, so each replay is traced too: a
+  replay whose trace differs from the capture's is one a GPU would have replayed wrong, and its key
+  falls back to eager with a warning (that call's result, from the re-run, is eager's).
 * ``BindingWatch`` remembers which object each global name and closure variable of the step
   function is bound to. A rebinding between steps (``count += 1`` in the loop, a new ``batch``
   global) is refused at capture and sends later calls to eager; it costs a few dictionary
@@ -30,6 +27,23 @@ traced; a value that changes only every N steps is caught at capture only if it 
 between the last warmup step and the capture (the simulated backend catches it on the replay
 where it changes); host side effects of the step (appending to a list, printing) happen at
 warmup and capture only.
+
+NOTE [ The dataflow of a trace ]
+A GPU replay runs the capture's kernels on the capture's tensors with the capture's scalars, so a
+replay equals its capture only if it would launch the same ops, with the same scalar arguments, on
+the same tensors. ``OpTrace`` records, for every op the function calls (NOTE [ Traced entry points ]
+in guards/traced_ops.py), its name, its non-tensor arguments (floats by their bits, arrays by value)
+and the *role* of each tensor operand: input slot k (``inputs``), output k of op j of the same trace
+(ops returning lists give each element its own k, so ``paddle.split(x, 3)[k]`` with another k
+differs), or a tensor from outside numbered by first read and kept as a weak reference with its
+data pointer (where a GPU reads it) - a parameter, a buffer, a global, a closure's tensor. Two
+traces agree when their records are equal and each outside tensor is the same object at the same
+address; where the capture's is gone, the other must be gone too (each run's own temporary, made
+where no traced op shows it: a hook's grad, ``core.eager.Tensor(...)``) or carry its lasting name
+(an optimizer accumulator the package moved to the device before the capture). The Python values a
+block returns are one more record. The difference names the first op that differs or reads another
+tensor, what it got at both and the user's line. The package's own ops inside a traced call (buffer
+snapshots, the learning-rate feed, host_guard's copies) run under ``traced_ops.paused()``.
 """
 
 import functools

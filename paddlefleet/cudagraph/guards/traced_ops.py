@@ -68,6 +68,9 @@ HARMLESS = {
     "_register_backward_hook": "autograd hooks", "_apply_backward_hook": "autograd hooks",
     "retain_grads": "an autograd flag", "__reduce__": "pickling (reads go through numpy, refused)",
     "__reduce_ex__": "pickling", "__getstate__": "pickling (reads go through numpy, refused)",
+    # Python-level functions that read only metadata or hand the tensor to another library.
+    "__hash__": "identity", "__len__": "the shape", "__dlpack__": "interop (a host export)",
+    "__dlpack_device__": "metadata", "__tvm_ffi_env_stream__": "metadata",
 }
 
 #: Tensor methods that read tensor values on the host: host_guard refuses them while a capture is
@@ -81,11 +84,6 @@ REFUSED = {
     "constructor rejects a Python replacement",
 }
 
-#: Python-level Tensor functions that read only metadata or hand the tensor to another library.
-_PYTHON_HARMLESS = {"__hash__": "identity", "__len__": "the shape", "__dlpack__": "interop (a host export)",
-                    "__dlpack_device__": "metadata", "__tvm_ffi_env_stream__": "metadata", "__reduce_ex__":
-                    "pickling (reads go through numpy, refused)"}
-HARMLESS.update(_PYTHON_HARMLESS)
 
 #: Tensor methods that run the user's Python inside (gradient hooks): their ops are traced too.
 _SEE_INSIDE = ("backward",)
