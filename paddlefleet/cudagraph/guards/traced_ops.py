@@ -23,7 +23,9 @@ at once when no trace is open on its thread, so an untraced op pays one attribut
 replay opens a trace by setting that thread-local, instead of replacing ~2,200 attributes around
 every replay. What an installed wrapper wraps is the original: patches made later (host_guard,
 DrawGuard, InPlaceWrites) sit above it and run first, so the ops they make for their own purposes
-are traced unless they run under ``paused()``.
+are traced unless they run under ``paused()``. A harmless or refused method written in Python runs
+paused (a host read's own calls differ between a capture, which runs it, and a simulated replay,
+which hands back the capture's value).
 """
 
 import threading
@@ -160,6 +162,19 @@ def _wrap(label, original, see_inside=False):
     return traced
 
 
+def _quiet(original):
+    """A Tensor method in Python that is no op of the trace: what it calls is not traced either."""
+
+    def quiet(*args, **kwargs):
+        if getattr(_local, "trace", None) is None:
+            return original(*args, **kwargs)
+        with paused():
+            return original(*args, **kwargs)
+
+    quiet.__native__ = getattr(original, "__native__", original)
+    return quiet
+
+
 def _getter(label, descriptor):
     """A property standing for a C++ getter (``Tensor.grad``): the read is traced, the setter kept."""
     read = _wrap(label, descriptor.__get__)
@@ -197,6 +212,10 @@ def _entries():
             entries.append((paddle.Tensor, name, _getter(f"Tensor.{name}", value)))
         elif callable(value):
             entries.append((paddle.Tensor, name, _wrap(f"Tensor.{name}", value, name in _SEE_INSIDE)))
+    for name in sorted(set(REFUSED) | set(HARMLESS)):  # their Python runs untraced: a host read returns
+        value = paddle.Tensor.__dict__.get(name)     # the capture's value on a simulated replay, unrun
+        if isinstance(value, types.FunctionType) and name != "__init__":
+            entries.append((paddle.Tensor, name, _quiet(value)))
     entries.append((paddle, "to_tensor", _wrap("paddle.to_tensor", paddle.to_tensor)))
     layer = paddle.autograd.PyLayer
     for base in layer.__mro__[1:]:
