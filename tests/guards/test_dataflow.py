@@ -341,3 +341,28 @@ class BackwardPythonTest(_Simulated):
             sched["flip"] = i >= 4
 
         self.run_layer(Adversarial, change)
+
+
+class WritesOfARunThatRunsEagerlyTest(_Simulated):
+    """A replay that differs runs the call eagerly: what it wrote in place into a tensor from outside
+    is put back first, so the call writes it once, as eager does."""
+
+    def test_a_closure_counter_is_written_once_per_call(self):
+        cfg = {"s": 1.0}
+        counter, twin = paddle.zeros([1]), paddle.zeros([1])
+
+        def make(c):
+            def fn(x):
+                c.add_(paddle.ones([1]))
+                return x * cfg["s"]
+
+            return fn
+
+        f, eager = autocudagraph(make(counter), backend="simulate", warmup_steps=1), make(twin)
+        with warnings.catch_warnings(record=True), paddle.no_grad():
+            warnings.simplefilter("always")
+            for i in range(5):
+                cfg["s"] = 1.0 if i < 3 else 2.0
+                self.assertBitwise(f(paddle.ones([2])), eager(paddle.ones([2])), f"call {i}")
+                self.assertBitwise(counter, twin, f"counter after call {i}")
+        self.assertIn("fell back: ReplayTraceError", f.explain())

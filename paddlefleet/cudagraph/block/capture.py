@@ -243,7 +243,8 @@ class _BlockCapture:
                 raise ReplayTraceError(f"a replay's backward read other values than the capture's: "
                                        f"{live['backward_differs']}. On a GPU the backward graph would reuse the "
                                        "capture's values; that call's grads were eager's, and this call runs eagerly")
-            trace = OpTrace(where=not replay, inputs=static.buffers, names=names) if traced else contextlib.nullcontext()
+            trace = OpTrace(where=not replay, inputs=static.buffers, names=names, keep_writes=replay) if traced else \
+                contextlib.nullcontext()
             with self._capture_writes(live), trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)

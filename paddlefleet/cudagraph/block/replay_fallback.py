@@ -28,7 +28,8 @@ states and the Layers' buffers are put back as above, the call runs eagerly (for
 backward: eager's grads, ``None`` for a parameter the call no longer uses), and the key runs
 eagerly from then on with one warning naming the op, what it read at both and the user's line.
 The function's Python ran once more for that call (its host side effects, a print, happen twice);
-tensors outside the Layers that the failed replay wrote in place keep that write.
+what the failed replay wrote in place into tensors from outside (a closure's, a global's) is put
+back first (``OpTrace(keep_writes=True)``), so the eager run writes them once.
 """
 
 import contextlib
@@ -110,6 +111,7 @@ def check_replay_trace(captured, replayed):
     simulated replay reads ]); called before anything is copied into the static outputs."""
     diff = describe_trace_difference(captured, replayed, "capture", "replay")
     if diff is not None:
+        replayed.undo_writes()  # the eager run that replaces this replay writes them once
         raise ReplayTraceError(
             f"a replay read other values than the capture: {diff}. On a GPU this replay would reuse the capture's "
             "values, ops and tensors; this call runs eagerly instead. Pass values that change as arguments (they "

@@ -64,6 +64,10 @@ __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
 _MAX_ELEMENTS = 64  # host arrays larger than this are compared by a digest
 
+# In-place ops: their first tensor argument is written (``Tensor.add_``, ``_C_ops.scale_``, ...).
+_WRITES = "_"
+_WRITERS = ("Tensor.__setitem__", "Tensor.set_value", "Tensor._setitem_dygraph")
+
 # Role tags of tensor operands (NOTE [ The dataflow of a trace ]).
 _IN, _OP, _OBJ = "<in>", "<op>", "<obj>"
 
@@ -145,9 +149,11 @@ class OpTrace:
         names: ``{id(tensor): name}`` of tensors to name in messages (parameters, buffers), or None.
         identities: False records a tensor from outside as such, without which one it is (a
             backward, whose tensors from outside are the forward's, new on every call).
+        keep_writes: copy each tensor from outside that an in-place op writes, before the op, so
+            that ``undo_writes()`` can put it back (a simulated replay that runs eagerly instead).
     """
 
-    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True):
+    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True, keep_writes=False):
         self.ops = []
         self.lines = []
         self.host_ops = []
@@ -161,6 +167,7 @@ class OpTrace:
         self._seen = {}  # id -> index into objects
         self._outer = None
         self._identities = identities
+        self._written = {} if keep_writes else None
 
     def _role(self, t):
         key = id(t)
@@ -198,6 +205,8 @@ class OpTrace:
         hosts = _Hosts(self._on_gpu)
         j = len(self.ops)
         self.ops.append((label, _norm(args, hosts, self._role), _norm(kwargs, hosts, self._role) if kwargs else ()))
+        if self._written is not None and args and (label.endswith(_WRITES) or label in _WRITERS):
+            self._keep(args[0], self.ops[-1][1][0])
         if self._where:
             self.lines.append(_user_line())
         if hosts:
@@ -209,6 +218,18 @@ class OpTrace:
             self._depth -= not see_inside
         self._made_by(j, out)
         return out
+
+    def _keep(self, t, role):
+        if isinstance(t, paddle.Tensor) and role[0] == _OBJ and id(t) not in self._written:
+            with traced_ops.paused(), paddle.no_grad():
+                self._written[id(t)] = (t, t.clone())
+
+    def undo_writes(self):
+        """Puts back every tensor from outside that an in-place op wrote while the trace was open."""
+        with traced_ops.paused(), paddle.no_grad():
+            for t, saved in (self._written or {}).values():
+                t.copy_(saved, False)
+        self._written = {}
 
     def note_result(self, consts):
         """Records the Python values a call returned (numbers, strings) as one more entry."""
