@@ -2,6 +2,10 @@
 (NOTE [ Traced entry points ] in guards/traced_ops.py), enumerated on the Paddle under test: a
 Paddle that grows an unclassified method fails here until it is classified."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import unittest
 
 import numpy as np
@@ -64,6 +68,33 @@ class TracedOpsTest(unittest.TestCase):
         self.assertEqual([op[0] for op in trace.ops], ["Tensor.__mul__"])
         self.assertIsNone(traced_ops.current())
         self.assertIsNotNone(y)
+
+
+class InstallUnderAPatchTest(unittest.TestCase):
+    def test_installed_while_another_patch_is_in_force_it_goes_beneath(self):
+        """A first capture while another thread's capture holds a temporary patch: the trace's wrapper
+        goes beneath it, and is what the patch's restore puts back (a fresh process: installs once)."""
+        script = textwrap.dedent("""
+            import paddle
+            from paddlefleet.cudagraph.guards.paddle_patches import Patches
+            from paddlefleet.cudagraph.guards import traced_ops
+            from paddlefleet.cudagraph.guards.host_reads import OpTrace
+            orig = paddle._C_ops.matmul
+            with Patches() as p:
+                p.set(paddle._C_ops, "matmul", lambda *a, **k: orig(*a, **k))
+                traced_ops.install()
+            x = paddle.ones([2, 2])
+            with OpTrace() as t:
+                paddle._C_ops.matmul(x, x, False, False)
+            assert [o[0] for o in t.ops] == ["_C_ops.matmul"], t.ops
+            assert traced_ops.original(paddle._C_ops, "matmul") is orig
+            print("ok")
+        """)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        self.assertIn("ok", done.stdout)
 
 
 def _constructor_guarded():

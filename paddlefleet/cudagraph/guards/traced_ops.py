@@ -33,7 +33,7 @@ import types
 
 import paddle
 
-from .paddle_patches import install_for_process, temporarily_patched
+from .paddle_patches import install_beneath, unpatched
 
 __all__ = ["install", "installed", "current", "paused", "native_tensor_attributes", "HARMLESS", "REFUSED",
            "traced_tensor_methods", "original"]
@@ -127,7 +127,7 @@ def native_tensor_attributes():
     for name in dir(paddle.Tensor):
         for owner in paddle.Tensor.__mro__[:-1]:
             if name in owner.__dict__:
-                kind = type(_STATE["originals"].get((id(owner), name)) or owner.__dict__[name]).__name__
+                kind = type(_STATE["originals"].get((id(owner), name)) or unpatched(owner, name)).__name__
                 if kind in _NATIVE_KINDS:
                     found[name] = kind
                 break
@@ -138,7 +138,9 @@ def traced_tensor_methods():
     """The Tensor attributes the trace wraps: every one that Paddle binds in C++ and every Python
     function of the class, except HARMLESS and REFUSED."""
     own = paddle.Tensor.__dict__
-    names = set(native_tensor_attributes()) | {n for n in own if isinstance(original(paddle.Tensor, n), types.FunctionType)}
+    names = set(native_tensor_attributes()) | {
+        n for n in own if isinstance(_STATE["originals"].get((id(paddle.Tensor), n)) or unpatched(paddle.Tensor, n),
+                                     types.FunctionType)}
     return sorted(n for n in names if n not in HARMLESS and n not in REFUSED)
 
 
@@ -202,21 +204,21 @@ def _entries():
         for name in dir(module):
             if name.startswith("_"):
                 continue
-            value = getattr(module, name)
+            value = unpatched(module, name)
             if callable(value):
                 entries.append((module, name, _wrap(f"{prefix}.{name}", value)))
     native = native_tensor_attributes()
     for name in traced_tensor_methods():
-        value = paddle.Tensor.__dict__[name]
+        value = unpatched(paddle.Tensor, name)
         if native.get(name) == "getset_descriptor":
             entries.append((paddle.Tensor, name, _getter(f"Tensor.{name}", value)))
         elif callable(value):
             entries.append((paddle.Tensor, name, _wrap(f"Tensor.{name}", value, name in _SEE_INSIDE)))
     for name in sorted(set(REFUSED) | set(HARMLESS)):  # their Python runs untraced: a host read returns
-        value = paddle.Tensor.__dict__.get(name)     # the capture's value on a simulated replay, unrun
+        value = unpatched(paddle.Tensor, name)       # the capture's value on a simulated replay, unrun
         if isinstance(value, types.FunctionType) and name != "__init__":
             entries.append((paddle.Tensor, name, _quiet(value)))
-    entries.append((paddle, "to_tensor", _wrap("paddle.to_tensor", paddle.to_tensor)))
+    entries.append((paddle, "to_tensor", _wrap("paddle.to_tensor", unpatched(paddle, "to_tensor"))))
     layer = paddle.autograd.PyLayer
     for base in layer.__mro__[1:]:
         if "apply" in base.__dict__:
@@ -226,24 +228,17 @@ def _entries():
 
 
 def install():
-    """Wraps the traced entry points for the rest of the process (once; NOTE [ Traced entry points ]).
-
-    Raises:
-        RuntimeError: when a temporary patch of one of them is in force (the wrapper would keep it).
-    """
+    """Wraps the traced entry points for the rest of the process (once; NOTE [ Traced entry points ]);
+    each wraps what its attribute is beneath any temporary patch in force now."""
     if _STATE["installed"]:
         return
     with _LOCK:
         if _STATE["installed"]:
             return
-        entries = _entries()
-        busy = [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in entries if temporarily_patched(o, n)]
-        if busy:
-            raise RuntimeError(f"the op trace must be installed before {busy[0]} is patched")
         originals = _STATE["originals"]
-        for owner, name, replacement in entries:
-            originals[(id(owner), name)] = owner.__dict__.get(name)
-            install_for_process(owner, name, replacement)
+        for owner, name, replacement in _entries():
+            originals[(id(owner), name)] = unpatched(owner, name)
+            install_beneath(owner, name, replacement)  # another thread's capture may hold a patch now
         _STATE["installed"] = True
 
 
