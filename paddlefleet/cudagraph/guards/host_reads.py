@@ -64,6 +64,8 @@ from .trace_difference import _IN, _OBJ, _OP, describe_trace_difference
 __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
 _MAX_ELEMENTS = 64  # host arrays larger than this are compared by a digest
+_BY_TEXT = ("paddle", "numpy", "builtins", "enum")  # modules whose objects' text is cheap and says what they are
+_RAW = ("DenseTensor", "LoDTensor", "SelectedRows")  # raw tensors: their text is their values (a host read)
 
 # In-place ops: their first tensor argument is written (``Tensor.add_``, ``_C_ops.scale_``, ...).
 _WRITES = "_"
@@ -97,6 +99,8 @@ def _norm(value, hosts, role):
         return "..."
     if isinstance(value, (types.FunctionType, types.MethodType, type)):
         return ("callable", getattr(value, "__qualname__", type(value).__name__))
+    if not type(value).__module__.startswith(_BY_TEXT) or type(value).__name__ in _RAW:  # itself, not its text
+        return ("obj", type(value).__name__, id(value))
     text = str(value)  # dtypes, places, enums: their text is their identity
     return ("obj", type(value).__name__, text if len(text) <= 80 else text[:80])
 
