@@ -32,9 +32,10 @@ def _rounds(fn, calls, rounds=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--width", type=int, default=8)
-    parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parser.add_argument("--calls", type=int, default=300, help="calls per timed round (5 rounds; default 300)")
+    parser.add_argument("--width", type=int, default=8, help="the Linear layers' width (default 8)")
+    parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        help="the checkout to import the package from (default: this one)")
     args = parser.parse_args()
     sys.path.insert(0, args.repo)
     import paddle
