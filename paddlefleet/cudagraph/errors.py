@@ -10,6 +10,7 @@ __all__ = [
     "StaleOutputError",
     "PendingBackwardError",
     "ReplayShapeError",
+    "ReplayTraceError",
 ]
 
 
@@ -42,4 +43,13 @@ class PendingBackwardError(CudaGraphError):
 class ReplayShapeError(CaptureError):
     """A simulated replay computed outputs of other shapes than its capture: a GPU graph could not
     have given them (the key falls back to eager)."""
+
+    eager_reason = "a replay changed an output's shape"
+
+
+class ReplayTraceError(ReplayShapeError):
+    """A simulated replay ran other ops, or read other tensors or Python values, than its capture:
+    a GPU graph would have replayed the capture's (the call runs eagerly; the key falls back)."""
+
+    eager_reason = "a replay read other values than its capture"
 

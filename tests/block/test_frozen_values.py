@@ -477,11 +477,11 @@ class SetItemScalarTest(unittest.TestCase):
                 x = paddle.ones([3, 2])
                 np.testing.assert_array_equal(graphed(x).numpy(), fill_row(x).numpy(), strict=True)
         stats = graphed.stats()
-        # Call 3 replays, sees the new value and hands out eager's result instead; call 4 runs eagerly.
-        self.assertEqual((stats["captures"], stats["replays"]), (1, 2), graphed.explain())
+        # Call 3's replay sees the new value before it hands anything out and runs eagerly; so does call 4.
+        self.assertEqual((stats["captures"], stats["replays"]), (1, 1), graphed.explain())
         messages = " ".join(str(c.message) for c in caught)
         self.assertIn("Tensor.__setitem__", messages)
-        self.assertIn("On a GPU this replay would reuse the capture's value", messages)
+        self.assertIn("On a GPU this replay would reuse the capture's", messages)
 
     def test_a_whole_step_whose_setitem_scalar_changes_is_refused_at_capture(self):
         knob = [1.0]

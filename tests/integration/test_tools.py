@@ -74,8 +74,9 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
 
 # ----------------------------------------------------------------------------- every tool on a CPU
 #: Tools that run on a CPU by design (no --backend): not asked for a GPU below. cpu_host_time.py times
-#: host work; real_models_report.py writes docs/reports/real_models.md on the simulated backend.
-CPU_TOOLS = ["cpu_host_time.py", "readme_table.py", "real_models_report.py"]
+#: host work; real_models_report.py writes docs/reports/real_models.md on the simulated backend;
+#: simulate_cost.py times a simulated call against eager.
+CPU_TOOLS = ["cpu_host_time.py", "readme_table.py", "real_models_report.py", "simulate_cost.py"]
 TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
 SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
          "bench.py": "--steps"}
@@ -257,6 +258,12 @@ def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
                  "per-layer step, eagerly", "whole-step graph (autocudagraph_step)"):
         line = next(line for line in text.splitlines() if name in line)
         assert float(line.split("|")[3]) > 0, line
+
+
+def test_simulate_cost_times_a_simulated_call_against_eager():
+    rc, log = run_tool("simulate_cost.py", "--calls", "5")
+    assert rc == 0, log[-3000:]
+    assert "forward+backward" in log and "eager calls 0" in log and "ratio" in log, log[-2000:]
 
 
 def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():

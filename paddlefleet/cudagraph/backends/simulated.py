@@ -169,8 +169,10 @@ class _SimulatedGraph(Graph):
         check_replay_shapes(self._static, fresh)  # before any copy: the static buffers stay as they were
         with paddle.no_grad():
             for static, value in zip(self._static, fresh):
-                # Host results keep their capture-time values, as on a GPU.
-                if static is not value and not is_marked_host(static):
+                # Host results keep their capture-time values, as on a GPU; a static output that
+                # shares memory with the fresh result (a view of an input or of a tensor from
+                # outside) already holds it: a copy would write into that tensor.
+                if static is not value and not is_marked_host(static) and not static._is_shared_buffer_with(value):
                     # copy_ leaves the inplace version alone, as a GPU replay does: autograd's
                     # saved-tensor check does not see a replay's writes on either backend.
                     static.copy_(value, False)

@@ -47,7 +47,7 @@ from ..guards.layer_attrs import AttrWatch, SlotWatch, layers_with_sublayers
 from ..guards.refusals import INPUT_WRITTEN, LOST_LEAF
 from ..guards.session import CaptureSession
 from .graphs import BackwardGraphs, BlockGraphs
-from ..errors import CaptureError, CudaGraphError
+from ..errors import CaptureError, CudaGraphError, ReplayTraceError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
@@ -55,6 +55,8 @@ from ..core.layers import CAPTURE_LOCK, ParamSet, accumulation_nodes, name_unkno
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
+from ..guards.traced_ops import install as install_traced_ops
+from .replay_fallback import check_replay_trace, traced_backward
 
 __all__ = ["CaptureRequest", "capture_block", "capture_second_backward"]
 
@@ -105,6 +107,7 @@ def capture_block(request):
     grad_mode = paddle.is_grad_enabled()
     # NOTE [ RNG across capture ]: what the function writes in place while a capture executes it is written back.
     if request.backend.replays_python:
+        install_traced_ops()  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
         request = dataclasses.replace(request, writes=InPlaceWrites())
     with CAPTURE_LOCK:
         try:
@@ -191,7 +194,9 @@ class _BlockCapture:
         snapshot, watch, bound_layers = self._watch_layers()
         # NOTE [ One capture session ] in guards/session.py; NOTE [ Values a simulated replay reads ] in
         # block/replay_fallback.py: the forward is traced where the backend's replays run it.
-        session = CaptureSession(backend, snapshot, watch, double_backward=True, writes=self.writes, trace={})
+        names = _tensor_names(bound_layers) if backend.replays_python else None  # for messages
+        session = CaptureSession(backend, snapshot, watch, double_backward=True, writes=self.writes,
+                                 trace={"inputs": static.buffers, "names": names, "keep_writes": True})
         live, grad_enabled = session.record, paddle.is_grad_enabled()
         body = self._forward_body(session, call.rebuild(static.buffers), grad_enabled)
         rng = state.rng_snapshot()
@@ -227,20 +232,35 @@ class _BlockCapture:
 
     def _forward_body(self, session, static_call, grad_enabled):
         """The forward the graph captures (and a simulated replay re-runs): the function on the
-        static inputs, each run recorded in the session's record."""
+        static inputs, each run recorded in the session's record and, where the backend's replays run
+        it, compared with the capture's run before anything is copied into the static outputs (NOTE
+        [ Values a simulated replay reads ] in block/replay_fallback.py)."""
         (static_args, static_kwargs), fn, owner, live = static_call, self.fn, self.owner, session.record
 
         def forward_body():
-            with session.function_run(), paddle.set_grad_enabled(grad_enabled), function_errors():
+            if "backward_differs" in live:  # the last replay's backward ran other values than the capture's
+                raise ReplayTraceError(f"a replay's backward read other values than the capture's: "
+                                       f"{live['backward_differs']}. On a GPU the backward graph would reuse the "
+                                       "capture's values; that call's grads were eager's, and this call runs eagerly")
+            replay = live.captured
+            with session.function_run() as trace, paddle.set_grad_enabled(grad_enabled), function_errors():
                 out = fn(*static_args, **static_kwargs) if owner is None else fn(owner, *static_args, **static_kwargs)
             out_tensors, out_consts, out_spec = flatten(out)
-            if not live.captured:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
+            if trace is not None:  # before anything is copied into the static outputs
+                trace.note_result(out_consts)
+                if replay:
+                    check_replay_trace(live["trace"], trace)
+            if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
             live["spec"] = (out_spec, out_consts)
             return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         return forward_body
+
+    def _bound_layers(self):
+        layer_args = [c for c in self.call.consts if isinstance(c, paddle.nn.Layer)]
+        return ([self.owner] if isinstance(self.owner, paddle.nn.Layer) else []) + layer_args
 
     def _watch_layers(self):
         """``(snapshot, watch, layers)``: the Layers the call is bound to or given, their buffers
@@ -274,7 +294,7 @@ class _BlockCapture:
         graphs.backward = BackwardGraphs(backward.grad_outputs, backward.bridged, acc, backward.anchor)
         saved = acc.snapshot() if acc is not None and self.backend.replays_python else None
         try:
-            results = self._capture_backward(graphs, backward.body)
+            results = self._capture_backward(graphs, backward.body, live)
         finally:
             if saved is not None:  # a capture that runs the body must not accumulate
                 acc.restore(saved)
@@ -286,9 +306,11 @@ class _BlockCapture:
         if acc is not None and self.by_grad:  # a backward() body runs the parameters' hooks itself
             acc.register(graphs)
 
-    def _capture_backward(self, graphs, body):
+    def _capture_backward(self, graphs, body, live):
         bwd = graphs.backward
         bwd.graph = self.backend.new_graph(graphs.pool if _shares_pool(bwd, self.opts) else self.backend.new_pool())
+        if self.backend.replays_python:  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
+            body = traced_backward(body, live)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.
         session = CaptureSession(self.backend, backward=True)
         try:
@@ -394,3 +416,14 @@ def _refuse_written_inputs(static, adopted_values, versionless):
         "(and the capture run would apply the write twice). Return the new value instead of "
         "writing the argument, or write it after the call."
     )
+
+
+def _tensor_names(layers):
+    """``{id(tensor): "Layer.name"}`` of the parameters and buffers of ``layers``, for messages."""
+    names = {}
+    for layer in layers:
+        for name, t in layer.named_parameters():
+            names.setdefault(id(t), f"parameter {name}")
+        for name, t in layer.named_buffers():
+            names.setdefault(id(t), f"buffer {name}")
+    return names

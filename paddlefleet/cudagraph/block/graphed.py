@@ -20,7 +20,7 @@ from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
 from .replay import replay_blocker, run_graphs
-from .replay_fallback import simulated_trace_check, state_restored_on_refusal
+from .replay_fallback import state_restored_on_refusal
 from .slots import Slots
 from .verify import verified_run
 
@@ -144,10 +144,9 @@ class BlockBody(Body):
             replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
         else:
             # NOTE [ A replay that changes shape ] in block/replay_fallback.py
+            # NOTE [ Values a simulated replay reads ]: a replay that differs raises ReplayTraceError.
             with state_restored_on_refusal(graphs.layers, True):
                 replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
-            # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
-            replayed = replayed._replace(then=simulated_trace_check(graphs.live))
         if bridged and isinstance(replayed.result, paddle.Tensor):
             self.hooks.replayed(self, entry, call, replayed.result)
         return replayed

@@ -316,7 +316,7 @@ class Lifecycle(Reports, Views):
             entry.fall_back(reason)
             self._warn_once(("replay_shape", id(entry)), f"replay of key {entry.label} failed: {reason.rstrip('.')}. "
                             "The key runs eagerly from now on (results stay correct, without the speed-up).")
-            return self._eager(call, "a replay changed an output's shape")
+            return self._eager(call, err.eager_reason)
 
     def _run_graphs(self, entry, call, copy, replayed=None):
         """Replays ``entry`` for ``call`` (or counts ``replayed``, a call the body served)."""

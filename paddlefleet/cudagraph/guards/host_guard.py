@@ -50,6 +50,7 @@ import paddle
 from .paddle_patches import Patches
 from .host_errors import copy_error, grad_assignment_error, print_error, read_error, sync_error, what_value
 from .host_marks import mark_host
+from .traced_ops import paused
 from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
 
 __all__ = ["host_guard", "gpu_is_host", "constructor_guarded"]
@@ -181,7 +182,8 @@ class _Guard(RawTensorGuard):
         def assign(tensor, value):
             if guard.depth or threading.get_ident() != guard.thread or guard.is_host(tensor):
                 return descriptor.__set__(tensor, value)
-            grad = descriptor.__get__(tensor, type(tensor))
+            with paused():  # the guard's own read: no op of the trace
+                grad = descriptor.__get__(tensor, type(tensor))
             if not isinstance(value, paddle.Tensor):
                 raise grad_assignment_error(f"to {what_value(value)}")
             if guard.is_host(value):
@@ -193,7 +195,7 @@ class _Guard(RawTensorGuard):
                     f"with a {value.dtype} tensor of shape {list(value.shape)} to a {grad.dtype} grad of shape "
                     f"{list(grad.shape)}")
             if grad is not value:
-                with paddle.no_grad():
+                with paddle.no_grad(), paused():  # eager rebinds: no op of the trace
                     guard.allowed(paddle.Tensor.copy_, grad, value, False)
 
         self.patches.set(paddle.Tensor, "grad", property(descriptor.__get__, assign, None, descriptor.__doc__))

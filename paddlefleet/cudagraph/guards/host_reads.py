@@ -1,6 +1,5 @@
-"""Host values a whole-step graph would freeze: what a step reads on the host, compared across
-steps, so that a value that changes is refused (or, on a replay, sent to eager) instead of
-being replayed with the value capture saw.
+"""What a graph would freeze, seen by comparing runs: the dataflow of a call (``OpTrace``) and
+the bindings of a step function (``BindingWatch``).
 
 NOTE [ Host values of a step ]
 A CUDA graph replays kernels with the arguments they had at capture. Whatever the step computes
@@ -8,14 +7,12 @@ on the host - a Python counter, ``random.random()``, a branch on Python state, a
 a global - reaches the device as a kernel argument or as a choice of kernels, and a replay
 repeats the capture-time choice. Two checks make that visible instead of silent:
 
-* ``OpTrace`` records every Paddle op the step calls (``paddle._C_ops``, ``_legacy_C_ops``,
-  the Tensor operators implemented in C++, ``t[i] = v``, ``paddle.to_tensor``) with its non-tensor
-  arguments.
-  The capture's trace must equal the last warmup step's: a differing argument or op sequence
-  means the step reads a host value that changes, and the capture is refused naming the op,
-  both values and the user's line. On the simulated backend every replay re-runs the step's
-  Python, so each replay is traced too: a replay whose trace differs from the capture's is one
-  a GPU would have replayed wrong, and its key falls back to eager with a warning.
+* ``OpTrace`` records the step's dataflow (NOTE [ The dataflow of a trace ]). The capture's trace
+  must equal the last warmup step's: a differing op, argument or tensor means the step reads a host
+  value that changes, and the capture is refused naming the op, both values and the user's line.
+  On the simulated backend every replay re-runs the step's Python, so each replay is traced too: a
+  replay whose trace differs from the capture's is one a GPU would have replayed wrong, and its key
+  falls back to eager with a warning (that call's result, from the re-run, is eager's).
 * ``BindingWatch`` remembers which object each global name and closure variable of the step
   function is bound to. A rebinding between steps (``count += 1`` in the loop, a new ``batch``
   global) is refused at capture and sends later calls to eager; it costs a few dictionary
@@ -30,78 +27,80 @@ traced; a value that changes only every N steps is caught at capture only if it 
 between the last warmup step and the capture (the simulated backend catches it on the replay
 where it changes); host side effects of the step (appending to a list, printing) happen at
 warmup and capture only.
+
+NOTE [ The dataflow of a trace ]
+A GPU replay runs the capture's kernels on the capture's tensors with the capture's scalars, so a
+replay equals its capture only if it would launch the same ops, with the same scalar arguments, on
+the same tensors. ``OpTrace`` records, for every op the function calls (NOTE [ Traced entry points ]
+in guards/traced_ops.py), its name, its non-tensor arguments (floats by their bits, arrays by value)
+and the *role* of each tensor operand: input slot k (``inputs``), output k of op j of the same trace
+(ops returning lists give each element its own k, so ``paddle.split(x, 3)[k]`` with another k
+differs), or a tensor from outside numbered by first read and kept as a weak reference with its
+data pointer (where a GPU reads it) - a parameter, a buffer, a global, a closure's tensor. Two
+traces agree when their records are equal and each outside tensor is the same object at the same
+address; where the capture's is gone, the other must be gone too (each run's own temporary, made
+where no traced op shows it: a hook's grad, ``core.eager.Tensor(...)``) or carry its lasting name
+(an optimizer accumulator the package moved to the device before the capture). The Python values a
+block returns are one more record. The difference names the first op that differs or reads another
+tensor, what it got at both and the user's line. The package's own ops inside a traced call (buffer
+snapshots, the learning-rate feed, host_guard's copies) run under ``traced_ops.paused()``.
 """
 
-import gc
+import functools
 import math
-import threading
 import operator
 import sys
 import types
+import weakref
 
 import numpy as np
 import paddle
 
 from .host_marks import is_marked_host
 from .location import _is_library
-from .paddle_patches import Patches
+from . import traced_ops
+from .trace_difference import _IN, _OBJ, _OP, describe_trace_difference
 
 __all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
-# Tensor operators implemented in C++ (their scalar operands never pass through _C_ops).
-_TENSOR_OPERATORS = (
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-    "__div__", "__rdiv__", "__floordiv__", "__mod__", "__pow__", "__rpow__", "__matmul__", "__lt__", "__le__",
-    "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__or__", "__xor__",
-)
-_NATIVE = ("method_descriptor", "wrapper_descriptor", "builtin_function_or_method")
 _MAX_ELEMENTS = 64  # host arrays larger than this are compared by a digest
+_BY_TEXT = ("paddle", "numpy", "builtins", "enum")  # modules whose objects' text is cheap and says what they are
+_RAW = ("DenseTensor", "LoDTensor", "SelectedRows")  # raw tensors: their text is their values (a host read)
+
+# In-place ops: their first tensor argument is written (``Tensor.add_``, ``_C_ops.scale_``, ...).
+_WRITES = "_"
+_WRITERS = ("Tensor.__setitem__", "Tensor.set_value", "Tensor._setitem_dygraph")
 
 
-_OP_NAMES = []
 
-
-def _op_names():
-    """``[(prefix, module, [names of its public callables])]``, listed once (dir() is slow)."""
-    if not _OP_NAMES:
-        modules = [("_C_ops", paddle._C_ops)]
-        legacy = getattr(paddle, "_legacy_C_ops", None)
-        if legacy is not None:
-            modules.append(("_legacy_C_ops", legacy))
-        for prefix, module in modules:
-            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            _OP_NAMES.append((prefix, module, names))
-    return _OP_NAMES
-
-
-_TENSOR = ("T",)
-
-
-def _norm(value, hosts):
-    """A hashable, comparable form of one op argument: tensors by kind (a host tensor is also
-    appended to ``hosts`` when it is a list), host values by value."""
+def _norm(value, hosts, role):
+    """A hashable, comparable form of one op argument: tensors by role (``role(t)``; a host tensor is
+    also appended to ``hosts`` when it is a list), host values by value."""
     if isinstance(value, paddle.Tensor):
         if hosts is not None and (is_marked_host(value) or (hosts.on_gpu and value.place.is_cpu_place())):
             hosts.append(value)
-        return _TENSOR
+        return role(value)
     if isinstance(value, float):
         return ("f", value.hex() if math.isfinite(value) else repr(value))
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return tuple(_norm(v, hosts) for v in value)
+        return tuple(_norm(v, hosts, role) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _norm(v, hosts)) for k, v in value.items())
+        return tuple((k, _norm(v, hosts, role)) for k, v in value.items())
     if isinstance(value, np.ndarray) or isinstance(value, np.generic):
         arr = np.asarray(value)
         data = arr.tobytes() if arr.size <= _MAX_ELEMENTS else hash(arr.tobytes())
         return ("nd", str(arr.dtype), arr.shape, data)
     if isinstance(value, (slice, range)):
-        return (type(value).__name__, _norm(value.start, hosts), _norm(value.stop, hosts), _norm(value.step, hosts))
+        return (type(value).__name__, _norm(value.start, hosts, role), _norm(value.stop, hosts, role),
+                _norm(value.step, hosts, role))
     if value is Ellipsis:
         return "..."
     if isinstance(value, (types.FunctionType, types.MethodType, type)):
         return ("callable", getattr(value, "__qualname__", type(value).__name__))
+    if not type(value).__module__.startswith(_BY_TEXT) or type(value).__name__ in _RAW:  # itself, not its text
+        return ("obj", type(value).__name__, id(value))
     text = str(value)  # dtypes, places, enums: their text is their identity
     return ("obj", type(value).__name__, text if len(text) <= 80 else text[:80])
 
@@ -115,79 +114,157 @@ def _user_line():
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+_DATA_PTR = traced_ops.original(paddle.Tensor, "data_ptr") if hasattr(paddle.Tensor, "data_ptr") else None
+
+
+def _address(t):
+    """Where a GPU would read ``t`` (its data pointer), or None where Paddle does not say."""
+    try:
+        return _DATA_PTR(t) if _DATA_PTR is not None else None
+    except (RuntimeError, ValueError):  # not initialized
+        return None
+
+
+_GENERATED = ("eager_tmp", "generated_tensor", "tmp_")
+
+
+def _lasting_name(t):
+    """``t``'s name where Paddle did not make it up for a temporary (parameters, accumulators), else None."""
+    name = t.name
+    return None if not name or name.startswith(_GENERATED) else name
+
+
+def _ref(t):
+    try:
+        return weakref.ref(t)
+    except TypeError:
+        return lambda: t
+
+
 class OpTrace:
-    """While active, records ``(op, non-tensor arguments)`` of every Paddle op called.
+    """While active (on its thread), records every Paddle op called: its name, its non-tensor
+    arguments and the role of each tensor operand (NOTE [ The dataflow of a trace ]).
 
     Args:
         on_gpu: whether the step runs on a GPU (CPU tensors then count as host values).
         where: also record the user's line of each op (for messages; costs a frame walk per op).
+        inputs: the tensors that are input slot 0, 1, ... (the same slot across traces compared).
+        names: ``{id(tensor): name}`` of tensors to name in messages (parameters, buffers), or None.
+        identities: False records a tensor from outside as such, without which one it is (a
+            backward, whose tensors from outside are the forward's, new on every call).
+        keep_writes: copy each tensor from outside that an in-place op writes, before the op, so
+            that ``undo_writes()`` can put it back (a simulated replay that runs eagerly instead).
     """
 
-    def __init__(self, on_gpu=False, where=True):
+    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True, keep_writes=False):
         self.ops = []
         self.lines = []
         self.host_ops = []
+        self.objects = []  # [(weak reference, address, lasting name)] of the tensors from outside, by first read
         self._on_gpu = on_gpu
         self._where = where
-        self._patches = Patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py
+        self._names = names
         self._depth = 0
-        self._thread = threading.get_ident()  # the step's thread: other threads' ops are theirs
+        self._known = {id(t): (t, (_IN, k)) for k, t in enumerate(inputs)}
+        self._made = {}  # id -> (weak reference, role) of op outputs
+        self._seen = {}  # id -> index into objects
+        self._outer = None
+        self._identities = identities
+        self._written = {} if keep_writes else None
 
-    def _wrap(self, label, original):
-        trace = self
+    def _role(self, t):
+        key = id(t)
+        hit = self._made.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        hit = self._known.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if not self._identities:
+            return (_OBJ, -1)
+        n = self._seen.get(key)
+        if n is not None and self.objects[n][0]() is t:
+            return (_OBJ, n)
+        n = len(self.objects)
+        self.objects.append((_ref(t), _address(t), _lasting_name(t)))
+        self._seen[key] = n
+        return (_OBJ, n)
 
-        def traced(*args, **kwargs):
-            if trace._depth or threading.get_ident() != trace._thread:  # an op called by an op: one record
-                return original(*args, **kwargs)
-            hosts = _Hosts(trace._on_gpu)
-            trace.ops.append((label, _norm(args, hosts), _norm(kwargs, hosts) if kwargs else ()))
-            if trace._where:
-                trace.lines.append(_user_line())
-            if hosts:
-                trace.host_ops.append((len(trace.ops) - 1, label))
-            trace._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                trace._depth -= 1
+    def _made_by(self, j, out):
+        if isinstance(out, paddle.Tensor):
+            self._made[id(out)] = (_ref(out), (_OP, j, 0))
+        elif isinstance(out, (list, tuple)):
+            for k, t in enumerate(out):
+                if isinstance(t, paddle.Tensor):
+                    self._made[id(t)] = (_ref(t), (_OP, j, k))
 
-        return traced
+    def record(self, label, original, args, kwargs, see_inside=False):
+        """Runs ``original(*args, **kwargs)`` as the traced op ``label`` (NOTE [ Traced entry points ]
+        in guards/traced_ops.py); ``see_inside``: the ops it calls are traced too (PyLayer.apply)."""
+        if self._depth:  # an op called by an op: one record
+            return original(*args, **kwargs) if self._outer is None else self._outer.record(
+                label, original, args, kwargs, see_inside)
+        call = original if self._outer is None else functools.partial(self._outer.record, label, original)
+        hosts = _Hosts(self._on_gpu)
+        j = len(self.ops)
+        self.ops.append((label, _norm(args, hosts, self._role), _norm(kwargs, hosts, self._role) if kwargs else ()))
+        if self._written is not None and args and (label.endswith(_WRITES) or label in _WRITERS):
+            self._keep(args[0], self.ops[-1][1][0])
+        if self._where:
+            self.lines.append(_user_line())
+        if hosts:
+            self.host_ops.append((j, label))
+        self._depth += not see_inside
+        try:
+            out = call(*args, **kwargs) if self._outer is None else call(args, kwargs, see_inside)
+        finally:
+            self._depth -= not see_inside
+        self._made_by(j, out)
+        return out
+
+    def _keep(self, t, role):
+        if isinstance(t, paddle.Tensor) and role[0] == _OBJ and id(t) not in self._written:
+            with traced_ops.paused(), paddle.no_grad():
+                self._written[id(t)] = (t, t.clone())
+
+    def undo_writes(self):
+        """Puts back every tensor from outside that an in-place op wrote while the trace was open."""
+        with traced_ops.paused(), paddle.no_grad():
+            for t, saved in (self._written or {}).values():
+                t.copy_(saved, False)
+        self._written = {}
+
+    def note_result(self, consts):
+        """Records the Python values a call returned (numbers, strings) as one more entry."""
+        self.ops.append(("returned values", _norm(tuple(consts), None, self._role), ()))
+        if self._where:
+            self.lines.append(None)
 
     def __enter__(self):
-        # ~2000 wrappers: allocating them would trigger collections over Paddle's whole heap (~3 ms).
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            for prefix, module, names in _op_names():
-                own = module.__dict__
-                for name in names:
-                    original = own.get(name)
-                    if original is None:
-                        original = getattr(module, name)
-                    # Read now, not cached: another patch in force (DrawGuard) stays in force.
-                    self._patches.set(module, name, self._wrap(f"{prefix}.{name}", original))
-            for name in _TENSOR_OPERATORS:
-                original = paddle.Tensor.__dict__.get(name)
-                # A replacement that stands for a native operator (backends/simulated.py) is traced as it.
-                if original is not None and type(getattr(original, "__native__", original)).__name__ in _NATIVE:
-                    self._patches.set(paddle.Tensor, name, self._wrap(f"Tensor.{name}", original))
-            # ``t[i] = v`` runs in C++ (no _C_ops call): its index and scalar value are kernel arguments.
-            self._patches.set(paddle.Tensor, "__setitem__", self._wrap("Tensor.__setitem__", paddle.Tensor.__setitem__))
-            self._patches.set(paddle, "to_tensor", self._wrap("paddle.to_tensor", paddle.to_tensor))
-        except BaseException:
-            self._restore()
-            raise
-        finally:
-            if collecting:
-                gc.enable()
+        traced_ops.install()
+        self._outer = traced_ops.set_current(self)
         return self
 
-    def _restore(self):
-        self._patches.restore()
-
     def __exit__(self, *exc):
-        self._restore()
+        traced_ops.set_current(self._outer)
+        self._outer = None
+        self._made, self._seen, self._known = {}, {}, {}
         return False
+
+    def name_of(self, n):
+        """A readable name of outside tensor ``n`` (a parameter's name where known)."""
+        if n < 0:
+            return "a tensor from outside"
+        t = self.objects[n][0]()
+        if t is None:
+            return f"a tensor from outside (freed since)"
+        name = self._names.get(id(t)) if self._names else None
+        return name or f"a tensor from outside ({t.name}, shape {list(t.shape)})"
+
+    def requiring_grad(self):
+        """The tensors from outside that the trace read and that require grad (still alive)."""
+        found = [ref() for ref, _, _ in self.objects]
+        return [t for t in found if t is not None and not t.stop_gradient]
 
     def host_inputs(self):
         """``[(index, op, line)]`` of ops that read a host tensor (a CPU tensor on a GPU step, or
@@ -201,50 +278,6 @@ class _Hosts(list):
     def __init__(self, on_gpu):
         super().__init__()
         self.on_gpu = on_gpu
-
-
-def _show(value):
-    """A readable form of a normalised argument."""
-    if value == _TENSOR:
-        return "<tensor>"
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "f":
-        text = value[1]
-        return repr(float.fromhex(text)) if text.startswith(("0x", "-0x")) else text
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_show(v) for v in value) + ")"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _argument_difference(a, b):
-    """``"argument 2: 2.0 -> 3.0"`` for the first differing argument of one op in two traces."""
-    args_a, args_b = a[1], b[1]
-    if len(args_a) == len(args_b):
-        for k, (x, y) in enumerate(zip(args_a, args_b)):
-            if x != y:
-                return f"argument {k} {_show(x)} at the {{0}} and {_show(y)} at the {{1}}"
-    return f"keyword arguments {_show(a[2])} at the {{0}} and {_show(b[2])} at the {{1}}"
-
-
-def describe_trace_difference(before, after, before_name, after_name, lines=()):
-    """None when the two traces record the same ops with the same host values, else a sentence
-    naming the first difference (and the user's line, when ``lines`` of ``after`` or ``before``
-    are known)."""
-    if before.ops == after.ops:
-        return None
-    for i, (a, b) in enumerate(zip(before.ops, after.ops)):
-        if a != b:
-            where = (after.lines[i] if i < len(after.lines) else None) or (
-                before.lines[i] if i < len(before.lines) else None) or (lines[i] if i < len(lines) else None)
-            at = f" at {where}" if where else ""
-            if a[0] != b[0]:
-                return (f"op #{i} was {a[0]} at the {before_name} and {b[0]} at the {after_name}{at} (the code "
-                        "takes another branch)")
-            return f"op #{i} {a[0]}{at} got " + _argument_difference(a, b).format(before_name, after_name)
-    longer, name = (before, before_name) if len(before.ops) > len(after.ops) else (after, after_name)
-    i = min(len(before.ops), len(after.ops))
-    return (f"the {before_name} ran {len(before.ops)} ops and the {after_name} {len(after.ops)}; the first extra op "
-            f"at the {name} is {longer.ops[i][0]}")
 
 
 class BindingWatch:

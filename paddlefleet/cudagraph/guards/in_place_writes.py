@@ -26,6 +26,7 @@ refuses them as it refuses any other in-place write of an argument it copies.
 import paddle
 
 from .paddle_patches import Patches
+from .traced_ops import paused
 
 __all__ = ["InPlaceWrites", "VersionlessWrites"]
 
@@ -52,8 +53,7 @@ class InPlaceWrites:
     """While active, copies each tensor an in-place op is handed before the op runs (NOTE [ What
     a failed simulated capture may have written ] in step/reachable.py); ``restore()`` writes the copies back.
 
-    Entered outside the op trace (step/host_reads.OpTrace), whose wrappers then call these: the
-    copies are made inside a traced op and are not recorded as ops of the step."""
+    Its copies are made under ``traced_ops.paused()``: they are no ops of the function's trace."""
 
     def __init__(self):
         self._saved = {}
@@ -63,7 +63,7 @@ class InPlaceWrites:
     def _save(self, value):
         if isinstance(value, paddle.Tensor):
             if id(value) not in self._saved and value._is_initialized():
-                with paddle.no_grad():
+                with paddle.no_grad(), paused():  # a copy of ours, no op of the function's trace
                     self._saved[id(value)] = (value, value.clone())
         elif isinstance(value, (list, tuple)):
             for v in value:

@@ -45,6 +45,7 @@ import paddle
 
 from ..errors import CaptureError
 from .paddle_patches import Patches, install_for_process
+from .traced_ops import paused
 
 __all__ = ["install", "AttrWatch", "LayerRecorder", "SlotWatch", "StampedDict", "layers_with_sublayers"]
 
@@ -317,8 +318,9 @@ class LayerRecorder:
             if id(layer) not in recorder._seen:
                 recorder._seen.add(id(layer))
                 recorder.layers.append(layer)
-                recorder._snapshot.add(layer)
-                recorder._watch.add(layer)
+                with paused():  # the snapshot's copies are no ops of the function's trace
+                    recorder._snapshot.add(layer)
+                    recorder._watch.add(layer)
             return original(layer, *args, **kwargs)
 
         self._patches.set(paddle.nn.Layer, "__call__", recording_call)

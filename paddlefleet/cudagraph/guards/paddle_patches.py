@@ -26,12 +26,14 @@ import contextlib
 import threading
 
 __all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "on_first_wrapper_with",
-           "install_process_patches", "process_patches_installed"]
+           "install_process_patches", "process_patches_installed", "temporarily_patched", "unpatched", "install_beneath"]
 
 _MISSING = object()
 # The install functions of the process-wide patches, in order, and whether they ran.
 _PROCESS = {"installs": [], "installed": False, "by_option": {}, "options_installed": set()}
 _PROCESS_LOCK = threading.Lock()
+# (id(owner), name) -> the Patches that hold that attribute replaced now, first first.
+_HELD = {}
 
 
 class Patches:
@@ -45,10 +47,17 @@ class Patches:
         """Replaces ``owner.name`` with ``replacement`` until restore()."""
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, replacement)
+        _HELD.setdefault((id(owner), name), []).append(self)
 
     def restore(self):
         saved, self._saved = self._saved, []
         for owner, name, own in reversed(saved):
+            key = (id(owner), name)
+            holders = _HELD.get(key, [])
+            if self in holders:
+                holders.remove(self)
+            if not holders:
+                _HELD.pop(key, None)
             if own is _MISSING:
                 if name in owner.__dict__:
                     delattr(owner, name)
@@ -73,6 +82,35 @@ def patched(*replacements):
         yield patches
     finally:
         patches.restore()
+
+
+def temporarily_patched(owner, name):
+    """Whether a ``Patches`` holds ``owner.name`` replaced now."""
+    return (id(owner), name) in _HELD
+
+
+def unpatched(owner, name):
+    """What ``owner.name`` is beneath every temporary patch in force now (what it is when none is)."""
+    holders = _HELD.get((id(owner), name))
+    if holders:
+        for own_owner, own_name, own in holders[0]._saved:
+            if own_owner is owner and own_name == name and own is not _MISSING:
+                return own
+    return owner.__dict__.get(name, getattr(owner, name, None))
+
+
+def install_beneath(owner, name, replacement):
+    """``install_for_process``, where a temporary patch may be in force: the replacement goes beneath
+    it (the patch's restore puts the replacement back, not what it replaced)."""
+    holders = _HELD.get((id(owner), name))
+    if not holders:
+        setattr(owner, name, replacement)
+        return
+    saved = holders[0]._saved
+    for k, (own_owner, own_name, own) in enumerate(saved):
+        if own_owner is owner and own_name == name:
+            saved[k] = (owner, name, replacement)
+            return
 
 
 def install_for_process(owner, name, replacement):

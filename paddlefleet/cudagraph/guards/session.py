@@ -110,11 +110,18 @@ class CaptureSession:
     def function_run(self):
         """Around each run of the function inside the graph (the capture run and a simulated
         replay): the capture run's in-place writes copied (outside the trace, so the copies are no
-        ops of it) and the targets of ``copy_``/``set_value`` noted, the ops traced; the trace goes into the record when the run returns."""
+        ops of it) and the targets of ``copy_``/``set_value`` noted, the ops traced. Yields the run's
+        OpTrace (None when untraced); the capture run's goes into the record as ``trace`` when the run
+        returns, a replay's as ``replayed``. ``keep_writes`` in the trace's arguments: a replay's trace
+        keeps what the run wrote in place, so that a replay found to differ can undo it."""
         first = "trace" not in self.record
         writes = self.writes if first and self.writes is not None else contextlib.nullcontext()
         versionless = self.versionless if first else contextlib.nullcontext()  # copy_/set_value targets noted
-        trace = OpTrace(**{"where": first, **self._trace}) if self._trace is not None else None
+        trace = None
+        if self._trace is not None:
+            kwargs = dict(self._trace)
+            keep = kwargs.pop("keep_writes", False) and not first
+            trace = OpTrace(**{"where": first, **kwargs, **({"keep_writes": True} if keep else {})})
         with writes, versionless, trace if trace is not None else contextlib.nullcontext():
-            yield
+            yield trace
         self.record["trace" if first else "replayed"] = trace

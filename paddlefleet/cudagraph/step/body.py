@@ -27,6 +27,7 @@ from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
 from ..guards.host_reads import BindingWatch, OpTrace
+from ..guards.traced_ops import install as install_traced_ops
 from ..core.layers import CAPTURE_LOCK
 from ..guards.layer_attrs import LayerRecorder
 from ..guards.refusals import FREED_GRADS
@@ -138,8 +139,9 @@ class StepBody(Body):
             if not any(o is opt for o in self.optimizers):
                 self._unlisted.setdefault(id(opt), opt)
 
+        install_traced_ops()  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
         with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
-                on_gpu=entry.backend.cpu_is_host) as trace, watch_steps(on_step):
+                on_gpu=entry.backend.cpu_is_host, inputs=call.tensors) as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
         warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)

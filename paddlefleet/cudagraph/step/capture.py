@@ -182,7 +182,7 @@ class StepCapture:
         # (its capture is checked against its last warmup step), and it draws in its own backward.
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
         session = CaptureSession(self.backend, watch, NO_WATCH, backward=True,
-                                 trace={"on_gpu": self.on_gpu, "always": True},
+                                 trace={"on_gpu": self.on_gpu, "always": True, "inputs": static.buffers},
                                  guards=(_refuse_paddle_scaler(), watch_steps(on_step), tag_learning_rates(), writes))
         graphs.live = live = session.record
         body._feed(self.warm.stepped)
@@ -202,6 +202,7 @@ class StepCapture:
         graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
         graphs.trace = live["trace"] if self.backend.replays_python else None
+        graphs.read_leaves = live["trace"].requiring_grad()  # NOTE [ Step replay checks ] in step/replay_checks.py
         graphs.bindings = body._bindings.snapshot()
         graphs.params = [(p, p.data_ptr()) for opt in body.optimizers for p in optimizer_params(opt)]
         body._after_host_run(live["record"])

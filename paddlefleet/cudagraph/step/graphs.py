@@ -38,6 +38,7 @@ class StepGraphs(Graphs):
             before replays (in persistent mode: the grad storage the graph adds into).
         params: ``[(param, address)]`` the graph updates in place.
         bindings: the step function's globals/closure at capture; trace: the capture's ops.
+        read_leaves: the tensors requiring grad that the capture read from outside (stop_gradient checked).
         pending: the capture call's result when the capture executed the step (simulate).
         live: what the capture run made and the graph keeps reading.
     """
@@ -50,6 +51,7 @@ class StepGraphs(Graphs):
     out_spec: Any = None
     out_consts: Optional[list] = None
     layers: list = dataclasses.field(default_factory=list)
+    read_leaves: list = dataclasses.field(default_factory=list)
     grad_mode: str = CLOSED
     watched: list = dataclasses.field(default_factory=list)
     params: list = dataclasses.field(default_factory=list)

@@ -45,6 +45,7 @@ import paddle
 from ..guards.host_marks import is_marked_host, mark_host
 from ..guards.paddle_patches import Patches
 from ..errors import CaptureError
+from ..guards.traced_ops import paused
 
 __all__ = [
     "inner_optimizer",
@@ -137,7 +138,7 @@ class LRFeed:
     def prepare(self):
         """What ``commit()`` would write now (a host tensor and the value), or None when the
         tensor already holds the rate or does not exist yet. Makes no Paddle op on the device:
-        ``commit()`` is then one copy, which the op trace does not record."""
+        ``commit()`` is then one copy, made where the op trace does not record it."""
         t = self.opt._global_learning_rate()
         if t is None:  # before the first step: the step creates and fills it itself
             return None
@@ -158,7 +159,7 @@ class LRFeed:
     def commit(self, pending):
         host, value, self._written = pending
         self._value, self._seen = value.hex(), value
-        with paddle.no_grad():
+        with paddle.no_grad(), paused():  # the package's write of the rate: no op of the step's trace
             self._tensor.copy_(host, False)
 
     def forget(self):

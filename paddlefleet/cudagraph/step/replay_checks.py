@@ -7,8 +7,9 @@ the step function rebound, was a parameter the optimizers update replaced or mov
 call pass another tensor where the graph reads an adopted one in place (NOTE [ Adopted inputs of
 a step ] in step/capture.py), did the grads change between calls (closed mode: a backward or clear
 outside the step), was the grad storage the graph adds into released (persistent mode), was a
-parameter the step reaches (its Layers' and its optimizers') frozen or unfrozen (``stop_gradient``:
-the graph would keep computing and applying the capture's grads), or did a plain attribute of a
+parameter the step reaches (its Layers' and its optimizers') or a tensor requiring grad that the
+capture read from outside them (a closure's, a global's: the capture's op trace names them) frozen or
+unfrozen (``stop_gradient``: the graph would keep computing and applying the capture's grads), or did a plain attribute of a
 Layer the step called change (NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py)? These
 answers cost host time on every call, and a replayed step should cost little more than the graph
 launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
@@ -64,6 +65,7 @@ class ReplayChecks:
         layers = layers_with_sublayers(getattr(graphs, "layers", None) or [])
         reached = {id(p): p for _, layer in layers for p in layer.parameters(include_sublayers=False)}
         reached.update((id(p), p) for p in self._params)
+        reached.update((id(t), t) for t in getattr(graphs, "read_leaves", ()))  # a closure's tensor too
         self._reached = tuple(reached.values())
         self._frozen = list(map(_stop_gradient, self._reached))
         self._attrs = AttrWatch(layers) if layers else None
@@ -111,8 +113,9 @@ class ReplayChecks:
             if p.stop_gradient != was:
                 change = "frozen (stop_gradient False -> True)" if was is False else \
                     "unfrozen (stop_gradient True -> False)"
-                return Blocked(Action.REWARM, f"parameter {p.name} was {change} since capture", (
-                    f"parameter {p.name} was {change} since the step was captured. The graph "
+                what = "parameter" if hasattr(p, "trainable") else "tensor"  # a closure's tensor is no Parameter
+                return Blocked(Action.REWARM, f"{what} {p.name} was {change} since capture", (
+                    f"{what} {p.name} was {change} since the step was captured. The graph "
                     "computes and applies the grads the capture computed, so the key warms up and is captured "
                     "again."))
         return None

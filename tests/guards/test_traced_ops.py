@@ -1,0 +1,107 @@
+"""Every attribute of paddle.Tensor that Paddle binds in C++ is traced, refused or harmless
+(NOTE [ Traced entry points ] in guards/traced_ops.py), enumerated on the Paddle under test: a
+Paddle that grows an unclassified method fails here until it is classified."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import unittest
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph.errors import CaptureError
+from paddlefleet.cudagraph.backends.simulated import refuse_host_sync
+from paddlefleet.cudagraph.guards import traced_ops
+from paddlefleet.cudagraph.guards.host_reads import OpTrace
+
+
+class TracedOpsTest(unittest.TestCase):
+    def setUp(self):
+        traced_ops.install()
+
+    def test_every_native_attribute_is_traced_refused_or_harmless(self):
+        native = traced_ops.native_tensor_attributes()
+        self.assertIn("_getitem_dygraph", native)  # x[k]'s C++ entry on both Paddles
+        traced = set(traced_ops.traced_tensor_methods())
+        for name in native:
+            kinds = [name in traced, name in traced_ops.REFUSED, name in traced_ops.HARMLESS]
+            self.assertEqual(sum(kinds), 1, f"paddle.Tensor.{name} ({native[name]}) is traced, refused, harmless: "
+                             f"{kinds}; classify it in guards/traced_ops.py")
+        for table in (traced_ops.REFUSED, traced_ops.HARMLESS):
+            for name, reason in table.items():
+                self.assertTrue(reason, name)
+
+    def test_each_traced_attribute_is_wrapped_and_records_a_call(self):
+        for name in traced_ops.traced_tensor_methods():
+            value = paddle.Tensor.__dict__[name]
+            self.assertTrue(isinstance(value, property) or hasattr(value, "__native__"),
+                            f"paddle.Tensor.{name} is not wrapped: {value!r}")
+        x = paddle.arange(6, dtype="float32").reshape([2, 3])
+        with OpTrace() as trace:
+            x[1]
+            x.clone()
+            x.detach()
+        labels = [op[0] for op in trace.ops]
+        self.assertEqual(labels, ["Tensor.__getitem__", "Tensor.clone", "Tensor.detach"])
+
+    def test_refused_methods_are_refused_inside_a_capture(self):
+        x = paddle.ones([1])
+        for name in traced_ops.REFUSED:
+            if name == "__init__":  # Paddle 2.6's C constructor is left alone (host_guard.constructor_guarded)
+                if _constructor_guarded():
+                    with refuse_host_sync(), self.assertRaises(CaptureError):
+                        paddle.Tensor(np.ones([1], dtype="float32"))
+                continue
+            if getattr(paddle.Tensor, name, None) is None:
+                continue
+            with self.subTest(name=name), refuse_host_sync(), self.assertRaises(CaptureError):
+                getattr(paddle.Tensor, name)(x) if name != "__format__" else format(x, "")
+
+    def test_untraced_threads_and_paused_blocks_record_nothing(self):
+        x = paddle.ones([2])
+        with OpTrace() as trace:
+            with traced_ops.paused():
+                x.clone()
+            y = x * 2.0
+        self.assertEqual([op[0] for op in trace.ops], ["Tensor.__mul__"])
+        self.assertIsNone(traced_ops.current())
+        self.assertIsNotNone(y)
+
+
+class InstallUnderAPatchTest(unittest.TestCase):
+    def test_installed_while_another_patch_is_in_force_it_goes_beneath(self):
+        """A first capture while another thread's capture holds a temporary patch: the trace's wrapper
+        goes beneath it, and is what the patch's restore puts back (a fresh process: installs once)."""
+        script = textwrap.dedent("""
+            import paddle
+            from paddlefleet.cudagraph.guards.paddle_patches import Patches
+            from paddlefleet.cudagraph.guards import traced_ops
+            from paddlefleet.cudagraph.guards.host_reads import OpTrace
+            orig = paddle._C_ops.matmul
+            with Patches() as p:
+                p.set(paddle._C_ops, "matmul", lambda *a, **k: orig(*a, **k))
+                traced_ops.install()
+            x = paddle.ones([2, 2])
+            with OpTrace() as t:
+                paddle._C_ops.matmul(x, x, False, False)
+            assert [o[0] for o in t.ops] == ["_C_ops.matmul"], t.ops
+            assert traced_ops.original(paddle._C_ops, "matmul") is orig
+            print("ok")
+        """)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        self.assertIn("ok", done.stdout)
+
+
+def _constructor_guarded():
+    from paddlefleet.cudagraph.guards.host_guard import constructor_guarded
+
+    return constructor_guarded()
+
+
+if __name__ == "__main__":
+    unittest.main()

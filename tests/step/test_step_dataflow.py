@@ -1,0 +1,200 @@
+"""A whole step watches what the model's forward reads, not only the step function's names.
+
+On the simulated backend every replay's op trace is compared with the capture's by dataflow (NOTE
+[ The dataflow of a trace ] in guards/host_reads.py): two used parameters swapped, a global tensor
+the model's forward reads rebound, a table row picked by a config int run eagerly from that step on,
+bitwise against eager. On every backend the tensors requiring grad that the capture read from
+outside (a closure tensor that is no Parameter) have their ``stop_gradient`` checked before every
+replay (NOTE [ Step replay checks ] in step/replay_checks.py): freezing one warms the step up and
+captures it again. That case is matmul-only (MatmulOnlyCase: tools/gpu_check.py runs it on a GPU).
+"""
+
+import unittest
+import warnings
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import autocudagraph_step
+from testkit.common import host_tensor
+from testkit.differential import Trainee, differential_run
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, normal
+
+MASK = {"t": None}
+
+
+class SkippingSGD:
+    """SGD from matmuls and copies that leaves tensors without a grad alone (NOTE [ SGD from matmuls ]
+    in testkit/step_gpu.py)."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self._stacked = [host_tensor(np.zeros((2 * p.shape[0], p.shape[1]), "float32")) for p in self.params]
+        self._update = [host_tensor(np.hstack([np.eye(p.shape[0]), -lr * np.eye(p.shape[0])]).astype("float32"))
+                        for p in self.params]
+
+    def step(self):
+        with paddle.no_grad():
+            for p, stacked, update in zip(self.params, self._stacked, self._update):
+                if p.grad is None:
+                    continue
+                n = p.shape[0]
+                stacked._slice(0, n).copy_(p, False)
+                stacked._slice(n, 2 * n).copy_(p.grad, False)
+                p.copy_(paddle.matmul(update, stacked), False)
+
+    def clear_grad(self):
+        for p in self.params:
+            p.clear_gradient(False)
+
+
+class _Box:
+    """Holds the step's closure tensor for the twins' state comparison."""
+
+
+class Pair(paddle.nn.Layer):
+    """``x @ order[0] @ order[1]`` (a list attribute changed in place is no Layer attribute change),
+    then ``@ MASK["t"]`` (a module global) when set."""
+
+    def __init__(self, seed):
+        super().__init__()
+        draw = normal(seed)
+        self.w1 = self.create_parameter([8, 8], default_initializer=paddle.nn.initializer.Assign(draw(8, 8)))
+        self.w2 = self.create_parameter([8, 8], default_initializer=paddle.nn.initializer.Assign(draw(8, 8)))
+        self.order = [self.w1, self.w2]
+
+    def forward(self, x):
+        y = paddle.matmul(paddle.matmul(x, self.order[0]), self.order[1])
+        return y if MASK["t"] is None else paddle.matmul(y, MASK["t"])
+
+
+class _Steps:
+    def build(self, extra=None):
+        def make():
+            model = Pair(5)
+            tensors = list(model.parameters()) + ([extra()] if extra is not None else [])
+            opt = SkippingSGD(tensors, 0.125)
+
+            def step(x, dy):
+                y = model(x)
+                if extra is not None:
+                    y = paddle.matmul(y, tensors[-1])
+                y.backward(dy)
+                opt.step()
+                opt.clear_grad()
+                return y
+
+            box = _Box()
+            box.w = tensors[-1] if extra is not None else None
+            return Trainee(step, {"model": model, "box": box})
+
+        return make
+
+    def run_steps(self, make, steps, change):
+        wrappers = []
+
+        def graph(trainee):
+            wrappers.append(autocudagraph_step(trainee.step, optimizers=[], warmup_steps=1, backend=self.backend))
+            return wrappers[0]
+
+        def after_step(i, eager, graphed):
+            change(i, eager.objects)
+            change(i, graphed.objects)
+
+        draw = normal(11)
+        batches = [(host_tensor(draw(4, 8)), host_tensor(draw(4, 8))) for _ in range(steps)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            differential_run(make, batches, graph, after_step=after_step)
+        return wrappers[0], [str(w.message) for w in caught]
+
+
+class SimulatedStepDataflowTest(_Steps, BackendCase):
+    backend = "simulate"
+
+    def tearDown(self):
+        MASK["t"] = None
+        super().tearDown()
+
+    def test_two_used_parameters_swapped(self):
+        def change(i, objects):
+            if i == 2:
+                objects["model"].order.reverse()
+
+        step, messages = self.run_steps(self.build(), 5, change)
+        self.assertIn("fell back", step.explain())
+        self.assertTrue(any("_C_ops.matmul" in m and "another tensor" in m for m in messages), messages)
+
+    def test_a_global_tensor_read_by_the_models_forward_rebound(self):
+        draw = normal(3)
+        MASK["t"] = host_tensor(draw(8, 8))
+
+        def change(i, objects):
+            if i == 2 and objects is not None:
+                MASK["t"] = host_tensor(draw(8, 8))
+
+        # One global serves both twins: rebinding it once (after the eager twin's change) is enough.
+        calls = []
+
+        def once(i, objects):
+            calls.append(i)
+            if len(calls) % 2 == 0:
+                change(i, objects)
+
+        step, messages = self.run_steps(self.build(), 5, once)
+        self.assertIn("fell back", step.explain())
+        self.assertTrue(any("another tensor" in m for m in messages), messages)
+
+    def test_a_table_row_picked_by_a_config_int(self):
+        cfg = {"t": 0}
+        table = paddle.to_tensor(normal(4)(3, 8, 8).astype("float32"))
+
+        def make():
+            model = Pair(6)
+            opt = SkippingSGD(list(model.parameters()), 0.125)
+
+            def step(x, dy):
+                y = paddle.matmul(model(x), table[cfg["t"]])
+                y.backward(dy)
+                opt.step()
+                opt.clear_grad()
+                return y
+
+            return Trainee(step, {"model": model})
+
+        calls = []
+
+        def change(i, objects):
+            calls.append(i)
+            if i == 2:
+                cfg["t"] = 2
+
+        step, messages = self.run_steps(make, 5, change)
+        self.assertIn("fell back", step.explain())
+        self.assertTrue(any("Tensor.__getitem__" in m for m in messages), messages)
+
+
+@for_each_backend
+class OutsideTensorFrozenTest(_Steps, MatmulOnlyCase):
+    def test_freezing_a_closure_tensor_that_is_no_parameter_captures_the_step_again(self):
+        """``w.stop_gradient = True`` on a tensor the step reads from its closure (no Parameter of any
+        Layer) after step 2: a replay would keep computing and applying its grad; the step warms up
+        and is captured again, bitwise against eager after every step."""
+        values = normal(8)(8, 8)
+
+        def extra():
+            w = host_tensor(values)
+            w.stop_gradient = False
+            return w
+
+        def change(i, objects):
+            if i == 2:
+                objects["box"].w.stop_gradient = True
+
+        step, messages = self.run_steps(self.build(extra), 6, change)
+        self.assertCounters(step, captures=2, replays=2, eager=0)
+        self.assertTrue(any("was frozen (stop_gradient False -> True)" in m for m in messages), messages)
+
+
+if __name__ == "__main__":
+    unittest.main()
