@@ -122,7 +122,7 @@ class SimulatedStepDataflowTest(_Steps, BackendCase):
                 objects["model"].order.reverse()
 
         step, messages = self.run_steps(self.build(), 5, change)
-        self.assertIn("fell back", step.explain())
+        self.assertIn("eager from now on", step.explain())
         self.assertTrue(any("_C_ops.matmul" in m and "another tensor" in m for m in messages), messages)
 
     def test_a_global_tensor_read_by_the_models_forward_rebound(self):
@@ -142,7 +142,7 @@ class SimulatedStepDataflowTest(_Steps, BackendCase):
                 change(i, objects)
 
         step, messages = self.run_steps(self.build(), 5, once)
-        self.assertIn("fell back", step.explain())
+        self.assertIn("eager from now on", step.explain())
         self.assertTrue(any("another tensor" in m for m in messages), messages)
 
     def test_a_table_row_picked_by_a_config_int(self):
@@ -170,7 +170,7 @@ class SimulatedStepDataflowTest(_Steps, BackendCase):
                 cfg["t"] = 2
 
         step, messages = self.run_steps(make, 5, change)
-        self.assertIn("fell back", step.explain())
+        self.assertIn("eager from now on", step.explain())
         self.assertTrue(any("Tensor.__getitem__" in m for m in messages), messages)
 
 
