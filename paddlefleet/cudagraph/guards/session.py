@@ -23,10 +23,11 @@ the replay's check: NOTE [ Values a simulated replay reads ] in block/replay_fal
 
 import contextlib
 
+from .attr_writes import AttrWrites
 from .double_backward import refuse_create_graph
 from .host_reads import OpTrace
 from .in_place_writes import VersionlessWrites
-from .layer_attrs import LayerRecorder
+from .layer_attrs import LayerRecorder, layers_with_sublayers
 from .rng import DrawGuard
 
 __all__ = ["CaptureRecord", "CaptureSession"]
@@ -92,18 +93,25 @@ class CaptureSession:
     def capture(self, graph, body, hooks):
         """``graph.capture(body, hooks)`` under the session's guards, then the checks; returns what
         the capture returned (raises CaptureError from the first guard that refuses)."""
-        with contextlib.ExitStack() as stack:
-            if self.recorder is not None:
-                stack.enter_context(self.recorder)
-            stack.enter_context(self._draws)
-            if self._double_backward:  # NOTE [ Double backward inside a graphed function ]
-                stack.enter_context(refuse_create_graph())
-            for guard in self._guards:
-                stack.enter_context(guard)
-            outputs = graph.capture(body, hooks)
-        if self._watch is not None:
-            self._watch.check()
-        self._draws.check()  # NOTE [ Random draws seen from generator state ] in guards/rng.py
+        writes = AttrWrites()  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.recorder is not None:
+                    stack.enter_context(self.recorder)
+                stack.enter_context(self._draws)
+                if self._double_backward:  # NOTE [ Double backward inside a graphed function ]
+                    stack.enter_context(refuse_create_graph())
+                for guard in self._guards:
+                    stack.enter_context(guard)
+                stack.enter_context(writes)
+                outputs = graph.capture(body, hooks)
+            if self._watch is not None:
+                self._watch.check()
+            writes.check(layers=layers_with_sublayers(self.layers))
+            self._draws.check()  # NOTE [ Random draws seen from generator state ] in guards/rng.py
+        except BaseException as err:
+            writes.failed(err)
+            raise
         return outputs
 
     @contextlib.contextmanager
