@@ -101,6 +101,7 @@ class GraphEntry:
     chain_note: str = ""
     eager_if_slower: bool = False
     attr_streak: Any = None  # ((where, attribute), replays then, values seen): NOTE [ Attributes that change on every call ]
+    attr_written: Any = None  # (where, attribute) its last refused capture changed: NOTE [ Attributes a capture writes ]
 
     def __post_init__(self):
         if self.host_cost is None:
@@ -164,6 +165,7 @@ class GraphEntry:
         self.graphs = graphs
         self.phase = Phase.REPLAY
         self.captures += 1
+        self.attr_written = None
         self.verify_left = verify_replays
 
     def slot_added(self):

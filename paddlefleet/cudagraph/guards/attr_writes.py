@@ -12,14 +12,19 @@ patch of layer_attrs hands it each write before it happens, and the first write 
 ``(Layer, attribute)`` keeps the value held before (the instance's, a parameter, buffer or
 sublayer slot's, or the class attribute's) and the user's line. After the capture a value that
 differs from the one held before is refused (``ATTR_WRITTEN``) on every backend; the simulated
-backend, whose replays re-run the Python, refuses it too, since a GPU would freeze it.
+backend, whose replays re-run the Python, refuses it too, since a GPU would freeze it. A value
+made once cannot be told from a per-call write by one capture (a lazy attribute first made by the
+capture call, with ``warmup_steps=0`` or after a cache was reset between calls; Paddle's
+``BatchNorm1D`` sets its ``_data_format`` on its first call): so the first such refusal of a key
+only warms it up again (the call runs eagerly, as a warmup call; core/lifecycle.py), and the key
+is refused for good when its next capture changes the same attribute again (a successful capture
+forgets it).
 
 Compared by value: None, bools, numbers, strings, bytes, numpy scalars and dtypes, Paddle dtypes,
 enums, and tuples, lists and dicts of them (same types); anything else (a tensor, a Layer, an
 object) by identity: ``self.last = out`` assigns a new tensor on every call. So an idempotent
 cache (``self._shape = tuple(x.shape)`` on every call) and a lazy attribute made in a warmup call
-(written once, then equal or not written) are captured; a lazy attribute first made by the capture
-call itself (``warmup_steps=0``) is refused, as it cannot be told from a per-call write. Writes of
+(written once, then equal or not written) are captured. Writes of
 Paddle's own bookkeeping (``_INTERNAL``) and of a Layer made during the capture (its
 ``__init__`` writes; ``nn.ReLU()(x)`` in a forward) are not compared. A capture that fails or is
 refused puts every recorded attribute back as it was before (the call then runs eagerly and
@@ -38,7 +43,7 @@ from . import layer_attrs
 from .location import user_call_site
 from .refusals import ATTR_WRITTEN
 
-__all__ = ["AttrWrites", "same_value"]
+__all__ = ["AttrWrites", "same_value", "written"]
 
 _MISSING = object()
 _SLOTS = ("_parameters", "_buffers", "_sub_layers")
@@ -65,6 +70,13 @@ def same_value(old, new):
         except Exception:
             return False
     return False
+
+
+def written(err, where, name):
+    """``err`` marked with the attribute its capture changed: the key warms up again once for it
+    (NOTE [ Attributes a capture writes ])."""
+    err.attribute = (where, name)
+    return err
 
 
 def _held(layer, name):
@@ -159,12 +171,12 @@ class AttrWrites:
         layer, name, old, new, line = found
         self.undo()
         where = next((n for n, l in layers if l is layer), type(layer).__name__)
-        raise ATTR_WRITTEN.error(
+        raise written(ATTR_WRITTEN.error(
             f"autocudagraph: {what} changes attribute '{name}' of {where} ({_show(old)} -> {_show(new)}, at {line}). "
             f"A graph replays its kernels without running Python, so every replay would leave '{name}' at "
             f"{_show(new)} while eager changes it on every call. Keep such state outside the graphed function "
             "(count after the call returns), or keep the value in a tensor buffer updated in place "
-            f"(register_buffer, then paddle.assign(new, output=self.<buffer>)), which a graph replays.")
+            f"(register_buffer, then paddle.assign(new, output=self.<buffer>)), which a graph replays."), where, name)
 
     def failed(self, err):
         """After the capture raised ``err``: undo the writes unless the function raised it itself."""

@@ -365,10 +365,12 @@ class SlotWatch:
         if changed:
             layer, kind, name, _ = changed[0]
             what = "buffer" if kind == "_buffers" else "parameter"
-            raise ATTR_WRITTEN.error(  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
+            err = ATTR_WRITTEN.error(  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
                 f"autocudagraph: the function changes attribute '{name}' of {type(layer).__name__}: it rebinds "
                 f"{what} '{name}' to a new tensor (e.g. self.x = self.x + 1, self.last = out). A graph keeps "
                 "using the tensor it captured, so the Layer would never see the update. Keep such state outside "
                 f"the graphed function, or update it in place (paddle.assign(new, output=self.{name}) or "
                 f"self.{name}.set_value(new))."
             )
+            err.attribute = (type(layer).__name__, name)
+            raise err

@@ -177,7 +177,8 @@ REFUSALS = (
         "(a value written equal, `self._shape = tuple(x.shape)`, and one made once in a warmup call are "
         "captured; one changed between calls, outside the function, captures the key again)",
         "refused in Python after the capture: a replay runs no Python, so the attribute would keep its "
-        "capture's value while eager's changes on every call",
+        "capture's value while eager's changes on every call (a key's first such capture only warms it up "
+        "again: a value made once, a lazy attribute, is left alone by the next capture)",
         "refused the same way (its replays, which re-run the function, would change it; the capture's writes "
         "are put back before the call runs eagerly)",
         "changes attribute", "Keep such state outside the graphed function"),
