@@ -367,7 +367,7 @@ class SlotWatch:
             what = "buffer" if kind == "_buffers" else "parameter"
             err = ATTR_WRITTEN.error(  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
                 f"autocudagraph: the function changes attribute '{name}' of {type(layer).__name__}: it rebinds "
-                f"{what} '{name}' to a new tensor (e.g. self.x = self.x + 1, self.last = out). A graph keeps "
+                f"{what} '{name}' of {type(layer).__name__} to a new tensor (e.g. self.x = self.x + 1, self.last = out). A graph keeps "
                 "using the tensor it captured, so the Layer would never see the update. Keep such state outside "
                 f"the graphed function, or update it in place (paddle.assign(new, output=self.{name}) or "
                 f"self.{name}.set_value(new))."
