@@ -35,6 +35,7 @@ change on every call ] in core/entry.py).
 """
 
 import enum
+import threading
 
 import numpy as np
 import paddle
@@ -127,8 +128,10 @@ class AttrWrites:
         self._first = {}  # (id(layer), name) -> (layer, name, where, value before, user's line)
         self._made = {}  # id -> Layer made during the capture (kept alive so that ids stay unique)
         self._outer = None
+        self._thread = None
 
     def __enter__(self):
+        self._thread = threading.get_ident()  # writes of other threads are not the capture's
         self._outer = layer_attrs.record_writes(self)
         return self
 
@@ -141,7 +144,8 @@ class AttrWrites:
         if self._outer is not None:
             self._outer.note(layer, name)
         key = (id(layer), name)
-        if key in self._first or id(layer) in self._made or name in layer_attrs.INTERNAL:
+        if threading.get_ident() != self._thread or key in self._first or id(layer) in self._made or (
+                name in layer_attrs.INTERNAL):
             return
         if "_parameters" not in layer.__dict__:  # Layer.__init__ runs now: a Layer made by this call
             self._made[id(layer)] = layer
