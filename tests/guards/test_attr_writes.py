@@ -68,6 +68,16 @@ class AttrWritesTest(unittest.TestCase):
         self.assertIs(layer._buffers["steps"], steps)
         self.assertFalse(hasattr(layer, "fresh"))
 
+    def test_a_tensor_is_named_by_its_shape_never_its_values(self):
+        layer = WithDefault()
+        layer.last = None
+        with AttrWrites() as writes:
+            layer.last = paddle.ones([4, 8])
+        with self.assertRaises(CaptureError) as raised:
+            writes.check()
+        self.assertIn("(None -> a float32 tensor of shape [4, 8] (id 0x", str(raised.exception))
+        self.assertIsNone(layer.last)
+
     def test_values_written_equal_pass(self):
         layer = WithDefault()
         with AttrWrites() as writes:

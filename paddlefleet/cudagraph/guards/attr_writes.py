@@ -116,6 +116,10 @@ def _put_back(layer, name, where, value):
 def _show(value):
     if value is _MISSING:
         return "(not set)"
+    if isinstance(value, paddle.Tensor):  # never its values: a recording capture's outputs hold none yet
+        return f"a {str(value.dtype).replace('paddle.', '')} tensor of shape {list(value.shape)} (id {id(value):#x})"
+    if isinstance(value, paddle.nn.Layer):
+        return f"a {type(value).__name__} (id {id(value):#x})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
