@@ -5,15 +5,16 @@ NOTE [ One capture session ]
 What a capture touched is one concept: the Layers it called (``LayerRecorder``) and the slots they
 must not rebind (``SlotWatch``), the random numbers it drew (``DrawGuard``), a double backward
 (``refuse_create_graph``), the tensors it wrote in place (``InPlaceWrites``) and the ops it ran with
-their host values (``OpTrace``). A block's forward capture and a whole step's capture open them
-through one ``CaptureSession``; what differs is asked for, not composed anew: a step draws in its
+their host values (``OpTrace``), the Layer attributes it wrote (``AttrWrites``). A block's forward
+capture and a whole step's capture open them through one ``CaptureSession``; what differs is asked for, not composed anew: a step draws in its
 own backward (``backward=True``) and refuses what only a step can do (``guards``: Paddle's
 GradScaler, optimizers outside ``optimizers=``), a block refuses a double backward. Host reads,
 raw tensors and value-dependent shapes are refused by the graph itself, inside the capture (on a
 GPU between begin and end of the stream capture): ``Backend.guard`` gives each backend's guard.
 What a backend's capture does differently is the backend's (``Backend.replays_python``): a
 capture that runs the function copies its in-place writes and traces its ops, a recording one
-does neither. The checks run once, after the graph's capture: a rebound slot, then a draw.
+does neither. The checks run once, after the graph's capture: a rebound slot, a changed Layer
+attribute, then a draw; a capture that fails puts the attributes it wrote back.
 
 The record (``CaptureRecord``) is built once per capture, by the function's runs inside it:
 ``outputs`` and ``spec`` of the latest run (a simulated backward differentiates the latest
