@@ -13,8 +13,9 @@ bitwise against eager, phases pinned with the wrapper's counters; tests/block/te
 reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
 exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
 process that must exit 0; tests/chains/test_chains.py: chains of graphed layers and paddle.grad through
-graphed calls; tests/block/test_frozen_values.py: a Layer attribute changed after capture, a
-parameter frozen and unfrozen in a whole step; tests/backends/test_refusals.py: rows of the refusal table whose
+graphed calls; tests/block/test_frozen_values.py: a Layer attribute changed after capture, one the
+function changes on every call (refused at capture, as on simulate), a parameter frozen and unfrozen in a
+whole step; tests/backends/test_refusals.py: rows of the refusal table whose
 GPU behaviour matters - a stream wait refused, ``int(paddle.shape(x)[0])`` captured, ``p.grad = t`` captured as an
 in-place copy; tests/step/test_step_dataflow.py: a closure tensor that is no Parameter frozen after a whole
 step's capture) with

@@ -24,6 +24,8 @@ def _block(name):
     w = paddle.to_tensor(np.full((3, 3), 0.5, np.float32), stop_gradient=False)
     x = paddle.to_tensor(np.ones((2, 3), np.float32), stop_gradient=False)
     stream = _stream("simulate")
+    counter = paddle.nn.Layer()
+    counter.calls = 0
     bodies = {
         "host read": lambda x: x * float(x.sum()),
         "raw tensor read": lambda x: x * float(np.array(x.get_tensor()).sum()),
@@ -36,6 +38,7 @@ def _block(name):
         "double backward": lambda x: paddle.grad((x * x).sum(), x, create_graph=True)[0] * 1.0,
         "leaf that would lose its grad": lambda x: paddle.matmul(x, w),
         "input written in place": lambda x: x.scale_(2.0),
+        "Layer attribute changed by the call": lambda x: (setattr(counter, "calls", counter.calls + 1), x * 2.0)[1],
     }
     if name == "index with a device tensor":
         return (lambda x, t: x[t] * 2.0), (x, paddle.to_tensor(1))

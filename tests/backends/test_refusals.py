@@ -75,6 +75,11 @@ ROW_TESTS = {
          f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_under_a_recording_capture"),
     'grads freed at the end of an accumulation window': (f"{_REFUSALS}::FreedGrads::test_freeing_grads_at_the_end_of_a_window_is_named",),
     'host value that changes between steps': (f"{_STEP_FAILURES}::StepFailures::test_changing_host_value",),
+    'Layer attribute changed by the call': tuple(
+        f"tests/block/test_frozen_values.py::{c}::test_{n}" for c, n in (
+            ("LayerAttributeCases", "an_attribute_changed_by_every_call_is_refused_at_capture"),
+            ("LayerAttributeCases", "a_new_tensor_kept_by_every_call_is_refused_at_capture"),
+            ("StepValueCases", "a_model_attribute_the_step_changes_is_refused_at_capture"))),
 }
 
 

@@ -64,6 +64,38 @@ class Counting(Flagged):
         return super().forward(x)
 
 
+class KeepingLast(Flagged):
+    """Flagged that keeps its latest output (``self.last = y``: a new tensor on every call)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.last = y
+        return y
+
+
+class CachingShape(Flagged):
+    """Flagged that writes ``self.shape = tuple(x.shape)`` on every call (the value it held)."""
+
+    def forward(self, x):
+        self.shape = tuple(x.shape)
+        return super().forward(x)
+
+
+class LazyWidth(Flagged):
+    """Flagged that makes ``self.width`` on its first call (lazy initialisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.width = None
+        self.made = 0
+
+    def forward(self, x):
+        if self.width is None:
+            self.width = x.shape[-1]
+            self.made += 1
+        return super().forward(x)
+
+
 class Outer(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
@@ -72,6 +104,18 @@ class Outer(paddle.nn.Layer):
 
     def forward(self, x):
         return paddle.matmul(self.inner(x), self.w)
+
+
+class CountingOuter(Outer):
+    """Outer that counts its calls in a plain attribute (``self.steps += 1`` in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return super().forward(x)
 
 
 class SkippingSGD(MatmulSGD):
@@ -130,18 +174,93 @@ class LayerAttributeCases(MatmulOnlyCase):
         self.assertCounters(graphed.forward, captures=2, replays=3, eager=0)
         self.assertTrue(any("attribute 'times' of Outer.inner" in m and "1 -> 2" in m for m in messages), messages)
 
-    def test_an_attribute_changed_by_every_call_runs_eagerly_after_three_captures_again(self):
-        """``self.calls += 1`` in forward: captured again 3 times in a row without a replay, then the key
-        runs eagerly for good, with one warning and the attribute and its values in explain()."""
-        graphed, eager = self.twins(Counting, 44)
+    def run_refused(self, factory, seed, attribute, steps=10):
+        """Runs twins of ``factory`` whose forward writes ``attribute`` on every call: refused at the
+        capture on every backend (a GPU replay would not write it), every call eager's; returns the
+        warnings."""
+        graphed, eager = self.twins(factory, seed)
         autocudagraph(graphed, backend=self.backend, warmup_steps=1)
-        messages = self.run_twins(graphed, eager, 10, None, None)
+        messages = self.run_twins(graphed, eager, steps, None, None)
+        self.assertCounters(graphed.forward, captures=0, replays=0, warmup_calls=2, eager=steps - 2, graphs=0)
+        refused = [m for m in messages if f"changes attribute '{attribute}' of {factory.__name__}" in m]
+        self.assertEqual(len(refused), 1, messages)
+        self.assertIn("Keep such state outside the graphed function", refused[0])
+        self.assertIn("in place", refused[0])
+        self.assertIn(f"changes attribute '{attribute}'", graphed.forward.explain())
+        return graphed, eager, refused[0]
+
+    def test_an_attribute_changed_by_every_call_is_refused_at_capture(self):
+        """``self.calls += 1`` in forward: a GPU replay runs no Python, so the count would stop at the
+        capture's value; the capture is refused on every backend (the capture's write put back), every
+        call runs eagerly, and the count is eager's."""
+        graphed, eager, message = self.run_refused(Counting, 44, "calls")
+        self.assertIn("(2 -> 3, at ", message)
+        self.assertIn("tensor buffer updated in place", message)
+        self.assertIn("test_frozen_values.py", message)
+        self.assertEqual((graphed.calls, eager.calls), (10, 10))
+
+    def test_a_new_tensor_kept_by_every_call_is_refused_at_capture(self):
+        """``self.last = y`` in forward: a new tensor on every call, which a replay would not assign."""
+        graphed, eager, _ = self.run_refused(KeepingLast, 46, "last")
+        self.assertBitwise(graphed.last, eager.last, "last")
+
+    def test_an_idempotent_cache_written_by_every_call_replays(self):
+        """``self.shape = tuple(x.shape)`` on every call writes the value it held: captured, replayed."""
+        graphed, eager = self.twins(CachingShape, 47)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        self.run_twins(graphed, eager, 6, None, None)
+        self.assertCounters(graphed.forward, captures=1, replays=4, eager=0)
+        self.assertEqual(graphed.shape, (4, 8))
+
+    def test_an_attribute_made_lazily_in_warmup_replays(self):
+        """``if self.width is None: self.width = x.shape[-1]``: made by the warmup call, left alone by
+        the capture: captured, replayed."""
+        graphed, eager = self.twins(LazyWidth, 48)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        self.run_twins(graphed, eager, 6, None, None)
+        self.assertCounters(graphed.forward, captures=1, replays=4, eager=0)
+        self.assertEqual((graphed.width, graphed.made), (8, 1))
+
+    def test_an_attribute_made_lazily_by_the_capture_call_warms_up_again(self):
+        """``warmup_steps=0``: the capture call makes ``self.width``, which one capture cannot tell from a
+        per-call write; that call runs as a warmup call, and the next capture leaves it alone."""
+        graphed, eager = self.twins(LazyWidth, 49)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=0)
+        messages = self.run_twins(graphed, eager, 6, None, None)
+        self.assertCounters(graphed.forward, warmup_calls=1, captures=1, replays=4, eager=0)
+        self.assertEqual((graphed.width, graphed.made), (8, 1))
+        self.assertFalse([m for m in messages if "changes attribute" in m], messages)
+
+    def test_a_cache_reset_between_calls_and_made_again_by_the_capture_replays(self):
+        """``model.width = None`` between calls (a cache reset): the key is captured again, that capture
+        makes the cache again and warms the key up once more; then it replays."""
+        graphed, eager = self.twins(LazyWidth, 50)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        self.run_twins(graphed, eager, 8, 4, lambda m: setattr(m, "width", None))
+        self.assertCounters(graphed.forward, warmup_calls=2, captures=2, replays=4, eager=0)
+        self.assertEqual((graphed.made, eager.made), (2, 2))
+
+    def test_an_attribute_changed_outside_before_every_call_runs_eagerly_after_three_captures_again(self):
+        """``model.seen += 1`` between calls (outside the function), read by nothing the graph runs: the
+        key is captured again 3 times in a row without a replay, then runs eagerly for good, with one
+        warning and the attribute and its values in explain()."""
+        graphed, eager = self.twins(Flagged, 44)
+        autocudagraph(graphed, backend=self.backend, warmup_steps=1)
+        draw = normal(7)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(10):
+                for layer in (graphed, eager):
+                    layer.seen = k
+                xn = draw(4, 8)
+                self.assertBitwise(graphed(self.tensor(xn)), eager(self.tensor(xn)), f"step {k}")
+        messages = [str(w.message) for w in caught]
         self.assertCounters(graphed.forward, captures=4, recaptures=3, replays=0, eager=5, graphs=0)
         endless = [m for m in messages if "runs eagerly from now on" in m]
         self.assertEqual(len(endless), 1, messages)
-        self.assertIn("attribute 'calls' of Counting changed before every call", endless[0])
+        self.assertIn("attribute 'seen' of Flagged changed before every call", endless[0])
         self.assertIn("tensor buffer updated in place", endless[0])
-        self.assertIn("attribute 'calls' of Counting changed before every call", graphed.forward.explain())
+        self.assertIn("attribute 'seen' of Flagged changed before every call", graphed.forward.explain())
 
     def test_an_attribute_changed_between_replays_keeps_its_graphs(self):
         """A flag flipped every second step: each value replays once before the next change, so the key
@@ -453,6 +572,21 @@ class StepValueCases(MatmulOnlyCase):
         self.assertCounters(step, captures=4, replays=0, eager=4)
         self.assertEqual(len([m for m in messages if "runs eagerly from now on" in m]), 1, messages)
         self.assertIn("attribute 'seen' of Outer.inner changed before every call", step.explain())
+
+    def test_a_model_attribute_the_step_changes_is_refused_at_capture(self):
+        """The model's forward counts steps in a plain attribute (``self.steps += 1``): a whole step
+        whose capture changes it is refused on every backend (a GPU replay would not count), every
+        step eager's, the count eager's."""
+        models = {}
+
+        def change(i, model):
+            models.setdefault(i, []).append(model)
+
+        step, messages = self.run_step(self.build_step(CountingOuter), 6, change)
+        self.assertCounters(step, captures=0, replays=0)
+        self.assertEqual(len([m for m in messages if "changes attribute 'steps' of" in m]), 1, messages)
+        self.assertIn("changes attribute 'steps'", step.explain())
+        self.assertEqual([m.steps for m in models[5]], [6, 6])
 
 
 class SetItemScalarTest(unittest.TestCase):

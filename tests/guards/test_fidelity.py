@@ -22,7 +22,8 @@ TESTS = {
     "the default dtype": ("tests/core/test_key_parts.py",),
     "random draws": ("tests/block/test_capture_failures.py",),
     "host reads and copies": ("tests/backends/test_host_guard.py",),
-    "host side effects": ("tests/guards/test_python_output.py::PythonOutputTest",),
+    "host side effects": ("tests/guards/test_python_output.py::PythonOutputTest",
+                          "tests/block/test_frozen_values.py::LayerAttributeCases"),
 }
 
 

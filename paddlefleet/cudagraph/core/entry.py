@@ -35,9 +35,11 @@ __all__ = ["ATTR_RECAPTURES", "Phase", "GraphEntry"]
 
 # NOTE [ Attributes that change on every call ]
 # A Layer attribute changed since capture makes the key capture again (NOTE [ Layer attributes a
-# replay freezes ] in core/layer_attrs.py): right for a value changed now and then (a flag, a
-# dropout rate), endless for one the forward changes itself (``self.calls += 1``): every call would
-# capture and none replay, slower than eager and never done. So the entry counts the captures
+# replay freezes ] in guards/layer_attrs.py): right for a value changed now and then (a flag, a
+# dropout rate), endless for one changed before every call (``model.seen = step`` between calls;
+# one the function itself changes, ``self.calls += 1``, is refused at its capture: NOTE [ Attributes
+# a capture writes ] in guards/attr_writes.py): every call would capture and none replay, slower than
+# eager and never done. So the entry counts the captures
 # again for one attribute with no replay between them (``attr_changed``); when that attribute
 # changes once more after ATTR_RECAPTURES such captures in a row, the key runs eagerly for good,
 # with the attribute and the values seen as its reason. A replay between two changes, or a change
@@ -99,6 +101,7 @@ class GraphEntry:
     chain_note: str = ""
     eager_if_slower: bool = False
     attr_streak: Any = None  # ((where, attribute), replays then, values seen): NOTE [ Attributes that change on every call ]
+    attr_written: Any = None  # (where, attribute) its last refused capture changed: NOTE [ Attributes a capture writes ]
 
     def __post_init__(self):
         if self.host_cost is None:
@@ -162,6 +165,7 @@ class GraphEntry:
         self.graphs = graphs
         self.phase = Phase.REPLAY
         self.captures += 1
+        self.attr_written = None
         self.verify_left = verify_replays
 
     def slot_added(self):

@@ -232,6 +232,9 @@ class Lifecycle(Reports, Views):
             graphs = self._body.capture(entry, call, named, last_inputs, self._warn_once)
         except Exception as err:  # contained: this key runs eagerly from now on
             _raise_own_error(self.counters, entry, err)  # NOTE [ The function's own exceptions ]
+            if _written_first(entry, err, call):  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
+                self.counters.warmup_calls += 1
+                return entry.host_cost.timed_eager(self._body.warmup, entry, call)
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
             if where is not None:
@@ -386,6 +389,21 @@ def _admitted(lifecycle, entry):
     logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
                 lifecycle._body.api, lifecycle.__name__, victim.label, lifecycle._options.max_graphs, entry.label)
     return ok
+
+
+def _written_first(entry, err, call):
+    """Was ``entry``'s capture refused for a Layer attribute it changed, where its last refused capture
+    changed no such attribute or another? Then the key warms up again with this call (a value made
+    once, a lazy attribute, is left alone by the next capture; NOTE [ Attributes a capture writes ] in
+    guards/attr_writes.py) and True is returned."""
+    written = getattr(err, "attribute", None)
+    if written is None or entry.attr_written == written:
+        return False
+    logger.debug("capture of key %s changed attribute %s: warming up again", entry.label, written)
+    entry.to_warmup()
+    entry.attr_written = written
+    entry.warmed_up(call.tensors)
+    return True
 
 
 def _endless(lifecycle, entry, call, reason):

@@ -110,9 +110,12 @@ ROWS = (
     ),
     Fidelity(
         "host side effects",
-        "`print(...)` or logging of Python values inside a graphed function",
-        "run at every replay (a GPU runs them once, at capture): one warning",
-        "run once, at capture",
+        "`print(...)` or logging of Python values inside a graphed function; a Layer attribute the function "
+        "changes on every call (`self.calls += 1`, `self.last = out`)",
+        "print and logging run at every replay (a GPU runs them once, at capture): one warning; a changed "
+        "Layer attribute is refused at capture, as on a GPU",
+        "print and logging run once, at capture; a Layer attribute the capture changes is refused at capture "
+        "(the write put back, the key eager, one warning)",
     ),
 )
 

@@ -43,21 +43,23 @@ import weakref
 import numpy as np
 import paddle
 
-from ..errors import CaptureError
 from .paddle_patches import Patches, install_for_process
+from .refusals import ATTR_WRITTEN
 from .traced_ops import paused
 
-__all__ = ["install", "AttrWatch", "LayerRecorder", "SlotWatch", "StampedDict", "layers_with_sublayers"]
+__all__ = ["install", "record_writes", "INTERNAL", "AttrWatch", "LayerRecorder", "SlotWatch", "StampedDict",
+           "layers_with_sublayers"]
 
 _STAMP = "_autocudagraph_attr_stamp"
 _CLOCK = [0]
 _HOOK_EPOCH = [0]  # moved by every hook handle's remove(), which does not know its Layer
 # Paddle's own bookkeeping: hook tables, helpers, recorders (mutated in place, never compared).
-_INTERNAL = frozenset(("_helper", "_built", "_op_recorder", "_loaddict_holder", "_original_funcs",
+INTERNAL = frozenset(("_helper", "_built", "_op_recorder", "_loaddict_holder", "_original_funcs",
                        "_customized_attrs", "_forward_pre_hooks_with_kwargs_flag",
                        "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called",
                        "_state_dict_hooks", "_non_persistable_buffer_names_set", _STAMP))
 _SLOTS = ("_parameters", "_buffers", "_sub_layers")
+_WRITES = [None]  # the capture's AttrWrites (NOTE [ Attributes a capture writes ] in guards/attr_writes.py)
 _HOOKS = ("_forward_pre_hooks", "_forward_post_hooks")
 
 
@@ -132,11 +134,15 @@ def install():
     setattr_, delattr_ = layer.__setattr__, layer.__delattr__
 
     def __setattr__(self, name, value):
+        if _WRITES[0] is not None:
+            _WRITES[0].note(self, name)
         setattr_(self, name, value)
         _CLOCK[0] += 1
         self.__dict__[_STAMP] = _CLOCK[0]
 
     def __delattr__(self, name):
+        if _WRITES[0] is not None:
+            _WRITES[0].note(self, name)
         delattr_(self, name)
         _CLOCK[0] += 1
         self.__dict__[_STAMP] = _CLOCK[0]
@@ -157,6 +163,13 @@ def install():
             _HOOK_EPOCH[0] += 1
 
         install_for_process(helper, "remove", remove_hook)
+
+
+def record_writes(writes):
+    """Has the stamp patch hand every Layer attribute write to ``writes.note(layer, name)`` before it
+    happens (None: to no one); returns the one it handed them to before."""
+    before, _WRITES[0] = _WRITES[0], writes
+    return before
 
 
 def _watch_default_dtype():
@@ -206,7 +219,7 @@ def _attributes(layer):
             for key, held in value.items():
                 values[f"{name[1:]}['{key}']"] = held
             values[f"{name[1:]} (order)"] = tuple(value)
-        elif name not in _INTERNAL:
+        elif name not in INTERNAL:
             values[name] = value
     return values
 
@@ -354,9 +367,12 @@ class SlotWatch:
         if changed:
             layer, kind, name, _ = changed[0]
             what = "buffer" if kind == "_buffers" else "parameter"
-            raise CaptureError(
-                f"autocudagraph: the function rebinds {what} '{name}' of {type(layer).__name__} to a new "
-                "tensor (e.g. self.x = self.x + 1). A graph keeps using the tensor it captured, so the "
-                f"Layer would never see the update. Update it in place instead (paddle.assign(new, "
-                f"output=self.{name}) or self.{name}.set_value(new))."
+            err = ATTR_WRITTEN.error(  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
+                f"autocudagraph: the function changes attribute '{name}' of {type(layer).__name__}: it rebinds "
+                f"{what} '{name}' of {type(layer).__name__} to a new tensor (e.g. self.x = self.x + 1, self.last = out). A graph keeps "
+                "using the tensor it captured, so the Layer would never see the update. Keep such state outside "
+                f"the graphed function, or update it in place (paddle.assign(new, output=self.{name}) or "
+                f"self.{name}.set_value(new))."
             )
+            err.attribute = (type(layer).__name__, name)
+            raise err

@@ -22,7 +22,7 @@ from ..errors import CaptureError
 __all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
            "DEVICE_SYNC", "STREAM_WAIT", "GRAD_ASSIGNED", "VALUE_SHAPE", "DEVICE_INDEX", "RANDOM_KERNEL",
            "RECOMPUTE_DROPOUT", "RNG_REWOUND", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
-           "FREED_GRADS", "CHANGING_HOST_VALUE"]
+           "FREED_GRADS", "CHANGING_HOST_VALUE", "ATTR_WRITTEN"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +169,24 @@ REFUSALS = (
         "refused in Python: the op traces of warmup and capture differ",
         "refused the same way; a simulated replay that reads other values falls back",
         "reads a host value that changes between steps", "Pass such values as tensors"),
+    Refusal(
+        "Layer attribute changed by the call",
+        "writes an attribute of a Layer to another value than it held before the call, in a graphed function "
+        "or a whole step: `self.calls += 1`, `self.last = out` (a new tensor on every call), `self.seen = step`, "
+        "a buffer rebound (`self.steps = self.steps + 1`) "
+        "(a value written equal, `self._shape = tuple(x.shape)`, and one made once in a warmup call are "
+        "captured; one changed between calls, outside the function, captures the key again)",
+        "refused in Python after the capture: a replay runs no Python, so the attribute would keep its "
+        "capture's value while eager's changes on every call (a key's first such capture only warms it up "
+        "again: a value made once, a lazy attribute, is left alone by the next capture)",
+        "refused the same way (its replays, which re-run the function, would change it; the capture's writes "
+        "are put back before the call runs eagerly)",
+        "changes attribute", "Keep such state outside the graphed function"),
 )
 
 (HOST_READ, RAW_TENSOR_READ, HOST_TO_DEVICE, DEVICE_SYNC, STREAM_WAIT, GRAD_ASSIGNED, VALUE_SHAPE, DEVICE_INDEX,
  RANDOM_KERNEL, RECOMPUTE_DROPOUT, RNG_REWOUND, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, PADDLE_SCALER,
- FREED_GRADS, CHANGING_HOST_VALUE) = REFUSALS
+ FREED_GRADS, CHANGING_HOST_VALUE, ATTR_WRITTEN) = REFUSALS
 
 #: What looks like a refusal and is not: captured on both backends, eager's result bit for bit.
 NOT_REFUSED = (

@@ -5,15 +5,16 @@ NOTE [ One capture session ]
 What a capture touched is one concept: the Layers it called (``LayerRecorder``) and the slots they
 must not rebind (``SlotWatch``), the random numbers it drew (``DrawGuard``), a double backward
 (``refuse_create_graph``), the tensors it wrote in place (``InPlaceWrites``) and the ops it ran with
-their host values (``OpTrace``). A block's forward capture and a whole step's capture open them
-through one ``CaptureSession``; what differs is asked for, not composed anew: a step draws in its
+their host values (``OpTrace``), the Layer attributes it wrote (``AttrWrites``). A block's forward
+capture and a whole step's capture open them through one ``CaptureSession``; what differs is asked for, not composed anew: a step draws in its
 own backward (``backward=True``) and refuses what only a step can do (``guards``: Paddle's
 GradScaler, optimizers outside ``optimizers=``), a block refuses a double backward. Host reads,
 raw tensors and value-dependent shapes are refused by the graph itself, inside the capture (on a
 GPU between begin and end of the stream capture): ``Backend.guard`` gives each backend's guard.
 What a backend's capture does differently is the backend's (``Backend.replays_python``): a
 capture that runs the function copies its in-place writes and traces its ops, a recording one
-does neither. The checks run once, after the graph's capture: a rebound slot, then a draw.
+does neither. The checks run once, after the graph's capture: a rebound slot, a changed Layer
+attribute, then a draw; a capture that fails puts the attributes it wrote back.
 
 The record (``CaptureRecord``) is built once per capture, by the function's runs inside it:
 ``outputs`` and ``spec`` of the latest run (a simulated backward differentiates the latest
@@ -23,10 +24,11 @@ the replay's check: NOTE [ Values a simulated replay reads ] in block/replay_fal
 
 import contextlib
 
+from .attr_writes import AttrWrites
 from .double_backward import refuse_create_graph
 from .host_reads import OpTrace
 from .in_place_writes import VersionlessWrites
-from .layer_attrs import LayerRecorder
+from .layer_attrs import LayerRecorder, layers_with_sublayers
 from .rng import DrawGuard
 
 __all__ = ["CaptureRecord", "CaptureSession"]
@@ -92,18 +94,25 @@ class CaptureSession:
     def capture(self, graph, body, hooks):
         """``graph.capture(body, hooks)`` under the session's guards, then the checks; returns what
         the capture returned (raises CaptureError from the first guard that refuses)."""
-        with contextlib.ExitStack() as stack:
-            if self.recorder is not None:
-                stack.enter_context(self.recorder)
-            stack.enter_context(self._draws)
-            if self._double_backward:  # NOTE [ Double backward inside a graphed function ]
-                stack.enter_context(refuse_create_graph())
-            for guard in self._guards:
-                stack.enter_context(guard)
-            outputs = graph.capture(body, hooks)
-        if self._watch is not None:
-            self._watch.check()
-        self._draws.check()  # NOTE [ Random draws seen from generator state ] in guards/rng.py
+        writes = AttrWrites()  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.recorder is not None:
+                    stack.enter_context(self.recorder)
+                stack.enter_context(self._draws)
+                if self._double_backward:  # NOTE [ Double backward inside a graphed function ]
+                    stack.enter_context(refuse_create_graph())
+                for guard in self._guards:
+                    stack.enter_context(guard)
+                stack.enter_context(writes)
+                outputs = graph.capture(body, hooks)
+            if self._watch is not None:
+                self._watch.check()
+            writes.check(layers=layers_with_sublayers(self.layers))
+            self._draws.check()  # NOTE [ Random draws seen from generator state ] in guards/rng.py
+        except BaseException as err:
+            writes.failed(err)
+            raise
         return outputs
 
     @contextlib.contextmanager
