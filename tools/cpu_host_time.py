@@ -246,8 +246,9 @@ def main():
     print("  |---|" + "---|" * len(pieces))
     for k, (name, _, _) in enumerate(pieces[0][1]):
         print(f"  | {name} | " + " | ".join(rows[k][1] for _, rows in pieces) + " |")
-    key_line = next(line for line in layers[0].forward.explain().splitlines() if line.strip().startswith("key "))
-    print(f"- explain() of the first layer: {key_line.strip()}")
+    said = [line.strip() for line in layers[0].forward.explain().splitlines()
+            if line.strip().startswith(("key ", "host time:"))]
+    print(f"- explain() of the first layer: {'; '.join(said)}")
     print("A wrapper that can only run eagerly (backend=None, no CUDA build), us per call, best of 15 rounds:")
     for name, us in passing:
         print(f"- {name}: {us} us")
