@@ -18,7 +18,7 @@ they are held by nobody afterwards, so max_bytes does not count them.
 
 import paddle
 
-__all__ = ["CaptureMeter", "release_cache", "reserved", "results_bytes"]
+__all__ = ["CaptureMeter", "distinct_bytes", "release_cache", "reserved", "results_bytes"]
 
 
 def _cuda_module():
@@ -46,22 +46,28 @@ def release_cache(measure=reserved):
     return 0 if after is None else max(before - after, 0)
 
 
-def results_bytes(tensors):
-    """Bytes of the distinct allocations among ``tensors`` (one tensor returned twice counts once):
-    the simulated backend's model of a pool, the least a capture that returned them allocates."""
-    seen, total = set(), 0
+def distinct_bytes(tensors, skip):
+    """Bytes of ``tensors`` whose storage is not at an address in ``skip``, each address once (a view
+    and its base count as the larger); adds the addresses it counted to ``skip``."""
+    sizes = {}
     for t in tensors:
         if t is None or not t._is_initialized():
             continue
         ptr = t.data_ptr()
-        if ptr in seen:
+        if ptr in skip:
             continue
-        seen.add(ptr)
-        size = 1
+        n = 1
         for d in t.shape:
-            size *= d
-        total += size * t.element_size()
-    return total
+            n *= d
+        sizes[ptr] = max(sizes.get(ptr, 0), n * t.element_size())
+    skip.update(sizes)
+    return sum(sizes.values())
+
+
+def results_bytes(tensors):
+    """Bytes of the distinct allocations among ``tensors`` (one tensor returned twice counts once):
+    the simulated backend's model of a pool, the least a capture that returned them allocates."""
+    return distinct_bytes(tensors, set())
 
 
 class CaptureMeter:

@@ -31,6 +31,8 @@ held as eagerly: not counted. A whole step's grads live in its pool.
 import dataclasses
 from typing import Optional
 
+from ..backends.pool_memory import distinct_bytes
+
 __all__ = ["Footprint", "footprint", "COMPONENTS", "grown", "growth"]
 
 #: The components of a Footprint, in the order explain() names them.
@@ -104,24 +106,6 @@ def _size(n):
     return str(n) if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _distinct(tensors, skip):
-    """Bytes of ``tensors`` whose storage is not at an address in ``skip``, each address once (a view
-    and its base count as the larger); adds the addresses it counted to ``skip``."""
-    sizes = {}
-    for t in tensors:
-        if t is None or not t._is_initialized():
-            continue
-        ptr = t.data_ptr()
-        if ptr in skip:
-            continue
-        n = 1
-        for d in t.shape:
-            n *= d
-        sizes[ptr] = max(sizes.get(ptr, 0), n * t.element_size())
-    skip.update(sizes)
-    return sum(sizes.values())
-
-
 def footprint(static_inputs=None, outputs=(), grad_outputs=(), grads=(), graphs=()):
     """The Footprint of one capture's record: its StaticInputs, static outputs, grad-output buffers,
     static grads (every set) and graphs (their measured pools and released cache)."""
@@ -130,9 +114,9 @@ def footprint(static_inputs=None, outputs=(), grad_outputs=(), grads=(), graphs=
     pools = [g.pool_bytes for g in graphs if g is not None and g.pool_bytes is not None]
     return Footprint(
         inputs=inputs,
-        outputs=_distinct(outputs, seen),
-        grad_outputs=_distinct(grad_outputs, seen),
-        grads=_distinct(grads, seen),
+        outputs=distinct_bytes(outputs, seen),
+        grad_outputs=distinct_bytes(grad_outputs, seen),
+        grads=distinct_bytes(grads, seen),
         pool=sum(pools) if pools else None,
         cache_released=sum(g.cache_released for g in graphs if g is not None),
     )

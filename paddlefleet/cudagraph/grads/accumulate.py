@@ -352,13 +352,8 @@ class Accumulators:
         """Before a backward replay: puts freed accumulators back (filled with -0.0), takes over a
         grad an eager use assigned in this pass; raises CudaGraphError for a rebound one."""
         for i in self._in_use():
-            p, main, acc = self.params[i], self.main[i], self.tensors[i]
-            current = p.main_grad if main else p.grad
-            if current is None or not current._is_initialized():
-                with paddle.no_grad():
-                    acc.fill_(-0.0)
-                self._install(p, main, acc)
-            elif current.data_ptr() != self._ptrs[i]:
+            p, main, acc, current = self._put_back_if_freed(i)
+            if current is not None and current.data_ptr() != self._ptrs[i]:
                 if i in self.stash:  # was freed: autograd assigned the zeros the hook returned
                     with paddle.no_grad():
                         acc.fill_(-0.0)
@@ -386,13 +381,8 @@ class Accumulators:
         Paddle's "fake empty" flag of a zeroed grad is reset, as after a backward replay. A grad the
         user rebound is left alone: the next replay sees it."""
         for i in self._in_use():
-            p, main, acc = self.params[i], self.main[i], self.tensors[i]
-            current = p.main_grad if main else p.grad
-            if current is None or not current._is_initialized():
-                with paddle.no_grad():
-                    acc.fill_(-0.0)
-                self._install(p, main, acc)
-            elif current.data_ptr() != self._ptrs[i]:
+            p, main, _, current = self._put_back_if_freed(i)
+            if current is not None and current.data_ptr() != self._ptrs[i]:
                 continue
             if not main:
                 p._unset_fake_empty()
@@ -413,6 +403,19 @@ class Accumulators:
                     acc.copy_(paddle.add(before, paddle.add(other, mine)), False)
         self._before = {}
         self.expect = set()
+
+    def _put_back_if_freed(self, i):
+        """``(p, main, acc, current)`` of the i-th accumulated parameter: its grad (``main_grad`` or
+        ``grad``) now, or None where it was freed, after putting the accumulator back filled with -0.0
+        (``-0.0 + g`` is eager's first grad bit for bit)."""
+        p, main, acc = self.params[i], self.main[i], self.tensors[i]
+        current = p.main_grad if main else p.grad
+        if current is not None and current._is_initialized():
+            return p, main, acc, current
+        with paddle.no_grad():
+            acc.fill_(-0.0)
+        self._install(p, main, acc)
+        return p, main, acc, None
 
     @staticmethod
     def _install(p, main, acc):

@@ -14,6 +14,8 @@ guard or trace is a new row or a changed cell.
 
 import dataclasses
 
+from .refusals import cell as _cell, page_head
+
 __all__ = ["Fidelity", "ROWS", "ADVICE", "render"]
 
 
@@ -127,18 +129,9 @@ ADVICE = (
 )
 
 
-def _cell(text):
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def render():
     """docs/guides/fidelity.md, from ROWS and ADVICE."""
-    lines = [
-        "# What a replay freezes, and who sees it",
-        "",
-        "<!-- generated from paddlefleet/cudagraph/guards/fidelity.py by render(); "
-        "tests/guards/test_fidelity.py checks it is current -->",
-        "",
+    lines = page_head("What a replay freezes, and who sees it", "fidelity.py", "tests/guards/test_fidelity.py") + [
         "A GPU replay runs no Python: it launches the capture's kernels on the capture's buffers with the "
         "capture's scalar arguments. The simulated backend re-runs your Python at every replay and compares "
         "what ran with what the capture ran, op by op and operand by operand, so it sees what a GPU freezes; "

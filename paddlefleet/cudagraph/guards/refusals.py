@@ -19,7 +19,7 @@ import dataclasses
 
 from ..errors import CaptureError
 
-__all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
+__all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "cell", "page_head", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
            "DEVICE_SYNC", "STREAM_WAIT", "GRAD_ASSIGNED", "VALUE_SHAPE", "DEVICE_INDEX", "RANDOM_KERNEL",
            "RECOMPUTE_DROPOUT", "RNG_REWOUND", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
            "FREED_GRADS", "CHANGING_HOST_VALUE", "ATTR_WRITTEN"]
@@ -207,18 +207,21 @@ def row(name):
     raise KeyError(f"no refusal named {name!r}; the rows are {[r.name for r in REFUSALS]}")
 
 
-def _cell(text):
+def cell(text):
+    """``text`` as one cell of a markdown table."""
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def page_head(title, module, test):
+    """The first lines of a guide page rendered from ``module`` and checked by ``test``."""
+    return [f"# {title}", "", f"<!-- generated from paddlefleet/cudagraph/guards/{module} by render(); {test} checks "
+            "it is current -->", ""]
+
 
 
 def render():
     """docs/guides/refusals.md, from REFUSALS and NOT_REFUSED."""
-    lines = [
-        "# What a capture refuses",
-        "",
-        "<!-- generated from paddlefleet/cudagraph/guards/refusals.py by render(); "
-        "tests/backends/test_refusals.py checks it is current -->",
-        "",
+    lines = page_head("What a capture refuses", "refusals.py", "tests/backends/test_refusals.py") + [
         "A refused capture is ended cleanly, the call returns eager's result, the key runs eagerly from then on "
         "(`wrapped.reset()` tries again), and one warning gives the reason, the fix and the line of your code. "
         "The simulated backend (`backend=\"simulate\"`) refuses exactly what the cuda backend refuses, so a run "
@@ -228,8 +231,8 @@ def render():
         "|---|---|---|---|---|",
     ]
     for r in REFUSALS:
-        lines.append(f"| **{_cell(r.name)}**: {_cell(r.what)} | {_cell(r.cuda)} | {_cell(r.simulate)} | "
-                     f"\"{_cell(r.message)}\" | \"{_cell(r.fix)}\" |")
+        lines.append(f"| **{cell(r.name)}**: {cell(r.what)} | {cell(r.cuda)} | {cell(r.simulate)} | "
+                     f"\"{cell(r.message)}\" | \"{cell(r.fix)}\" |")
     lines += ["", "Not refused (captured, eager's result bit for bit):", ""]
     lines += [f"- {item}" for item in NOT_REFUSED]
     return "\n".join(lines) + "\n"
