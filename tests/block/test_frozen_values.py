@@ -132,8 +132,9 @@ class SkippingSGD(MatmulSGD):
                 p.copy_(paddle.matmul(update, stacked), False)
 
 
-@for_each_backend
-class LayerAttributeCases(MatmulOnlyCase):
+class _TwinSteps(MatmulOnlyCase):
+    """Twins called step by step, with a change applied to both at one step."""
+
     def run_twins(self, graphed, eager, steps, change_at, change):
         """Calls both twins on one batch per step, ``change(layer)`` applied to both before step
         ``change_at``; compares outputs and every grad; returns the warnings."""
@@ -157,6 +158,9 @@ class LayerAttributeCases(MatmulOnlyCase):
                 release_grads(graphed, eager)
         return [str(w.message) for w in caught]
 
+
+@for_each_backend
+class LayerAttributeCases(_TwinSteps):
     def test_flag_read_in_forward_changed_after_capture_captures_again(self):
         """``model.extra = True`` after capture: the key is captured again (a replay would skip the
         second matmul), with a warning naming the attribute and both values."""
@@ -315,7 +319,7 @@ def fresh_layer():
 
 
 @for_each_backend
-class LayerStructureCases(LayerAttributeCases):
+class LayerStructureCases(_TwinSteps):
     """The tree's structure changed after capture without ``__setattr__``: the key is captured
     again, each call bitwise eager's (never the capture's backward), with a warning naming it."""
 

@@ -67,8 +67,8 @@ ROWS = (
     Fidelity(
         "the backward's Python",
         "a hook on an activation reading a schedule, a PyLayer backward with a coefficient or a branch",
-        "the backward graph's body is traced at capture and compared at every simulated replay: its "
-        "grads are eager's, the key runs eagerly from then on, one warning",
+        "the backward graph's body is traced at capture and compared at every simulated replay (ops and "
+        "scalar arguments): that call's grads are eager's, the key's next call runs eagerly, one warning",
         _NOT,
     ),
     Fidelity(
@@ -95,8 +95,8 @@ ROWS = (
     Fidelity(
         "the default dtype",
         "`paddle.set_default_dtype(...)` after capture (`paddle.to_tensor(0.1)`, `paddle.full`)",
-        "part of the key",
-        "part of the key",
+        "watched like a Layer attribute: the key is captured again",
+        "watched like a Layer attribute: the key is captured again",
     ),
     Fidelity(
         "random draws",
