@@ -206,9 +206,9 @@ class StepInternals:
         return Call, Call(self.args, self.kwargs)
 
     def nested(self):
-        from paddlefleet.cudagraph.core.lifecycle import _nested_reason
+        from paddlefleet.cudagraph.core.dispatch import nested_reason
 
-        return lambda: _nested_reason(self.step._warn_once)
+        return lambda: nested_reason(self.step._warn_once)
 
     def flatten(self):
         make, _ = self._call()
