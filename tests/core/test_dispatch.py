@@ -9,7 +9,7 @@ import paddle
 
 from paddlefleet.cudagraph.core import host_cost
 from paddlefleet.cudagraph.core.body import Action as Blocker, Blocked
-from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, Action, dispatch
+from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, Action, dispatch, keyless_rule
 from paddlefleet.cudagraph.core.entry import ATTR_RECAPTURES, Phase
 from paddlefleet.cudagraph.core.host_cost import HostCost
 from paddlefleet.cudagraph.core.lifecycle import Lifecycle
@@ -175,7 +175,7 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual((decision.action, decision.reason), (Action.EAGER, "key fell back: capture failed"))
 
     def test_calls_without_a_key(self):
-        self.wrapper._keyless = ("passes through", lambda: True)
+        self.wrapper._keyless = keyless_rule(("passes through", lambda: True))
         decision = self.decide()
         self.assertEqual((decision.action, decision.reason, decision.entry, decision.call),
                          (Action.EAGER, "passes through", None, None))

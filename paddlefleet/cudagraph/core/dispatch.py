@@ -33,7 +33,7 @@ from .call import Call
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
-__all__ = ["Action", "Decision", "WHOLE_STEP", "admitted", "dispatch", "nested_reason"]
+__all__ = ["Action", "Decision", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,17 @@ ENDLESS = (
 
 
 class Action(enum.Enum):
-    """What the runner does with one call (core/runner.py has one method per member)."""
+    """What the runner does with one call; the value names the runner's method (core/runner.py)."""
 
-    EAGER = "eager"  # runs eagerly, counted with the reason (None: a GPU replay's re-run, not counted)
-    CHAINED = "chained"  # a chain serves it (Decision.plan: the chain's own)
-    WARMUP = "warmup"  # an eager warmup call of the key (Decision.blocked set: the key warms up again first)
-    CAPTURE = "capture"  # the key's capture, then its first replay
-    RECAPTURE = "recapture"  # the key captured again (Decision.blocked set: its graphs are dropped first)
-    NEW_SLOT = "new_slot"  # another slot of the key captured (NOTE [ Slots ] in block/slots.py)
-    REPLAY = "replay"  # the key's graphs replayed (timed from Decision.start when it is not None)
-    TIMED_EAGER = "timed_eager"  # an eager call timed against the key's replays
-    FALL_BACK = "fall_back"  # the key runs eagerly from now on (Decision.reason), this call too
+    EAGER = "_eager_call"  # runs eagerly, counted with the reason (None: a GPU replay's re-run, not counted)
+    CHAINED = "_chained"  # a chain serves it (Decision.plan: the chain's own)
+    WARMUP = "_warmup"  # an eager warmup call of the key (Decision.blocked set: the key warms up again first)
+    CAPTURE = "_capture"  # the key's capture, then its first replay
+    RECAPTURE = "_recapture"  # the key captured again (Decision.blocked set: its graphs are dropped first)
+    NEW_SLOT = "_new_slot"  # another slot of the key captured (NOTE [ Slots ] in block/slots.py)
+    REPLAY = "_replay"  # the key's graphs replayed (timed from Decision.start when it is not None)
+    TIMED_EAGER = "_timed_eager"  # an eager call timed against the key's replays
+    FALL_BACK = "_fall_back"  # the key runs eagerly from now on (Decision.reason), this call too
 
 
 class Decision(NamedTuple):
@@ -79,6 +79,16 @@ class Decision(NamedTuple):
     warn: tuple = ()
     start: Optional[float] = None
     plan: Any = None
+
+
+_new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
+_EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
+
+
+def keyless_rule(rule):
+    """``(reason, when, Decision)`` for a wrapper's keyless ``rule`` = ``(reason, when)`` (core/pass_through.py:
+    its calls run eagerly for reason, without a key, while ``when()`` holds), the Decision made once; or None."""
+    return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]))
 
 
 def nested_reason(warn_once):
@@ -100,7 +110,7 @@ def dispatch(wrapper, args, kwargs):
     ``_options``, ``_entries``, ``_tick``, ``_latest`` and ``_places`` are read and kept."""
     keyless = wrapper._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
     if keyless is not None and keyless[1]():
-        return Decision(Action.EAGER, reason=keyless[0])
+        return keyless[2]
     nested = nested_reason(wrapper._warn_once)
     if nested is not None:
         # A GPU replay of the graph holding this call runs no Python: the re-run of a replay is not counted.
@@ -108,7 +118,7 @@ def dispatch(wrapper, args, kwargs):
     start = host_cost.clock()
     claimed = wrapper._body.claim(args, kwargs, wrapper._keys)
     if claimed is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
-        return Decision(Action.CHAINED, claimed[0], start=start, plan=claimed[1])
+        return _new(Decision, (_CHAINED, claimed[0], None, None, None, (), start, claimed[1]))
     if wrapper._body.options.dispatch_key_fn is not None:
         # One canonical form per call (defaults applied, positional where possible), so that
         # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
@@ -133,13 +143,13 @@ def dispatch(wrapper, args, kwargs):
     if phase is Phase.REPLAY:
         cost = entry.host_cost
         timed = None
-        if cost.timing:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+        if cost.verdict is None:  # timing: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
             if cost.wants_eager():
                 return Decision(Action.TIMED_EAGER, entry, call, host_cost.TIMED)
             timed = host_cost.clock()
         blocked = wrapper._body.blocker(entry, call)
         if blocked is None:
-            return Decision(Action.REPLAY, entry, call, start=timed)
+            return _new(Decision, (_REPLAY, entry, call, None, None, (), timed, None))
         return _unblocked(entry, call, blocked)
     if phase is Phase.WARMUP:
         if entry.warmup_calls < wrapper._body.options.warmup_steps or not wrapper._body.ready(entry):
@@ -181,7 +191,8 @@ def _new_entry(wrapper, key, call):
     backend, reason = resolve_backend(wrapper._options.backend, call.tensors)
     if backend is None:
         wrapper._last_refusal = reason
-        wrapper._keyless = wrapper._keyless if wrapper._tick else passes_through(wrapper._options, reason)  # no key held
+        if not wrapper._tick:  # no key held yet: NOTE [ Pass-through wrappers ] in core/pass_through.py
+            wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason))
         return None
     named = wrapper._keys.named_arguments(call.args, call.kwargs)
     refused = arguments.refusal(named)

@@ -16,7 +16,7 @@ from ..guards.paddle_patches import install_process_patches
 from ..guards.location import user_stacklevel
 from .budgets import Places
 from . import host_cost, memory
-from .dispatch import Action, dispatch
+from .dispatch import Action, dispatch, keyless_rule
 from .keys import BoundSignature, KeyMaker
 from .explain import Reports
 from .stats import Counters
@@ -28,7 +28,7 @@ __all__ = ["Lifecycle"]
 
 logger = logging.getLogger(__name__)
 
-_REPLAY = Action.REPLAY
+_REPLAY, _CHAINED, _EAGER = Action.REPLAY, Action.CHAINED, Action.EAGER
 
 
 class Lifecycle(Reports, Views, Runner):
@@ -50,7 +50,7 @@ class Lifecycle(Reports, Views, Runner):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
-        self._keyless = None  # (reason, when): calls run eagerly for reason, without a key, while when() holds
+        self._keyless = None  # (reason, when, Decision): calls run eagerly for reason, without a key, while when() holds
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
@@ -88,12 +88,18 @@ class Lifecycle(Reports, Views, Runner):
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
         decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
-        if decision.action is _REPLAY:  # the most frequent decision, without the runner's table
+        action = decision.action
+        if action is _REPLAY:  # the most frequent decisions straight to their method (no warning to give)
             return self._replay(decision)
+        if action is _CHAINED:
+            return self._chained(decision, args, kwargs)
+        if action is _EAGER and not decision.warn:
+            return self._eager_call(decision, args, kwargs)
         return self._run(decision, args, kwargs)
 
     def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-        self._keyless = all_slower(host_cost.act(entry, self._warn_once, self._entries.values())) or self._keyless
+        self._keyless = keyless_rule(all_slower(host_cost.act(entry, self._warn_once, self._entries.values()))) or \
+            self._keyless
 
     def _eager(self, call, reason):
         self.counters.eager(reason)

@@ -5,14 +5,13 @@ body's phases (warmup, capture, replay) and gives the warnings, as the Decision 
 
 import logging
 import time
-import types
 
 from ..backends import is_own_error
 from ..errors import ReplayShapeError
 from ..guards.location import user_location
 from . import host_cost, memory
 from .budgets import enforce_max_bytes
-from .dispatch import Action, dispatch
+from .dispatch import dispatch
 from .keys import rekeyed
 
 __all__ = ["Runner"]
@@ -62,7 +61,7 @@ class Runner:
         """The result of the call ``(*args, **kwargs)`` whose Decision is ``decision``."""
         for topic, message in decision.warn:
             self._warn_once(topic, message)
-        return getattr(self, _METHODS[decision.action])(decision, args, kwargs)
+        return getattr(self, decision.action._value_)(decision, args, kwargs)
 
     def _eager_call(self, d, args, kwargs):
         if d.reason is None:  # a GPU replay of the graph holding this call runs no Python: not counted
@@ -206,13 +205,6 @@ class Runner:
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
-
-
-#: The runner's method of each Action.
-_METHODS = types.MappingProxyType({
-    Action.EAGER: "_eager_call", Action.CHAINED: "_chained", Action.WARMUP: "_warmup", Action.CAPTURE: "_capture",
-    Action.RECAPTURE: "_recapture", Action.NEW_SLOT: "_new_slot", Action.REPLAY: "_replay",
-    Action.TIMED_EAGER: "_timed_eager", Action.FALL_BACK: "_fall_back"})
 
 
 def _bytes_grown(runner, entry):
