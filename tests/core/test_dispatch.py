@@ -13,6 +13,7 @@ from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, Action, disp
 from paddlefleet.cudagraph.core.entry import ATTR_RECAPTURES, Phase
 from paddlefleet.cudagraph.core.host_cost import HostCost
 from paddlefleet.cudagraph.core.lifecycle import Lifecycle
+from paddlefleet.cudagraph.core.memory import Footprint
 from paddlefleet.cudagraph.options import GraphOptions
 
 
@@ -26,6 +27,15 @@ class _Graphs:
 
     def backward_pending(self):
         return False
+
+    def nbytes(self):
+        return 0
+
+    def grad_copies(self):
+        return 0
+
+    def footprint(self):
+        return Footprint()
 
 
 class _StandInBody:
@@ -190,6 +200,26 @@ class DispatchTest(unittest.TestCase):
         decision = dispatch(wrapper, (self.x,), {})
         self.assertEqual((decision.action, decision.reason, decision.entry), (Action.EAGER, "max_graphs reached", None))
         self.assertEqual(len(wrapper.entries()), 0)
+
+
+class RunnerTest(unittest.TestCase):
+    """What the runner makes of a decision the dispatcher pinned above."""
+
+    def test_a_call_the_blocker_keeps_from_replaying_is_no_replay_sample(self):
+        body = _StandInBody()
+        body.run = lambda args, kwargs: "eager"
+        wrapper = Lifecycle(body, lambda x: x)
+        x = paddle.ones([2, 3])
+        entry = dispatch(wrapper, (x,), {}).entry
+        entry.phase, entry.graphs = Phase.REPLAY, _Graphs()
+        entry.host_cost = HostCost(measure=True, judge=True)
+        entry.host_cost.eager_s.append(1e-5)
+        entry.host_cost.replay_s.append(1e-5)  # as many eager samples as replays: the next call replays
+        body.blocked = Blocked(Blocker.EAGER, "the previous call's backward has not run", "in flight")
+        with unittest.mock.patch.object(host_cost, "clock", lambda: 1.0):
+            self.assertEqual(wrapper(x), "eager")
+        self.assertEqual((entry.host_cost.replay_s, entry.host_cost.eager_s), ([1e-5], [1e-5]))
+        self.assertEqual(wrapper.stats()["eager_reasons"], {"the previous call's backward has not run": 1})
 
 
 if __name__ == "__main__":
