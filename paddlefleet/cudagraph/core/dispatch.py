@@ -91,14 +91,14 @@ def keyless_rule(rule):
     return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]))
 
 
-def nested_reason(warn_once):
-    """Why this call runs eagerly whatever its key (it runs inside something else), or None."""
+def nested_reason(wrapper):
+    """Why a call of ``wrapper`` runs eagerly whatever its key (it runs inside something else), or None."""
     if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
         return WHOLE_STEP
     if capture_open():
         return "called inside another capture"
     if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py
-        warn_once("saved_hooks", saved_hooks.warning())
+        wrapper._warn_once("saved_hooks", saved_hooks.warning())
         return saved_hooks.REASON
     return None
 
@@ -111,15 +111,16 @@ def dispatch(wrapper, args, kwargs):
     keyless = wrapper._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
     if keyless is not None and keyless[1]():
         return keyless[2]
-    nested = nested_reason(wrapper._warn_once)
+    nested = nested_reason(wrapper)
     if nested is not None:
         # A GPU replay of the graph holding this call runs no Python: the re-run of a replay is not counted.
         return Decision(Action.EAGER, reason=None if in_rerun_replay() else nested)
     start = host_cost.clock()
-    claimed = wrapper._body.claim(args, kwargs, wrapper._keys)
+    body = wrapper._body
+    claimed = body.claim(args, kwargs, wrapper._keys)
     if claimed is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
         return _new(Decision, (_CHAINED, claimed[0], None, None, None, (), start, claimed[1]))
-    if wrapper._body.options.dispatch_key_fn is not None:
+    if body.options.dispatch_key_fn is not None:
         # One canonical form per call (defaults applied, positional where possible), so that
         # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
         bound = wrapper._keys.bound_arguments(args, kwargs)
@@ -147,12 +148,12 @@ def dispatch(wrapper, args, kwargs):
             if cost.wants_eager():
                 return Decision(Action.TIMED_EAGER, entry, call, host_cost.TIMED)
             timed = host_cost.clock()
-        blocked = wrapper._body.blocker(entry, call)
+        blocked = body.blocker(entry, call)
         if blocked is None:
             return _new(Decision, (_REPLAY, entry, call, None, None, (), timed, None))
         return _unblocked(entry, call, blocked)
     if phase is Phase.WARMUP:
-        if entry.warmup_calls < wrapper._body.options.warmup_steps or not wrapper._body.ready(entry):
+        if entry.warmup_calls < body.options.warmup_steps or not body.ready(entry):
             return Decision(Action.WARMUP, entry, call)
         return Decision(Action.CAPTURE, entry, call)
     if phase is Phase.RECAPTURE:

@@ -193,7 +193,8 @@ class Runner:
         """Replays ``entry`` for ``call`` (or counts ``replayed``, a call a chain served)."""
         result, copied, skipped, then = replayed or self._body.replay(entry, call, copy)
         entry.last_used = self._tick
-        _bytes_grown(self, entry)
+        if memory.growth() != self._growth:
+            _bytes_grown(self, entry)
         if then is not None:  # Action.FALL_BACK: this call's result stands, the next calls run eagerly
             entry.fall_back(then.reason)
             self._warn_once(("fall_back", id(entry)), then.warning or f"key {entry.label} runs eagerly: {then.reason}.")
@@ -210,9 +211,8 @@ class Runner:
 def _bytes_grown(runner, entry):
     """max_bytes checked again where a key grew after its capture (a second grad set was captured by a
     replay: NOTE [ What a key holds ] in core/memory.py)."""
-    if memory.growth() != runner._growth:
-        runner._growth = memory.growth()
-        enforce_max_bytes(runner._entries, entry, runner._options.max_bytes, runner._warn_once, runner._evicted)
+    runner._growth = memory.growth()
+    enforce_max_bytes(runner._entries, entry, runner._options.max_bytes, runner._warn_once, runner._evicted)
 
 
 def _verified_call(runner, entry, call, copy):
