@@ -28,7 +28,7 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
-``lifecycle._nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
+``dispatch.nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
 view of the StepBody: ``blocker``, ``_between``,
 ``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
 ``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
@@ -206,9 +206,9 @@ class StepInternals:
         return Call, Call(self.args, self.kwargs)
 
     def nested(self):
-        from paddlefleet.cudagraph.core.lifecycle import _nested_reason
+        from paddlefleet.cudagraph.core.dispatch import nested_reason
 
-        return lambda: _nested_reason(self.step._warn_once)
+        return lambda: nested_reason(self.step)
 
     def flatten(self):
         make, _ = self._call()

@@ -48,7 +48,7 @@ def is_capturing():
     """
     capturing_now = getattr(_state, "depth", 0) > 0
     if capturing_now:
-        _state.asked = True  # NOTE [ The function's own exceptions ] in core/lifecycle.py
+        _state.asked = True  # NOTE [ The function's own exceptions ] in core/runner.py
     return capturing_now
 
 
@@ -90,7 +90,7 @@ def capturing(hooks=()):
 
 def capture_open():
     """is_capturing() for the library's own checks: the same answer, not recorded as the function
-    asking (NOTE [ The function's own exceptions ] in core/lifecycle.py)."""
+    asking (NOTE [ The function's own exceptions ] in core/runner.py)."""
     return getattr(_state, "depth", 0) > 0
 
 
@@ -100,7 +100,7 @@ _OWN = "_autocudagraph_function_error"
 
 def own_error(err):
     """Marks ``err`` as raised by the graphed function itself and returns it (NOTE [ The function's
-    own exceptions ] in core/lifecycle.py)."""
+    own exceptions ] in core/runner.py)."""
     try:
         err._autocudagraph_function_error = True
     except AttributeError:  # an exception without attributes stays a capture failure (contained)
@@ -118,7 +118,7 @@ def function_errors():
     """Around the graphed function's own call during a capture: an exception it raises (other
     than our refusals) is marked with own_error, so that the backend and the phase machine can
     tell it from a failure of the capture (NOTE [ The function's own exceptions ] in
-    core/lifecycle.py). It leaves unchanged."""
+    core/runner.py). It leaves unchanged."""
     asked, _state.asked = getattr(_state, "asked", False), False
     try:
         yield

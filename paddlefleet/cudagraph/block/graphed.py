@@ -120,9 +120,13 @@ class BlockBody(Body):
             return slots.blocked()
         return replay_blocker(slots.current, call, check_inputs=self.options.dispatch_key_fn is not None)
 
-    def shortcut(self, args, kwargs, keys):
-        """``(entry, Replayed)`` when the hooks serve this call (the next call of a chain), else None."""
-        return self.hooks.served(self, args, kwargs, keys)
+    def claim(self, args, kwargs, keys):
+        """``(entry, plan)`` when the hooks serve this call (the next call of a chain), else None."""
+        return self.hooks.claim(self, args, kwargs, keys)
+
+    def serve(self, plan, args):
+        """The Replayed of a call the hooks claimed, or None (it runs alone)."""
+        return self.hooks.serve(plan, args)
 
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call`` (or the hooks do: a chain's first call)."""

@@ -11,9 +11,13 @@ class CallHooks:
 
     __slots__ = ()
 
-    def served(self, body, args, kwargs, keys):
-        """``(entry, Replayed)`` for a call served before the wrapper looks up its entries, or None.
-        ``keys``: the wrapper's KeyMaker."""
+    def claim(self, body, args, kwargs, keys):
+        """``(entry, plan)`` for a call the hooks serve before the wrapper looks up its entries, or
+        None; decides only (no device code). ``keys``: the wrapper's KeyMaker."""
+        return None
+
+    def serve(self, plan, args):
+        """The Replayed of the call ``claim`` gave ``plan`` for, or None: the call runs alone."""
         return None
 
     def head(self, body, entry, call):

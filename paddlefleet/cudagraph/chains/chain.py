@@ -19,7 +19,8 @@ once for a run of consecutive graphed calls:
   applies ONE PyLayer whose inputs are the head call's tensors and every member's parameters and
   whose outputs are every member's output (chains/bridge.py): the head's a copy of its
   static output, the others empty until their call comes. It returns the first output.
-* **The later calls** are served before the wrapper looks up its entries (``BlockBody.shortcut``):
+* **The later calls** are served before the wrapper looks up its entries (the dispatcher asks
+  ``BlockBody.claim``, the runner ``serve``: NOTE [ One call through the dispatcher ] in core/dispatch.py):
   member ``j`` is served when its first argument is output ``j - 1`` (same object, still
   stop_gradient=False), its other tensors are the head's (same objects), **the key it would get
   itself is its member's key** (KeyMaker.key: every non-tensor argument by value as any call's key
@@ -174,7 +175,7 @@ class Chain:
 
 def _members(body, entry, call):
     """The head and the members the confirmed links lead to, as far as each may join (the later
-    members are checked again when their call comes: ChainRun.hand_out)."""
+    members are checked again when their call comes: ChainRun.claim)."""
     head = _member(body, entry, flags(entry.graphs.current))
     if head is None or not head.current():
         return []

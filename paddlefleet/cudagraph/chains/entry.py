@@ -14,9 +14,14 @@ class ChainHooks(CallHooks):
 
     __slots__ = ()
 
-    def served(self, body, args, kwargs, keys):
+    def claim(self, body, args, kwargs, keys):
         run = current_run()
-        return None if run is None else run.hand_out(body, args, kwargs, keys)
+        j = None if run is None else run.claim(body, args, kwargs, keys)
+        return None if j is None else (run.members[j].entry, (run, j))
+
+    def serve(self, plan, args):
+        run, j = plan
+        return run.hand_out(j, args)
 
     def head(self, body, entry, call):
         observe(body, entry, call)

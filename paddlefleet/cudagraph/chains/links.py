@@ -112,7 +112,7 @@ def confirmed(entry):
 def observe(body, entry, call):
     """Called before a block replay through the bridge: records a link when this call is given
     the output of the latest one, unchanged, with the same other tensors (other arguments are
-    compared by value, through the key, when a chain serves the call: ChainRun.hand_out)."""
+    compared by value, through the key, when a chain claims the call: ChainRun.claim)."""
     thread = TABLE.thread
     seen, thread.last, thread.feeding = thread.last, None, None
     if seen is None or not call.args:

@@ -99,10 +99,11 @@ class ChainRun:
         graphs = member.graphs
         return unflatten(graphs.out_spec, [out], graphs.out_consts)
 
-    def hand_out(self, body, args, kwargs, keys):
-        """``(entry, Replayed)`` for this call of ``body``: its forward replayed, its output handed
-        out; or None: the chain breaks here (or ``body`` is not the next member) and the call runs
-        as usual. ``keys``: ``body``'s KeyMaker (the call is served only under its member's key)."""
+    def claim(self, body, args, kwargs, keys):
+        """The index of ``body``'s member when this call is served as the chain's next call (by
+        ``hand_out``), or None: the chain breaks here (or ``body`` is not the next member) and the
+        call runs as usual. ``keys``: ``body``'s KeyMaker (the call is served only under its
+        member's key). Runs no device code."""
         j = self.order.get(id(body))
         if j is None or j < self.handed:
             return None
@@ -113,6 +114,11 @@ class ChainRun:
         if why is not None:
             self.break_at(j, why)
             return None
+        return j
+
+    def hand_out(self, j, args):
+        """The Replayed of member ``j``'s call (``claim`` said so): its forward replayed, its output
+        handed out; or None: its replay changed a shape, the chain breaks here and the call runs alone."""
         graphs = self.members[j].graphs
         self._second_set(graphs)
         note_call()
@@ -125,7 +131,7 @@ class ChainRun:
         except ReplayShapeError:  # the call runs alone, which falls back
             self.break_at(j, "its replay changed an output's shape")
             return None
-        return self.members[j].entry, Replayed(self._give(j), copied, skipped)
+        return Replayed(self._give(j), copied, skipped)
 
     def _replay(self, j, first):
         """Member ``j``'s inputs copied in, its forward replayed, its output filled."""

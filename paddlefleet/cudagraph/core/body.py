@@ -133,11 +133,16 @@ class Body(Protocol):
         """Captures ``entry``'s key from ``call``; returns its Graphs or raises (the lifecycle
         moves the key to eager with the error as reason)."""
 
-    def shortcut(self, args: tuple, kwargs: dict, keys) -> Optional[Tuple[Any, Replayed]]:
-        """``(entry, Replayed)`` for a call the body serves before the entries are looked up (the
-        next call of a chain: NOTE [ Chains of graphed calls ] in chains/chain.py; the lifecycle
-        counts it as a replay of ``entry``), or None. ``keys``: the wrapper's KeyMaker, which makes
-        the key the call would get (served only under ``entry``'s key)."""
+    def claim(self, args: tuple, kwargs: dict, keys) -> Optional[Tuple[Any, Any]]:
+        """``(entry, plan)`` for a call the body serves before the entries are looked up (the next
+        call of a chain: NOTE [ Chains of graphed calls ] in chains/chain.py; the lifecycle counts
+        it as a replay of ``entry``), or None. Decides only (no device code: the dispatcher asks,
+        core/dispatch.py). ``keys``: the wrapper's KeyMaker, which makes the key the call would get
+        (served only under ``entry``'s key)."""
+        return None
+
+    def serve(self, plan, args: tuple) -> Optional[Replayed]:
+        """The Replayed of a call ``claim`` gave ``plan`` for, or None: the call runs as any other."""
         return None
 
     def blocker(self, entry, call) -> Optional[Blocked]:

@@ -11,8 +11,11 @@ graphed calls cost more is run eagerly:
 
 * **What is timed.** The host time of the forward call (perf_counter around the call, no device
   synchronisation): for an eager call the function's own Python and kernel launches, for a
-  graphed call everything the wrapper does (key, checks, input copy, replay, bridge, output
-  copy). The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows
+  graphed call what the wrapper does from its replay checks on (checks, input copy, replay, bridge,
+  output copy; the dispatcher reads the clock before the body's ``blocker``, core/dispatch.py). A
+  call the checks keep from replaying (one in flight, one captured again) is no sample. The
+  dispatcher decides which call is a sample (``wants_eager``); the runner times it and adds it
+  here (``add_eager``, ``add_replay``, ``add_chained``). The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows
   with the forward's, and an eager backward launches about twice the forward's kernels.
 * **Interleaved samples.** After its capture, a key's calls alternate: one replay, one eager
   call, until SAMPLES of each are timed (the first replay, which may pay set-up, is dropped;
@@ -53,8 +56,7 @@ graphed calls cost more is run eagerly:
 import statistics
 import time
 
-__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "chained", "clock", "measured", "timed_call",
-           "warn_once_per_process"]
+__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "warn_once_per_process"]
 
 #: Timed calls per side (eager, graphed alone, chained) a decision needs.
 SAMPLES = 8
@@ -132,30 +134,33 @@ class HostCost:
         return self.chain_verdict is None and self.verdict == "graphed"
 
     def wants_eager(self):
-        """True when the next call of this key should run eagerly, as an eager sample."""
+        """True when the next call of this key should run eagerly, as an eager sample (the dispatcher's
+        TIMED_EAGER: core/dispatch.py)."""
         return self.judging and len(self.eager_s) < SAMPLES and len(self.eager_s) < len(self.replay_s)
 
-    # ------------------------------------------------------------------ timing
-    def timed_eager(self, run, *args):
-        """``run(*args)``, its host time kept as an eager call's."""
-        start = clock()
-        out = run(*args)
+    # ------------------------------------------------------------------ samples (the runner times the calls)
+    def add_eager(self, seconds):
+        """Records one eager call's host seconds (a warmup call, a timed eager sample)."""
         if self.verdict is None:
-            self.eager_s.append(clock() - start)
-        return out
+            self.eager_s.append(seconds)
 
-    def timed_replay(self, replay, entry, call):
-        """``replay(entry, call)``, timed as a graphed call alone (or chained: ``chain_head``)."""
-        start = clock()
-        out = replay(entry, call)
-        seconds = clock() - start
-        if self.chain_head:  # it paid the bridge of every member: not judged in chains
-            self.chain_head = False
-            self.chain_verdict = self.chain_verdict or "head"
+    def add_replay(self, seconds):
+        """Records one replay's host seconds, as a graphed call alone unless it started a chain
+        (``chain_head``: it paid the bridge of every member, not judged in chains)."""
+        if self.chain_head:
+            self.head_seen()
         elif self.verdict is None:
             self.replay_s.append(seconds)
             self._judge_alone()
-        return out
+
+    def head_seen(self):
+        """Keeps whether the replay just made started a chain: such a key is not judged in chains. Asked
+        after the untimed replays of a key judged alone whose chained calls are still timed (its calls
+        alone are not timed any more: the clock reads cost host time on every call of a key that never
+        chains)."""
+        if self.chain_head:
+            self.chain_head = False
+            self.chain_verdict = self.chain_verdict or "head"
 
     def add_chained(self, seconds):
         """Records one chained call's host seconds (a chain's first call or a call it served)."""
@@ -226,31 +231,6 @@ class HostCost:
             "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "
             "are in explain()."
         )
-
-
-def timed_call(entry, call, replay, eager, acted):
-    """A call of ``entry``'s key while its host cost is measured: ``replay(entry, call)``, or
-    ``eager(call, TIMED)`` as an eager sample; then ``acted(entry)``."""
-    cost = entry.host_cost
-    if cost.wants_eager():
-        slots = entry.graphs
-        accumulators = getattr(slots.current, "accumulators", None) if slots is not None else None
-        if accumulators is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
-            accumulators.keep_through_eager()
-        result = cost.timed_eager(eager, call, TIMED)
-    else:
-        result = cost.timed_replay(replay, entry, call)
-    acted(entry)
-    return result
-
-
-def chained(entry, start, result, acted):
-    """``result``, a call a chain served for ``entry`` since ``clock()`` read ``start``, timed while
-    its key's chained calls are; then ``acted(entry)``."""
-    if entry.host_cost.timing_chained:
-        entry.host_cost.add_chained(clock() - start)
-        acted(entry)
-    return result
 
 
 def act(entry, warn_once, entries):

@@ -9,19 +9,18 @@ __all__ = ["all_slower", "passes_through"]
 
 
 # NOTE [ Pass-through wrappers ]
-# With backend=None in a Paddle build without CUDA graphs, every call runs eagerly (no tensor of the
-# process can be on a GPU), and the README promises such a wrapper leaves the code untouched: it must
-# cost about what the Layer's own call costs, not a key per call (the key, the backend resolved from
-# the environment and the AMP state cost about the Layer's own call again). Such a wrapper learns this
-# once, from its first call that resolved no backend (Lifecycle._keyless: the reason with _untouched),
-# and from then on calls the function directly, counted with the same reason, while _untouched() holds: the
-# environment names no backend (PADDLEFLEET_CUDAGRAPH_BACKEND is read when a key is first seen, and
-# such a call's key is new every time, so setting it later still graphs the next call), nothing
-# around the call would give it another reason (a capture, a whole step, a replay that re-runs
-# Python, saved-tensors hooks), and no stale output exists that it would have to refuse. Not cached:
-# a wrapper with dispatch_key_fn (its key function is called on every call, and may say None), with
-# a backend option, in a CUDA build (a call's tensors decide), or that ever held a key (a chain may
-# still name its body).
+# With backend=None in a Paddle build without CUDA graphs, every call runs eagerly (no tensor of the process
+# can be on a GPU), and the README promises such a wrapper leaves the code untouched: it must cost about what
+# the Layer's own call costs, not a key per call (the key, the backend resolved from the environment and the
+# AMP state cost about the Layer's own call again). Such a wrapper learns this once, from its first call that
+# resolved no backend (Lifecycle._keyless: the reason with _untouched, and the dispatcher's Decision, made
+# once), and from then on calls the function directly, counted with the same reason, while _untouched() holds:
+# the environment names no backend (PADDLEFLEET_CUDAGRAPH_BACKEND is read when a key is first seen, and such a
+# call's key is new every time, so setting it later still graphs the next call), nothing around the call would
+# give it another reason (a capture, a whole step, a replay that re-runs Python, saved-tensors hooks), and no
+# stale output exists that it would have to refuse. Not cached: a wrapper with dispatch_key_fn (its key
+# function is called on every call, and may say None), with a backend option, in a CUDA build (a call's
+# tensors decide), or that ever held a key (a chain may still name its body).
 
 
 def _untouched():

@@ -1,0 +1,230 @@
+"""The dispatcher: what one call of a wrapper does, decided without running its body or device code.
+
+NOTE [ One call through the dispatcher ]
+A wrapper's ``__call__`` (core/lifecycle.py) is two lines: ``dispatch()`` returns a Decision, a value
+(an Action, the key's entry, the Call, the reason and the warnings to give), and the runner
+(core/runner.py) carries it out, one method per Action. The dispatcher reads, in this order: a
+wrapper that passes calls through (NOTE [ Pass-through wrappers ] in core/pass_through.py), a call
+made inside something else (a whole step, another capture, saved-tensors hooks), a chain that
+claims the call (NOTE [ Chains of graphed calls ] in chains/chain.py), the key, the entry (a new
+key gets its place under max_graphs here: NOTE [ Places under max_graphs ] in core/budgets.py),
+and then the entry's phase: WARMUP -> warm up or capture; REPLAY -> a timed eager sample while the
+key's host cost asks for one (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), else the
+body's ``blocker`` (core/body.py) turned into replay, capture again, warm up again, a new slot, an
+eager call or a fall-back; RECAPTURE -> capture again; FALLBACK -> eager. It keeps the wrapper's
+books (the entries' order, the places, an attribute's streak of captures again) but runs no
+user code and no device code and moves no phase of the call's key (the runner does, and gives the
+Decision's warnings): a test pins a call's Decision with a stand-in body that may not run
+(tests/core/test_dispatch.py). The one exception is a key that gives its place under max_graphs to
+this call's: it is evicted (its graphs released) or dropped here.
+"""
+
+import enum
+import logging
+from typing import Any, NamedTuple, Optional
+
+from ..backends import capture_open, in_rerun_replay, in_whole_step, resolve_backend
+from ..guards import saved_hooks
+from ..io import arguments
+from ..io.stale_outputs import check_fresh
+from . import host_cost
+from .body import Action as Blocker
+from .call import Call
+from .entry import GraphEntry, Phase
+from .pass_through import passes_through
+
+__all__ = ["Action", "Decision", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
+
+logger = logging.getLogger(__name__)
+
+#: Why a graphed call made inside autocudagraph_step runs eagerly (explain() of both says it).
+WHOLE_STEP = "called inside autocudagraph_step: the whole step's graph holds its work"
+
+IN_FLIGHT = (
+    "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
+    "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
+
+ENDLESS = (
+    "key {label} runs eagerly from now on: {reason}. Keep a value that changes on every call out of the "
+    "Layer's attributes (count calls outside the model, or in a tensor buffer updated in place, which a graph "
+    "replays), or call .reset() once it stops changing.")
+
+
+class Action(enum.Enum):
+    """What the runner does with one call; the value names the runner's method (core/runner.py)."""
+
+    EAGER = "_eager_call"  # runs eagerly, counted with the reason (None: a GPU replay's re-run, not counted)
+    CHAINED = "_chained"  # a chain serves it (Decision.plan: the chain's own)
+    WARMUP = "_warmup"  # an eager warmup call of the key (Decision.blocked set: the key warms up again first)
+    CAPTURE = "_capture"  # the key's capture, then its first replay
+    RECAPTURE = "_recapture"  # the key captured again (Decision.blocked set: its graphs are dropped first)
+    NEW_SLOT = "_new_slot"  # another slot of the key captured (NOTE [ Slots ] in block/slots.py)
+    REPLAY = "_replay"  # the key's graphs replayed (timed from Decision.start when it is not None)
+    TIMED_EAGER = "_timed_eager"  # an eager call timed against the key's replays
+    FALL_BACK = "_fall_back"  # the key runs eagerly from now on (Decision.reason), this call too
+
+
+class Decision(NamedTuple):
+    """What one call does: the Action, the key's entry (None before a key), the Call (None where the
+    call runs with its arguments as passed), the reason (an eager call's, counted by stats(); a
+    fall-back's; the blocker's), the body's Blocked that led here, the warnings ``((topic, message),
+    ...)`` the runner gives once per wrapper before it acts, the clock reading a timed call started
+    at, and a chain's plan (CHAINED)."""
+
+    action: Action
+    entry: Optional[GraphEntry] = None
+    call: Optional[Call] = None
+    reason: Optional[str] = None
+    blocked: Any = None
+    warn: tuple = ()
+    start: Optional[float] = None
+    plan: Any = None
+
+
+_new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
+_EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
+
+
+def keyless_rule(rule):
+    """``(reason, when, Decision)`` for a wrapper's keyless ``rule`` = ``(reason, when)`` (core/pass_through.py:
+    its calls run eagerly for reason, without a key, while ``when()`` holds), the Decision made once; or None."""
+    return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]))
+
+
+def nested_reason(wrapper):
+    """Why a call of ``wrapper`` runs eagerly whatever its key (it runs inside something else), or None."""
+    if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
+        return WHOLE_STEP
+    if capture_open():
+        return "called inside another capture"
+    if saved_hooks.active():  # NOTE [ Saved-tensors hooks ] in guards/saved_hooks.py
+        wrapper._warn_once("saved_hooks", saved_hooks.warning())
+        return saved_hooks.REASON
+    return None
+
+
+def dispatch(wrapper, args, kwargs):
+    """The Decision for the call ``wrapper(*args, **kwargs)`` (NOTE [ One call through the dispatcher ]).
+
+    ``wrapper`` is the Lifecycle (core/lifecycle.py): its ``_keyless``, ``_body``, ``_keys``,
+    ``_options``, ``_entries``, ``_tick``, ``_latest`` and ``_places`` are read and kept."""
+    keyless = wrapper._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
+    if keyless is not None and keyless[1]():
+        return keyless[2]
+    nested = nested_reason(wrapper)
+    if nested is not None:
+        # A GPU replay of the graph holding this call runs no Python: the re-run of a replay is not counted.
+        return Decision(Action.EAGER, reason=None if in_rerun_replay() else nested)
+    start = host_cost.clock()
+    body = wrapper._body
+    claimed = body.claim(args, kwargs, wrapper._keys)
+    if claimed is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
+        return _new(Decision, (_CHAINED, claimed[0], None, None, None, (), start, claimed[1]))
+    if body.options.dispatch_key_fn is not None:
+        # One canonical form per call (defaults applied, positional where possible), so that
+        # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
+        bound = wrapper._keys.bound_arguments(args, kwargs)
+        args, kwargs = bound.args, bound.kwargs
+    call = Call(args, kwargs)
+    check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+    key = wrapper._keys.key(args, kwargs, call.tensors, call.spec)
+    if key is None:
+        return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
+    entry = wrapper._entries.get(key)
+    if entry is None:
+        entry = _new_entry(wrapper, key, call)
+        if entry is None:
+            return Decision(Action.EAGER, call=call, reason=wrapper._last_refusal)
+    wrapper._tick += 1
+    entry.last_used = wrapper._tick
+    if entry is not wrapper._latest:  # the latest entry is already last: every insertion is moved
+        wrapper._entries.move_to_end(key)
+        wrapper._latest = entry
+    phase = entry.phase
+    if phase is Phase.REPLAY:
+        cost = entry.host_cost
+        timed = None
+        if cost.verdict is None:  # timing: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+            if cost.wants_eager():
+                return Decision(Action.TIMED_EAGER, entry, call, host_cost.TIMED)
+            timed = host_cost.clock()
+        blocked = body.blocker(entry, call)
+        if blocked is None:
+            return _new(Decision, (_REPLAY, entry, call, None, None, (), timed, None))
+        return _unblocked(entry, call, blocked)
+    if phase is Phase.WARMUP:
+        if entry.warmup_calls < body.options.warmup_steps or not body.ready(entry):
+            return Decision(Action.WARMUP, entry, call)
+        return Decision(Action.CAPTURE, entry, call)
+    if phase is Phase.RECAPTURE:
+        if admitted(wrapper, entry):
+            return Decision(Action.RECAPTURE, entry, call)
+        return Decision(Action.EAGER, entry, call, "max_graphs reached")
+    return Decision(Action.EAGER, entry, call, f"key fell back: {entry.fallback_reason}")
+
+
+def _unblocked(entry, call, blocked):
+    """The Decision for a call of ``entry`` (in REPLAY) that the body's ``blocked`` (a Blocked) keeps
+    from replaying now."""
+    warn = () if blocked.warning is None else ((("blocked", blocked.reason), blocked.warning),)
+    if blocked.changed is not None:  # NOTE [ Attributes that change on every call ] in core/entry.py
+        endless = entry.attr_changed(blocked.changed)
+        if endless:
+            warn += ((("endless", id(entry)), ENDLESS.format(label=entry.label, reason=endless)),)
+            return Decision(Action.FALL_BACK, entry, call, endless, blocked, warn)
+    action = blocked.action
+    if action is Blocker.RECAPTURE_ONCE and entry.recaptures:
+        return Decision(Action.FALL_BACK, entry, call, f"{blocked.reason}, again after a re-capture", blocked, warn)
+    if action is Blocker.REWARM:  # the blocked warning says why
+        return Decision(Action.WARMUP, entry, call, blocked.reason, blocked, warn)
+    if action is Blocker.RECAPTURE or action is Blocker.RECAPTURE_ONCE:
+        return Decision(Action.RECAPTURE, entry, call, blocked.reason, blocked, warn)
+    if action is Blocker.NEW_SLOT:
+        return Decision(Action.NEW_SLOT, entry, call, blocked.reason, blocked, warn)
+    if not warn:  # a body that gives no warning of its own: a block in flight
+        warn = (("inflight", IN_FLIGHT),)
+    return Decision(Action.EAGER, entry, call, blocked.reason, blocked, warn)
+
+
+def _new_entry(wrapper, key, call):
+    """The entry of a new key of ``wrapper`` (a Lifecycle), or None where the call runs eagerly (the reason in
+    ``wrapper._last_refusal``)."""
+    backend, reason = resolve_backend(wrapper._options.backend, call.tensors)
+    if backend is None:
+        wrapper._last_refusal = reason
+        if not wrapper._tick:  # no key held yet: NOTE [ Pass-through wrappers ] in core/pass_through.py
+            wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason))
+        return None
+    named = wrapper._keys.named_arguments(call.args, call.kwargs)
+    refused = arguments.refusal(named)
+    if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
+        wrapper._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
+        wrapper._last_refusal = refused
+        return None
+    host = wrapper._keys.checked(key, call, named)  # raises for a host input too large to key by value
+    entry = GraphEntry(key=key, backend=backend, label=wrapper._keys.label(key, named, host),
+                       eager_if_slower=wrapper._options.eager_if_slower)
+    if not admitted(wrapper, entry):  # its label names what varies: NOTE [ Places under max_graphs ]
+        wrapper._last_refusal = "max_graphs reached"
+        return None
+    wrapper._entries[key], wrapper._keyless = entry, None  # a key held: no call passes through again
+    return entry
+
+
+def admitted(wrapper, entry):
+    """Whether ``entry`` gets a place under max_graphs; the key that gives it its place is dropped (in
+    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py."""
+    ok, victim = wrapper._places.admit(wrapper._entries, entry, wrapper._tick, wrapper._options.max_graphs,
+                                       wrapper._warn_once)
+    if victim is None:
+        return ok
+    wrapper.counters.evictions += 1
+    if victim.has_graphs:
+        victim.evict()
+    else:
+        del wrapper._entries[victim.key]
+        if wrapper._latest is victim:
+            wrapper._latest = None
+    logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
+                wrapper._body.api, wrapper.__name__, victim.label, wrapper._options.max_graphs, entry.label)
+    return ok

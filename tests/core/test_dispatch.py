@@ -1,0 +1,226 @@
+"""Each call's Decision pinned without running a body (NOTE [ One call through the dispatcher ] in
+core/dispatch.py): a stand-in body that fails when any phase of it runs, entries moved by hand to the
+phase a case needs, and the blocker's answer or a chain's claim scripted."""
+
+import unittest
+import unittest.mock
+
+import paddle
+
+from paddlefleet.cudagraph.core import host_cost
+from paddlefleet.cudagraph.core.body import Action as Blocker, Blocked
+from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, Action, dispatch, keyless_rule
+from paddlefleet.cudagraph.core.entry import ATTR_RECAPTURES, Phase
+from paddlefleet.cudagraph.core.host_cost import HostCost
+from paddlefleet.cudagraph.core.lifecycle import Lifecycle
+from paddlefleet.cudagraph.core.memory import Footprint
+from paddlefleet.cudagraph.options import GraphOptions
+
+
+class _Graphs:
+    """What a capture would have made: enough for an entry to hold graphs."""
+
+    layers = []
+
+    def release(self):
+        pass
+
+    def backward_pending(self):
+        return False
+
+    def nbytes(self):
+        return 0
+
+    def grad_copies(self):
+        return 0
+
+    def footprint(self):
+        return Footprint()
+
+
+class _StandInBody:
+    """A body whose phases may not run: the dispatcher only asks ``ready``, ``blocker`` and ``claim``."""
+
+    name, api, bound = "f", "autocudagraph", False
+
+    def __init__(self, **options):
+        self.options = GraphOptions(backend="simulate", **options)
+        self.is_ready, self.blocked, self.claimed = True, None, None
+        self.asked = []
+
+    def layers(self):
+        return []
+
+    def ready(self, entry):
+        self.asked.append("ready")
+        return self.is_ready
+
+    def blocker(self, entry, call):
+        self.asked.append("blocker")
+        return self.blocked
+
+    def claim(self, args, kwargs, keys):
+        return self.claimed
+
+    def _ran(self, *args, **kwargs):
+        raise AssertionError("the dispatcher ran a phase of the body")
+
+    run = warmup = capture = replay = add_slot = verified_replay = serve = _ran
+
+
+class DispatchTest(unittest.TestCase):
+    def setUp(self):
+        self.body = _StandInBody(warmup_steps=2)
+        self.wrapper = Lifecycle(self.body, lambda x: x)
+        self.x = paddle.ones([2, 3])
+
+    def decide(self):
+        return dispatch(self.wrapper, (self.x,), {})
+
+    def replaying(self, cost=None):
+        """The key's entry, moved by hand to REPLAY with stand-in graphs."""
+        entry = self.decide().entry
+        entry.phase, entry.graphs = Phase.REPLAY, _Graphs()
+        if cost is not None:
+            entry.host_cost = cost
+        return entry
+
+    def test_a_new_key_warms_up_then_captures_and_no_phase_moves(self):
+        first = self.decide()
+        self.assertIs(first.action, Action.WARMUP)
+        self.assertEqual((first.entry.phase, first.entry.warmup_calls, first.call.tensors), (Phase.WARMUP, 0, [self.x]))
+        self.assertIs(self.decide().action, Action.WARMUP)  # the runner counts warmup calls, not the dispatcher
+        first.entry.warmup_calls = 2
+        self.assertIs(self.decide().action, Action.CAPTURE)
+        self.body.is_ready = False  # a body not ready yet (a step whose warmup still makes state)
+        self.assertIs(self.decide().action, Action.WARMUP)
+        self.assertEqual(first.entry.phase, Phase.WARMUP)
+
+    def test_a_known_key_replays_untimed(self):
+        entry = self.replaying()
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.entry, decision.start, decision.warn), (Action.REPLAY, entry, None, ()))
+        self.assertEqual(entry.phase, Phase.REPLAY)
+
+    def test_a_key_whose_host_cost_asks_for_an_eager_sample_gets_a_timed_eager_call(self):
+        cost = HostCost(measure=True, judge=True)
+        cost.replay_s.append(1e-5)  # one replay timed, no eager call yet
+        entry = self.replaying(cost)
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.entry, decision.reason), (Action.TIMED_EAGER, entry, host_cost.TIMED))
+        self.assertEqual(self.body.asked, [])  # the blocker is not asked for an eager sample
+
+    def test_a_timed_replay_starts_its_clock_before_the_blocker(self):
+        cost = HostCost(measure=True, judge=True)
+        cost.eager_s.append(1e-5)
+        self.replaying(cost)
+        ticks = iter([1.0, 2.0])
+        with unittest.mock.patch.object(host_cost, "clock", lambda: next(ticks)):
+            decision = self.decide()
+        self.assertEqual((decision.action, decision.start), (Action.REPLAY, 2.0))
+
+    def test_the_blockers_answers(self):
+        entry = self.replaying()
+        cases = [
+            (Blocked(Blocker.REWARM, "a frozen parameter thawed", "warm"), Action.WARMUP),
+            (Blocked(Blocker.RECAPTURE, "a parameter moved", "moved"), Action.RECAPTURE),
+            (Blocked(Blocker.RECAPTURE_ONCE, "a buffer was rebound", "rebound"), Action.RECAPTURE),
+            (Blocked(Blocker.NEW_SLOT, "every slot waits for its backward"), Action.NEW_SLOT),
+            (Blocked(Blocker.EAGER, "an input moved", "moved input"), Action.EAGER),
+        ]
+        for blocked, action in cases:
+            with self.subTest(blocked.action):
+                self.body.blocked = blocked
+                decision = self.decide()
+                self.assertEqual((decision.action, decision.reason, decision.blocked), (action, blocked.reason, blocked))
+                self.assertEqual(decision.warn, ((("blocked", blocked.reason), blocked.warning),)
+                                 if blocked.warning else ())
+                self.assertEqual((entry.phase, entry.recaptures), (Phase.REPLAY, 0))
+
+    def test_a_call_in_flight_runs_eagerly_with_the_in_flight_warning(self):
+        self.replaying()
+        self.body.blocked = Blocked(Blocker.EAGER, "the previous call's backward has not run")
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.warn), (Action.EAGER, (("inflight", IN_FLIGHT),)))
+
+    def test_a_key_captured_again_before_falls_back_when_blocked_again(self):
+        entry = self.replaying()
+        entry.recaptures = 1
+        self.body.blocked = Blocked(Blocker.RECAPTURE_ONCE, "a buffer was rebound")
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.reason),
+                         (Action.FALL_BACK, "a buffer was rebound, again after a re-capture"))
+        self.assertEqual(entry.phase, Phase.REPLAY)  # the runner moves it
+
+    def test_an_attribute_that_changes_before_every_call_falls_back_after_the_streak(self):
+        entry = self.replaying()
+        actions = []
+        for step in range(ATTR_RECAPTURES + 1):
+            self.body.blocked = Blocked(Blocker.RECAPTURE, "attribute 'calls' changed", "changed",
+                                        ("Block", "calls", step, step + 1))
+            decision = self.decide()
+            actions.append(decision.action)
+        self.assertEqual(actions, [Action.RECAPTURE] * ATTR_RECAPTURES + [Action.FALL_BACK])
+        self.assertIn("attribute 'calls' of Block changed before every call", decision.reason)
+        self.assertEqual(decision.warn[1], (("endless", id(entry)), ENDLESS.format(label=entry.label,
+                                                                                   reason=decision.reason)))
+
+    def test_a_chain_claims_the_call_before_any_key(self):
+        entry = self.replaying()
+        self.body.claimed = (entry, "plan")
+        ticks = iter([5.0])
+        with unittest.mock.patch.object(host_cost, "clock", lambda: next(ticks)):
+            decision = self.decide()
+        self.assertEqual((decision.action, decision.entry, decision.plan, decision.start, decision.call),
+                         (Action.CHAINED, entry, "plan", 5.0, None))
+        self.assertEqual(self.body.asked, [])
+
+    def test_keys_in_recapture_and_fallback(self):
+        entry = self.decide().entry
+        entry.phase = Phase.RECAPTURE
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.blocked), (Action.RECAPTURE, None))
+        entry.phase, entry.fallback_reason = Phase.FALLBACK, "capture failed"
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.reason), (Action.EAGER, "key fell back: capture failed"))
+
+    def test_calls_without_a_key(self):
+        self.wrapper._keyless = keyless_rule(("passes through", lambda: True))
+        decision = self.decide()
+        self.assertEqual((decision.action, decision.reason, decision.entry, decision.call),
+                         (Action.EAGER, "passes through", None, None))
+        body = _StandInBody(dispatch_key_fn=lambda bound: None)
+        decision = dispatch(Lifecycle(body, lambda x: x), (self.x,), {})
+        self.assertEqual((decision.action, decision.reason), (Action.EAGER, "dispatch_key_fn returned None"))
+        self.assertEqual(decision.call.tensors, [self.x])
+
+    def test_no_place_under_max_graphs(self):
+        body = _StandInBody(max_graphs=0)
+        wrapper = Lifecycle(body, lambda x: x)
+        decision = dispatch(wrapper, (self.x,), {})
+        self.assertEqual((decision.action, decision.reason, decision.entry), (Action.EAGER, "max_graphs reached", None))
+        self.assertEqual(len(wrapper.entries()), 0)
+
+
+class RunnerTest(unittest.TestCase):
+    """What the runner makes of a decision the dispatcher pinned above."""
+
+    def test_a_call_the_blocker_keeps_from_replaying_is_no_replay_sample(self):
+        body = _StandInBody()
+        body.run = lambda args, kwargs: "eager"
+        wrapper = Lifecycle(body, lambda x: x)
+        x = paddle.ones([2, 3])
+        entry = dispatch(wrapper, (x,), {}).entry
+        entry.phase, entry.graphs = Phase.REPLAY, _Graphs()
+        entry.host_cost = HostCost(measure=True, judge=True)
+        entry.host_cost.eager_s.append(1e-5)
+        entry.host_cost.replay_s.append(1e-5)  # as many eager samples as replays: the next call replays
+        body.blocked = Blocked(Blocker.EAGER, "the previous call's backward has not run", "in flight")
+        with unittest.mock.patch.object(host_cost, "clock", lambda: 1.0):
+            self.assertEqual(wrapper(x), "eager")
+        self.assertEqual((entry.host_cost.replay_s, entry.host_cost.eager_s), ([1e-5], [1e-5]))
+        self.assertEqual(wrapper.stats()["eager_reasons"], {"the previous call's backward has not run": 1})
+
+
+if __name__ == "__main__":
+    unittest.main()
