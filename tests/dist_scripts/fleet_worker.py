@@ -495,7 +495,9 @@ def fleet_unusable():
     return None
 
 
-def main():
+def init():
+    """Fleet (data parallel degree 2) where its strategy works here, else the plain parallel env:
+    returns (this rank, why Fleet is unusable or None)."""
     global RANK
     no_fleet = fleet_unusable()
     if no_fleet is None:
@@ -511,6 +513,11 @@ def main():
     else:
         dist.init_parallel_env()  # paddle.DataParallel and the collectives need no Fleet
     RANK = dist.get_rank()
+    return RANK, no_fleet
+
+
+def main():
+    _, no_fleet = init()
     only = set(sys.argv[1:])
     skip = (lambda name: no_fleet if name in NEEDS_FLEET else None) if no_fleet is not None else None
     sys.exit(run_cases(CASES, RANK, only, skip))

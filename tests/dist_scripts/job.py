@@ -1,4 +1,4 @@
-"""What both two-rank workers (fleet_worker.py, step_worker.py) share: running their cases and
+"""What the two-rank workers (fleet_worker.py, step_worker.py, data_parallel_job.py running both) share: running their cases and
 reporting one ``RESULT {json}`` line per case, which tests/integration/test_distributed.TwoRankJob reads.
 
 A case returns its detail (compared across ranks by the test), or raises (reported with the

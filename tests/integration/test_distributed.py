@@ -1,12 +1,13 @@
 """autocudagraph inside Paddle's distributed engine: two CPU processes, gloo, simulated backend.
 
-One ``python -m paddle.distributed.launch`` job (tests/dist_scripts/fleet_worker.py, about
-8 s) runs every case; each rank compares its graphed run with an eager run of the same model
+One ``python -m paddle.distributed.launch`` job (tests/dist_scripts/data_parallel_job.py: the cases of
+fleet_worker.py here and those of step_worker.py for tests/step/test_train_step.py) runs every case; each rank compares its graphed run with an eager run of the same model
 bit for bit and prints one ``RESULT`` line per case. The tests here check those lines and what
 must agree across ranks (averaged grads, broadcast parameters, all-reduced outputs). A failure
 message carries both workers' logs.
 """
 
+import atexit
 import json
 import os
 import pathlib
@@ -24,8 +25,8 @@ from paddlefleet.cudagraph.block.graphed import GraphedCallable
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "dist_scripts" / "fleet_worker.py"
-TIMEOUT_S = 240  # the job takes ~8 s; a hang must not block CI
+WORKER = ROOT / "tests" / "dist_scripts" / "data_parallel_job.py"
+TIMEOUT_S = 240  # the job takes ~10 s; a hang must not block CI
 CASES = (
     "dp_paddle",
     "dp_accumulation_default_grad_policy",
@@ -37,6 +38,8 @@ CASES = (
     "all_reduce_no_grad_in_place",
     "tensor_parallel_layers",
 )
+#: step_worker.py's cases, in the same launch (tests/step/test_train_step.py checks them).
+STEP_CASES = ("dp_whole_step", "dp_whole_step_accumulation", "fleet_whole_step")
 
 
 def launch_two_ranks(script, log_dir, timeout=TIMEOUT_S):
@@ -69,28 +72,35 @@ def launch_two_ranks(script, log_dir, timeout=TIMEOUT_S):
         return None, out
 
 
+_LAUNCHES = {}  # worker script -> (exit status, launcher output, {worker log: text})
+
+
+def launch_once(script):
+    """One two-rank launch of ``script`` per test session, shared by every class that reads it."""
+    if script not in _LAUNCHES:
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="paddlefleet_dist_"))
+        atexit.register(shutil.rmtree, tmp, True)
+        log_dir = tmp / "logs"
+        rc, out = launch_two_ranks(script, log_dir)
+        _LAUNCHES[script] = rc, out, {f.name: f.read_text(errors="replace") for f in sorted(log_dir.glob("workerlog.*"))}
+    return _LAUNCHES[script]
+
+
 class TwoRankJob(unittest.TestCase):
-    """One two-rank launch of ``WORKER`` per class (tests/dist_scripts/job.py reports its cases);
-    ``case(name)`` gives each rank's result."""
+    """The two-rank launch of ``WORKER`` (once per session; tests/dist_scripts/job.py reports its
+    cases); ``case(name)`` gives each rank's result."""
 
     WORKER = None
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="paddlefleet_dist_"))
-        log_dir = cls.tmp / "logs"
-        cls.rc, cls.launcher_out = launch_two_ranks(cls.WORKER, log_dir)
-        cls.logs = {f.name: f.read_text(errors="replace") for f in sorted(log_dir.glob("workerlog.*"))}
+        cls.rc, cls.launcher_out, cls.logs = launch_once(cls.WORKER)
         cls.results = {}
         for text in cls.logs.values():
             for line in text.splitlines():
                 if line.startswith("RESULT "):
                     r = json.loads(line[len("RESULT "):])
                     cls.results[(r["case"], r["rank"])] = r
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def logs_text(self):
         tail = lambda s: s[-6000:]  # noqa: E731
@@ -121,7 +131,7 @@ class TestFleetTwoProcesses(TwoRankJob):
 
     def test_job_ran_every_case_and_exited_cleanly(self):
         self.assertEqual(self.rc, 0, self.logs_text())
-        self.assertEqual({c for c, _ in self.results}, set(CASES), self.logs_text())
+        self.assertEqual({c for c, _ in self.results}, set(CASES) | set(STEP_CASES), self.logs_text())
 
     def _check_data_parallel(self, name):
         r0, r1 = self.case(name)

@@ -1,11 +1,15 @@
 """The GPU tools run end to end on the CPU (their smoke modes), so a change to the package that
 breaks one fails here, not on the next GPU run. Each runs as a script, as on a GPU host."""
 
+import atexit
+import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import paddle
 import pytest
@@ -20,19 +24,45 @@ def run_tool(*argv, timeout=300):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+#: A few gpu_safe cases from three of the tool's modules (a whole test, a process that must exit 0, a chain):
+#: the suite itself runs every gpu_safe case on the simulated backend; here the tool's own work is checked
+#: (its pytest child, the JSON lines it reads back, the report it writes).
+GPU_CHECK_CASES = "test_eager_matmul_matches_numpy or test_failed_captures_leave_a_process_that_exits_0 or " \
+                  "test_two_forwards_before_their_backwards"
+
+
 def test_gpu_check_runs_the_gpu_safe_cases_and_reports_them(tmp_path):
     out = tmp_path / "gpu_check.md"
-    rc, log = run_tool("gpu_check.py", "--backend", "simulate", "--out", str(out))
+    rc, log = run_tool("gpu_check.py", "--backend", "simulate", "--cases", GPU_CHECK_CASES, "--out", str(out))
     assert rc == 0, log[-3000:]
     text = out.read_text()
     assert "| **PASSED** |" in text and "**FAILED**" not in text and "**ERROR**" not in text, text[-3000:]
     assert "test_eager_matmul_matches_numpy" in text and "values bitwise equal" in text
+    for case in ("test_failed_captures_leave_a_process_that_exits_0", "test_two_forwards_before_their_backwards"):
+        assert re.search(rf"{case}.*\| \*\*PASSED\*\* \|", text), (case, text[-3000:])
 
 
-def test_bench_smoke_writes_one_checked_row_per_config_and_mode(tmp_path):
-    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp16x512_b16_4blocks", "--no-torch", "--out-dir", str(tmp_path))
+@functools.lru_cache(maxsize=None)
+def bench_smoke():
+    """One smoke run of bench.py over the two configs the tests below check: (exit status, log, rows, report text)."""
+    out_dir = tempfile.mkdtemp(prefix="bench_smoke_")
+    atexit.register(shutil.rmtree, out_dir, True)
+    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp16x512_b16_4blocks,mlp32x1024_b32_perlayer",
+                       "--no-torch", "--out-dir", out_dir)
+    rows = json.loads(open(os.path.join(out_dir, "benchmarks.json")).read()) if rc == 0 else None
+    text = open(os.path.join(out_dir, "benchmarks.md")).read() if rc == 0 else None
+    return rc, log, rows, text
+
+
+def bench_rows(config):
+    rc, log, rows, _ = bench_smoke()
     assert rc == 0, log[-3000:]
-    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [r["config"] for r in rows] == ["mlp16x512_b16_4blocks"] * 2 + ["mlp32x1024_b32_perlayer"] * 2, rows
+    return [r for r in rows if r["config"] == config]
+
+
+def test_bench_smoke_writes_one_checked_row_per_config_and_mode():
+    rows = bench_rows("mlp16x512_b16_4blocks")
     assert [(r["config"], r["mode"]) for r in rows] == [("mlp16x512_b16_4blocks", m) for m in ("throughput", "latency")]
     for row in rows:
         for key in ("paddle_eager_us", "autocudagraph_us", "raw_replay_us", "wrapper_host_us"):
@@ -43,7 +73,7 @@ def test_bench_smoke_writes_one_checked_row_per_config_and_mode(tmp_path):
             assert row["checks"][name].startswith("bitwise equal"), row["checks"]
         assert row["counters"]["autocudagraph"]["captures"] == 4 and row["counters"]["autocudagraph"]["eager"] == 0
         assert row["torch_eager_us"] is None and "--no-torch" in row["why_null"]["torch_eager"]
-    assert "SMOKE RUN" in (tmp_path / "benchmarks.md").read_text()
+    assert "SMOKE RUN" in bench_smoke()[3]
 
 
 def test_bench_smoke_refuses_to_write_into_docs():
@@ -51,11 +81,21 @@ def test_bench_smoke_refuses_to_write_into_docs():
     assert rc != 0 and "a smoke run writes only under" in log, log[-2000:]
 
 
-def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
-    out = tmp_path / "host.md"
-    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
+@functools.lru_cache(maxsize=None)
+def host_breakdown_smoke():
+    """One smoke run of host_breakdown.py for the tests below: (its report text, its JSON)."""
+    out_dir = tempfile.mkdtemp(prefix="host_breakdown_")
+    atexit.register(shutil.rmtree, out_dir, True)
+    out = os.path.join(out_dir, "host.md")
+    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", out)
     assert rc == 0, log[-3000:]
-    rows = [line.split("|")[1:4] for line in out.read_text().splitlines() if line.startswith("| ") and "host us" not in line]
+    with open(out) as md, open(out[:-3] + ".json") as js:
+        return md.read(), json.load(js)
+
+
+def test_host_breakdown_times_every_piece_including_the_wrappers_own():
+    text, data = host_breakdown_smoke()
+    rows = [line.split("|")[1:4] for line in text.splitlines() if line.startswith("| ") and "host us" not in line]
     pieces = {name.strip(): us.strip() for name, _, us in rows}
     # A private name that a refactor moved shows as "n/a (...)": update Internals in tools/host_breakdown.py.
     private = [name for name, who, _ in rows if who.strip().startswith("ours") or "replay()" in name]
@@ -63,7 +103,7 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own(tmp_path):
     for name in private:
         assert not pieces[name.strip()].startswith("n/a"), (name, pieces[name.strip()])
     assert float(pieces["graphed step: forward call + backward + release grads"]) > 0
-    calls = json.loads((tmp_path / "host.json").read_text())["layer_call_us"]
+    calls = data["layer_call_us"]
     assert [c["parameters"] for c in calls] == [4, 6], calls
     for c in calls:
         assert c["layer_call_us"] > 0 and c["counters"]["replays"] > 0 and c["counters"]["eager_calls"] == 0, c
@@ -105,9 +145,16 @@ def test_every_tool_asked_for_the_gpu_on_a_cpu_says_so_and_exits_2():
         assert "Traceback" not in log, (tool, log[-2000:])
 
 
+@functools.lru_cache(maxsize=None)
+def help_of_every_script():
+    """``{(script, "--help"): (output, exit status)}`` for every script under tools/ (TOOLS among them)."""
+    return run_tools_at_once([(script, "--help") for script in SCRIPTS])
+
+
 def test_every_tool_shows_its_smoke_defaults_in_help():
-    results = run_tools_at_once([(tool, "--help") for tool in TOOLS])
-    for (tool, _), (log, rc) in results.items():
+    results = help_of_every_script()
+    for tool in TOOLS:
+        log, rc = results[(tool, "--help")]
         assert rc == 0 and "--backend" in log, (tool, log[-2000:])
         if tool in SIZED:  # e.g. "(default 512; 32 with --backend simulate)"
             assert "--backend simulate)" in " ".join(log.split()), (tool, log)
@@ -143,7 +190,7 @@ def test_options_without_help_are_found():
 
 def test_every_tool_and_probe_answers_help_with_every_option_described():
     assert "probes/interleaved_pipeline_probe.py" in SCRIPTS and "cpu_host_time.py" in SCRIPTS, SCRIPTS
-    results = run_tools_at_once([(script, "--help") for script in SCRIPTS])
+    results = help_of_every_script()
     for (script, _), (log, rc) in results.items():
         assert rc == 0 and "Traceback" not in log and "usage:" in log, (script, rc, log[-2000:])
         assert options_without_help(log) == [], (script, options_without_help(log), log)
@@ -183,10 +230,8 @@ def test_dist_gpu_check_reports_a_case_it_cannot_run_as_skip_not_pass():
     assert "Overall: PASS (1 passed, 0 failed, 1 skipped)" in log, log[-3000:]
 
 
-def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_ms(tmp_path):
-    rc, log = run_tool("bench.py", "--smoke", "--configs", "mlp32x1024_b32_perlayer", "--no-torch", "--out-dir", str(tmp_path))
-    assert rc == 0, log[-3000:]
-    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_ms():
+    rows = bench_rows("mlp32x1024_b32_perlayer")
     assert [(r["config"], r["mode"]) for r in rows] == [("mlp32x1024_b32_perlayer", m) for m in ("throughput", "latency")]
     for row in rows:
         assert row["per_layer"] and row["blocks"] == row["layers"] == 8  # shrunk for the CPU, still one Layer each
@@ -202,7 +247,7 @@ def test_bench_smoke_per_layer_config_records_peak_memory_start_up_and_capture_m
         assert row["counters"]["autocudagraph_step"]["captures"] == 1 and row["capture_ms"]["autocudagraph_step"]["keys"] == 1
         # NOTE [ What a key holds ] in core/memory.py: the static buffers on the CPU (no pools to measure)
         assert row["held_bytes"]["autocudagraph"] > 0 and row["held_bytes"]["autocudagraph_step"] > 0, row["held_bytes"]
-    text = (tmp_path / "benchmarks.md").read_text()
+    text = bench_smoke()[3]
     assert "Start-up, captures and peak memory" in text and "start-up of 8 graphed layers" in text
     assert "## Memory targets" in text and "| | held by graphs MiB |" in text
 
@@ -249,11 +294,8 @@ def test_bench_peak_on_paddle_without_a_peak_counter_counts_what_a_release_gave_
     assert memory.peak() == 400 - 150  # base after the first release was 150
 
 
-def test_host_breakdown_has_the_per_layer_and_whole_step_rows(tmp_path):
-    out = tmp_path / "host.md"
-    rc, log = run_tool("host_breakdown.py", "--smoke", "--out", str(out))
-    assert rc == 0, log[-3000:]
-    text = out.read_text()
+def test_host_breakdown_has_the_per_layer_and_whole_step_rows():
+    text = host_breakdown_smoke()[0]
     for name in ("per-layer step: 4 graphed layers", "per layer call", "each call alone (chain_calls=False)",
                  "per-layer step, eagerly", "whole-step graph (autocudagraph_step)"):
         line = next(line for line in text.splitlines() if name in line)

@@ -26,7 +26,7 @@ from paddlefleet.cudagraph.options import ENV_BACKEND
 from testkit.harness import BackendCase, for_each_backend
 from tests.integration.test_distributed import TwoRankJob
 
-STEP_WORKER = pathlib.Path(__file__).resolve().parents[1] / "dist_scripts" / "step_worker.py"
+DATA_PARALLEL_JOB = pathlib.Path(__file__).resolve().parents[1] / "dist_scripts" / "data_parallel_job.py"
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "train_step.md"
 
 
@@ -742,9 +742,10 @@ class OptionsTest(unittest.TestCase):
 @unittest.skipIf(paddle.is_compiled_with_cuda(), "CPU/gloo test; on GPUs the NCCL check is tools/dist_gpu_check.py")
 class DataParallelWholeStepTest(TwoRankJob):
     """Two CPU ranks (gloo): the DataParallel all-reduce inside the graphed step, bitwise equal to
-    eager on each rank (tests/dist_scripts/step_worker.py, one launch of ~7 s)."""
+    eager on each rank (tests/dist_scripts/step_worker.py's cases, in the launch of
+    tests/dist_scripts/data_parallel_job.py that tests/integration/test_distributed.py reads too)."""
 
-    WORKER = STEP_WORKER
+    WORKER = DATA_PARALLEL_JOB
 
     def case(self, name):
         r0, r1 = super().case(name)
