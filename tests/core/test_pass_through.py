@@ -1,10 +1,12 @@
 """Eager calls through a wrapper cost little. A wrapper that can only run eagerly (backend=None in a
-Paddle build without CUDA graphs) costs about what the Layer's own call costs, and decides as it did before (NOTE [ Pass-through wrappers ] in
-core/lifecycle.py): the environment's backend is still read when a key is first seen, and a call
-inside a capture, a whole step or saved-tensors hooks, or given a stale output, is still told apart. A
-key max_graphs refuses is not labelled on every call."""
+Paddle build without CUDA graphs) costs about what the Layer's own call costs, and decides as it did before
+(NOTE [ Pass-through wrappers ] in core/pass_through.py): the environment's backend is still read when a key
+is first seen, and a call inside a capture, a whole step or saved-tensors hooks, or given a stale output, is
+still told apart."""
 
 import os
+import subprocess
+import sys
 import time
 import unittest
 from unittest import mock
@@ -50,21 +52,35 @@ class PassThroughCase(unittest.TestCase):
 
 class PassThroughCostTest(PassThroughCase):
     def test_a_wrapped_layer_costs_about_its_own_eager_call(self):
-        # Best of interleaved rounds of many calls each, so that a loaded machine slows both sides
-        # alike and a round without interruption decides. A wrapper that makes a key per call cost
-        # 1.9x-2.1x here; one that passes through about 1.05x.
-        own, wrapped = twins()
-        x = paddle.randn([2, 4])
-        np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
-        for _ in range(50):
-            own(x), wrapped(x)
-        own_us, wrapped_us = [], []
-        for _ in range(15):
-            own_us.append(best_us(lambda: own(x), 300))
-            wrapped_us.append(best_us(lambda: wrapped(x), 300))
-        ratio = min(wrapped_us) / min(own_us)
-        self.assertLess(ratio, 1.3, f"wrapped {min(wrapped_us):.2f} us against the Layer's own {min(own_us):.2f} us")
-        self.assertEqual(wrapped.forward.stats()["eager_reasons"], {NO_BACKEND: 1 + 50 + 15 * 300})
+        # Measured in a fresh process: the suite's own process holds process-wide patches that earlier
+        # tests installed (the simulated backend's traced entry points, the stale-output translation),
+        # which slow the Layer's own call and the wrapper's unevenly.
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {k: v for k, v in os.environ.items() if k != ENV_BACKEND}
+        done = subprocess.run([sys.executable, "-c", "import tests.core.test_pass_through as t; t.measure()"],
+                              cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        own_us, wrapped_us, reasons = done.stdout.strip().splitlines()[-1].split(" ", 2)
+        ratio = float(wrapped_us) / float(own_us)
+        self.assertLess(ratio, 1.3, f"wrapped {wrapped_us} us against the Layer's own {own_us} us")
+        self.assertEqual(reasons, repr({NO_BACKEND: 1 + 50 + 15 * 300}))
+
+
+def measure():
+    """Prints ``own_us wrapped_us eager_reasons``: the best of interleaved rounds of many calls each, so that a
+    loaded machine slows both sides alike and a round without interruption decides. A wrapper that makes a
+    key per call cost 1.9x-2.1x the Layer's own call here; one that passes through about 1.05x."""
+    paddle.set_device("cpu")
+    own, wrapped = twins()
+    x = paddle.randn([2, 4])
+    np.testing.assert_array_equal(wrapped(x).numpy(), own(x).numpy())
+    for _ in range(50):
+        own(x), wrapped(x)
+    own_us, wrapped_us = [], []
+    for _ in range(15):
+        own_us.append(best_us(lambda: own(x), 300))
+        wrapped_us.append(best_us(lambda: wrapped(x), 300))
+    print(f"{min(own_us):.3f} {min(wrapped_us):.3f} {wrapped.forward.stats()['eager_reasons']!r}")
 
 
 class PassThroughDecisionTest(PassThroughCase):
