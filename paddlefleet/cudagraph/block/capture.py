@@ -250,6 +250,7 @@ class _BlockCapture:
                 trace.note_result(out_consts)
                 if replay:
                     check_replay_trace(live["trace"], trace)
+                    live.take_replayed()  # compared: not kept (it holds what the run wrote, to undo it)
             if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
             live["outputs"] = out_tensors
