@@ -24,7 +24,8 @@ __all__ = ["MatmulSGD", "MatmulStep", "whole_step_check", "EmaMatmulStep", "refu
 
 
 class MatmulSGD:
-    """SGD on 2-D parameters from matmuls and copies (NOTE [ SGD from matmuls ])."""
+    """SGD on 2-D parameters from matmuls and copies (NOTE [ SGD from matmuls ]); parameters without a grad
+    are left alone."""
 
     def __init__(self, params, lr):
         self.params = list(params)
@@ -42,6 +43,8 @@ class MatmulSGD:
     def step(self):
         with paddle.no_grad():
             for p, stacked, update in zip(self.params, self._stacked, self._update):
+                if p.grad is None:  # a frozen parameter, or one the step did not reach: left alone, as Paddle's optimizers do
+                    continue
                 n = p.shape[0]
                 stacked._slice(0, n).copy_(p, False)
                 stacked._slice(n, 2 * n).copy_(p.grad, False)

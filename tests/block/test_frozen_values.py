@@ -118,20 +118,6 @@ class CountingOuter(Outer):
         return super().forward(x)
 
 
-class SkippingSGD(MatmulSGD):
-    """MatmulSGD that leaves parameters without a grad (frozen ones) alone."""
-
-    def step(self):
-        with paddle.no_grad():
-            for p, stacked, update in zip(self.params, self._stacked, self._update):
-                if p.grad is None:
-                    continue
-                n = p.shape[0]
-                stacked._slice(0, n).copy_(p, False)
-                stacked._slice(n, 2 * n).copy_(p.grad, False)
-                p.copy_(paddle.matmul(update, stacked), False)
-
-
 class _TwinSteps(MatmulOnlyCase):
     """Twins called step by step, with a change applied to both at one step."""
 
@@ -500,7 +486,7 @@ class StepValueCases(MatmulOnlyCase):
     def build_step(self, factory=lambda: MatMLP([8, 8, 8, 8])):
         def make():
             model = build(factory, 17)
-            opt = SkippingSGD(model.parameters(), 0.125)
+            opt = MatmulSGD(model.parameters(), 0.125)
 
             def step(x, dy):
                 y = model(x)

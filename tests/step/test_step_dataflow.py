@@ -12,40 +12,15 @@ captures it again. That case is matmul-only (MatmulOnlyCase: tools/gpu_check.py 
 import unittest
 import warnings
 
-import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph_step
 from testkit.common import host_tensor
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, normal
+from testkit.step_gpu import MatmulSGD
 
 MASK = {"t": None}
-
-
-class SkippingSGD:
-    """SGD from matmuls and copies that leaves tensors without a grad alone (NOTE [ SGD from matmuls ]
-    in testkit/step_gpu.py)."""
-
-    def __init__(self, params, lr):
-        self.params = list(params)
-        self._stacked = [host_tensor(np.zeros((2 * p.shape[0], p.shape[1]), "float32")) for p in self.params]
-        self._update = [host_tensor(np.hstack([np.eye(p.shape[0]), -lr * np.eye(p.shape[0])]).astype("float32"))
-                        for p in self.params]
-
-    def step(self):
-        with paddle.no_grad():
-            for p, stacked, update in zip(self.params, self._stacked, self._update):
-                if p.grad is None:
-                    continue
-                n = p.shape[0]
-                stacked._slice(0, n).copy_(p, False)
-                stacked._slice(n, 2 * n).copy_(p.grad, False)
-                p.copy_(paddle.matmul(update, stacked), False)
-
-    def clear_grad(self):
-        for p in self.params:
-            p.clear_gradient(False)
 
 
 class _Box:
@@ -73,7 +48,7 @@ class _Steps:
         def make():
             model = Pair(5)
             tensors = list(model.parameters()) + ([extra()] if extra is not None else [])
-            opt = SkippingSGD(tensors, 0.125)
+            opt = MatmulSGD(tensors, 0.125)
 
             def step(x, dy):
                 y = model(x)
@@ -151,7 +126,7 @@ class SimulatedStepDataflowTest(_Steps, BackendCase):
 
         def make():
             model = Pair(6)
-            opt = SkippingSGD(list(model.parameters()), 0.125)
+            opt = MatmulSGD(list(model.parameters()), 0.125)
 
             def step(x, dy):
                 y = paddle.matmul(model(x), table[cfg["t"]])
