@@ -310,13 +310,19 @@ def _gpu_facts():
             "driver": driver.splitlines()[0] if driver else None}
 
 
+#: Names the commit a report states where the checkout's git cannot (a copy of the working tree on
+#: another machine whose .git names an older base): set it to ``git rev-parse --short HEAD`` taken here.
+COMMIT_ENV = "PADDLEFLEET_REPORT_COMMIT"
+
+
 def run_info(on_gpu, repo=None):
-    """Facts a report states about its run: versions, GPU, library commit, date."""
-    head = _command(["git", "rev-parse", "--short", "HEAD"], cwd=repo) if repo else None
+    """Facts a report states about its run: versions, GPU, library commit (``COMMIT_ENV`` where set), date."""
+    named = os.environ.get(COMMIT_ENV)
+    head = _command(["git", "rev-parse", "--short", "HEAD"], cwd=repo) if repo and not named else None
     dirty = _command(["git", "status", "--porcelain", "paddlefleet"], cwd=repo) if head else None
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": (head + (" (+ uncommitted changes in paddlefleet/)" if dirty else "")) if head else None,
+        "commit": named or ((head + (" (+ uncommitted changes in paddlefleet/)" if dirty else "")) if head else None),
         "paddle": paddle.__version__,
         "paddle_commit": str(getattr(paddle.version, "commit", "?"))[:12],
         "paddle_cuda": paddle.version.cuda() if paddle.is_compiled_with_cuda() else None,
