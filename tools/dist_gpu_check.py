@@ -69,7 +69,9 @@ from testkit.common import (  # noqa: E402
 )
 
 BACKEND = "cuda"
-STEPS = 5
+#: Steps of a case: a key judged by eager_if_slower takes its SAMPLES eager calls (warmup included)
+#: before its capture (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), then replays.
+STEPS = host_cost.SAMPLES + 4
 CASES = {}
 
 
@@ -489,7 +491,7 @@ def case_timing(chk, rank, world):
             for w in model.parameters():
                 all_reduce_sum(w.grad, calc_stream=False)
 
-        for _ in range(5):
+        for _ in range(host_cost.SAMPLES + 12):  # eager samples, warmup, capture, the timed replays
             step()
         sync()
         start = time.perf_counter()

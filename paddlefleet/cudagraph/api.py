@@ -255,7 +255,8 @@ def autocudagraph(target=None, **options):
 
     Per key (by default: the argument structure, each tensor's shape/dtype/place/stop_gradient,
     non-tensor values, grad mode, AMP state and the training flag of the Layers involved) the
-    first ``warmup_steps`` calls run eagerly, the next call captures, and later calls replay.
+    first ``warmup_steps`` calls run eagerly, the next call captures, and later calls replay (on a
+    GPU, with ``eager_if_slower``, timed eager calls come first, up to 8 eager calls in all).
     Every call returns what eager would; grads flow to inputs and to the parameters of the
     Layers used through autograd, so hooks, DataParallel and accumulation behave as in eager.
     Graphed calls that each take the previous one's output (a model graphed layer by layer) are

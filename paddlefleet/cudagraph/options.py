@@ -182,9 +182,11 @@ class GraphOptions(OptionsCore):
             (``h = layer(h)`` per graphed layer) be replayed as one chain through one autograd
             bridge (NOTE [ Chains of graphed calls ] in chains/chain.py); False: every call alone.
         eager_if_slower: a key whose graphed calls cost more host time than its eager calls
-            (lower quartiles of interleaved forward calls after its capture, NOTE [ Graphed calls that
-            cannot pay ] in core/host_cost.py) runs eagerly from then on; False keeps it graphed
-            (the numbers are still in explain(), and a slower key still warns once).
+            (lower quartiles of 8 timed eager forward calls before its capture and of its replays,
+            NOTE [ Graphed calls that cannot pay ] in core/host_cost.py) runs eagerly from then on;
+            False keeps it graphed (the numbers are still in explain(), and a slower key still warns
+            once). Where calls are timed (a GPU), a key warms up for at least 8 calls (eager
+            samples, then ``warmup_steps`` warmup calls) before its capture.
     """
 
     clone_outputs: bool = True

@@ -1,5 +1,5 @@
 """NOTE [ Graphed calls that cannot pay ] in core/host_cost.py: a key whose graphed calls cost more
-host time than its eager calls runs eagerly (eager_if_slower), judged on interleaved calls alone and
+host time than its eager calls runs eagerly (eager_if_slower), judged on eager calls before the capture and replays alone and
 in chains, with a stand-in clock: each eager forward of a layer costs EAGER_US, and each simulated
 graph replay adds what the test says (the simulated replay re-runs the forward, so a replay costs
 EAGER_US plus that)."""
@@ -98,7 +98,7 @@ class TestEagerIfSlower(unittest.TestCase):
                     np.testing.assert_array_equal(a, e, err_msg=f"step {i}")
         return graphed, [str(w.message) for w in caught if "us of host time" in str(w.message)]
 
-    def test_a_slower_key_runs_eagerly_after_interleaved_calls_with_both_numbers(self):
+    def test_a_slower_key_runs_eagerly_after_its_timed_calls_with_both_numbers(self):
         self.clock.alone_us = 30.0  # a replay: 130 us against 100 eager
         steps = 1 + 1 + (host_cost.SAMPLES + 1) + (host_cost.SAMPLES - 1) + 3
         model, warned = self.run_steps(steps, chain_calls=False)
@@ -113,7 +113,8 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(stats["graphs"], 0)
             [row] = layer.forward.report()
             self.assertEqual(row["fallback_reason"], "its graphed calls cost more host time than its eager calls: 130.0 "
-                             "against 100.0 us per forward call (lower quartiles of interleaved calls; "
+                             "against 100.0 us per forward call (lower quartiles of its eager calls before its capture and its "
+                             "replays; "
                              "eager_if_slower=False keeps it graphed)")
             text = layer.forward.explain()
             self.assertIn("host us per forward call: eager 100.0 (lower quartile of 8), graphed 130.0 "
@@ -121,8 +122,9 @@ class TestEagerIfSlower(unittest.TestCase):
         x = host_tensor(normal(2)(6, 8))  # another shape: no key is made for it
         model[0](x)
         self.assertEqual(model[0].forward.stats()["keys"], 1)
-        model[0].forward.reset()  # measures again: a new key warms up and is captured
-        model[0](x), model[0](x)
+        model[0].forward.reset()  # measures again: a new key is timed eagerly, warms up and is captured
+        for _ in range(host_cost.SAMPLES + 1):
+            model[0](x)
         self.assertEqual(model[0].forward.stats()["captures"], 1)
 
     def test_a_faster_key_stays_graphed_and_its_chained_calls_are_judged_too(self):
@@ -144,7 +146,7 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(entry.host_cost.chain_verdict, "graphed", layer.forward.explain())
             self.assertIn("graphed 60.0 (lower quartile of 8), chained 60.0 (lower quartile of 8)",
                           layer.forward.explain())
-        # Steps 3-18 alternate (9 replays, 7 timed eager calls); the chain serves every later step.
+        # Steps 1-7 are timed eager calls, 8 warms up, 9 captures, 10-18 replay alone; a chain serves every later step.
         self.assertEqual([layer.forward.stats()["chained_calls"] for layer in model], [0, 22, 22, 22])
         self.assertEqual([layer.forward.stats()["eager_calls"] for layer in model], [host_cost.SAMPLES - 1] * 4)
 
@@ -199,10 +201,31 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertIn("graphed calls in chains cost more host time than its eager calls: 120.0 against 100.0",
                           entry.fallback_reason)
 
-    def test_accumulating_in_the_graph_a_faster_key_keeps_its_accumulator_through_timed_eager_calls(self):
-        """accumulate_in_graph=True, grads zeroed (or freed) after every step: the timed eager calls'
-        backward adds into the accumulator instead of binding a new grad, so the key is never captured
-        again and stays graphed, bitwise eager's at every step."""
+    def test_the_eager_samples_come_before_the_capture_and_the_replays_after(self):
+        """Eager samples after the capture would hold the key's graphs and an eager call's memory at
+        once (docs/guides/memory.md, "Eager samples"): a judged key's eager calls all come first."""
+        self.clock.alone_us = -40.0
+        graphed, eager = layers(n=1), layers(n=1)
+        autocudagraph(graphed[0], backend="simulate")
+        draw = normal(1)
+        x, dy = host_tensor(draw(4, 8)), host_tensor(draw(4, 8))
+        seen = []
+        for i in range(20):
+            for a, e in zip(step(graphed, x, dy), step(eager, x, dy)):
+                np.testing.assert_array_equal(a, e, err_msg=f"step {i}")
+            stats = graphed[0].forward.stats()
+            seen.append((stats["eager_calls"], stats["warmup_calls"], stats["captures"], stats["replays"]))
+        samples = host_cost.SAMPLES - 1
+        want = [(i + 1, 0, 0, 0) for i in range(samples)] + [(samples, 1, 0, 0), (samples, 1, 1, 0)]
+        want += [(samples, 1, 1, i + 1) for i in range(20 - len(want))]
+        self.assertEqual(seen, want)
+        [entry] = graphed[0].forward.entries().values()
+        self.assertEqual(entry.host_cost.verdict, "graphed", graphed[0].forward.explain())
+
+    def test_accumulating_in_the_graph_a_faster_key_keeps_its_accumulator(self):
+        """accumulate_in_graph=True, grads zeroed (or freed) after every step: the eager samples come
+        before the capture, so the key is never captured again and stays graphed, bitwise eager's at
+        every step."""
         self.clock.alone_us = -40.0
         for set_to_zero in (True, False):
             self.check_accumulator_kept(set_to_zero)

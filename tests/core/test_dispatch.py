@@ -102,13 +102,21 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual((decision.action, decision.entry, decision.start, decision.warn), (Action.REPLAY, entry, None, ()))
         self.assertEqual(entry.phase, Phase.REPLAY)
 
-    def test_a_key_whose_host_cost_asks_for_an_eager_sample_gets_a_timed_eager_call(self):
+    def test_a_judged_key_takes_its_eager_samples_before_its_warmup_calls(self):
+        with unittest.mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True):
+            first = self.decide()  # a new key, timed as on a GPU: a timed eager sample, then another, ...
+        self.assertEqual((first.action, first.reason), (Action.TIMED_EAGER, host_cost.TIMED))
+        cost = first.entry.host_cost
+        self.assertTrue(cost.judging)
+        cost.eager_s.extend([1e-5] * (host_cost.SAMPLES - 2))  # ... until the warmup call makes the last sample
+        self.assertIs(self.decide().action, Action.WARMUP)
+
+    def test_a_captured_key_replays_with_its_eager_samples_short(self):
         cost = HostCost(measure=True, judge=True)
-        cost.replay_s.append(1e-5)  # one replay timed, no eager call yet
+        cost.replay_s.append(1e-5)  # one replay timed, no eager call yet: no eager call after the capture
         entry = self.replaying(cost)
         decision = self.decide()
-        self.assertEqual((decision.action, decision.entry, decision.reason), (Action.TIMED_EAGER, entry, host_cost.TIMED))
-        self.assertEqual(self.body.asked, [])  # the blocker is not asked for an eager sample
+        self.assertEqual((decision.action, decision.entry), (Action.REPLAY, entry))
 
     def test_a_timed_replay_starts_its_clock_before_the_blocker(self):
         cost = HostCost(measure=True, judge=True)

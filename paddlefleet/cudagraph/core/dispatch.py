@@ -8,8 +8,8 @@ wrapper that passes calls through (NOTE [ Pass-through wrappers ] in core/pass_t
 made inside something else (a whole step, another capture, saved-tensors hooks), a chain that
 claims the call (NOTE [ Chains of graphed calls ] in chains/chain.py), the key, the entry (a new
 key gets its place under max_graphs here: NOTE [ Places under max_graphs ] in core/budgets.py),
-and then the entry's phase: WARMUP -> warm up or capture; REPLAY -> a timed eager sample while the
-key's host cost asks for one (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), else the
+and then the entry's phase: WARMUP -> a timed eager sample while the key's host cost asks for one
+(NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), else warm up or capture; REPLAY -> the
 body's ``blocker`` (core/body.py) turned into replay, capture again, warm up again, a new slot, an
 eager call or a fall-back; RECAPTURE -> capture again; FALLBACK -> eager. It keeps the wrapper's
 books (the entries' order, the places, an attribute's streak of captures again) but runs no
@@ -60,7 +60,7 @@ class Action(enum.Enum):
     RECAPTURE = "_recapture"  # the key captured again (Decision.blocked set: its graphs are dropped first)
     NEW_SLOT = "_new_slot"  # another slot of the key captured (NOTE [ Slots ] in block/slots.py)
     REPLAY = "_replay"  # the key's graphs replayed (timed from Decision.start when it is not None)
-    TIMED_EAGER = "_timed_eager"  # an eager call timed against the key's replays
+    TIMED_EAGER = "_timed_eager"  # an eager call of a key warming up, timed against its replays to come
     FALL_BACK = "_fall_back"  # the key runs eagerly from now on (Decision.reason), this call too
 
 
@@ -142,18 +142,17 @@ def dispatch(wrapper, args, kwargs):
         wrapper._latest = entry
     phase = entry.phase
     if phase is Phase.REPLAY:
-        cost = entry.host_cost
-        timed = None
-        if cost.verdict is None:  # timing: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-            if cost.wants_eager():
-                return Decision(Action.TIMED_EAGER, entry, call, host_cost.TIMED)
-            timed = host_cost.clock()
+        # timing: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+        timed = host_cost.clock() if entry.host_cost.verdict is None else None
         blocked = body.blocker(entry, call)
         if blocked is None:
             return _new(Decision, (_REPLAY, entry, call, None, None, (), timed, None))
         return _unblocked(entry, call, blocked)
     if phase is Phase.WARMUP:
-        if entry.warmup_calls < body.options.warmup_steps or not body.ready(entry):
+        warmups_left = body.options.warmup_steps - entry.warmup_calls
+        if entry.host_cost.wants_eager(max(warmups_left, 0)):  # eager samples first: core/host_cost.py
+            return Decision(Action.TIMED_EAGER, entry, call, host_cost.TIMED)
+        if warmups_left > 0 or not body.ready(entry):
             return Decision(Action.WARMUP, entry, call)
         return Decision(Action.CAPTURE, entry, call)
     if phase is Phase.RECAPTURE:

@@ -17,14 +17,18 @@ graphed calls cost more is run eagerly:
   dispatcher decides which call is a sample (``wants_eager``); the runner times it and adds it
   here (``add_eager``, ``add_replay``, ``add_chained``). The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows
   with the forward's, and an eager backward launches about twice the forward's kernels.
-* **Interleaved samples.** After its capture, a key's calls alternate: one replay, one eager
-  call, until SAMPLES of each are timed (the first replay, which may pay set-up, is dropped;
-  the eager warmup calls count among the eager samples). Host noise (another process, a
-  garbage collection, clock changes) falls on both sides alike. The eager calls of this window
-  are eager's own computation: results stay bitwise those of eager; stats() counts them among
-  eager calls with the reason "timed against its graphed calls". With accumulate_in_graph, their
-  backward adds into the key's accumulators (``Accumulators.keep_through_eager``), so the grads they
-  make do not look rebound to the next replay (which would capture the key again).
+* **Eager samples before the capture.** A judged key takes its SAMPLES eager samples before it
+  captures: its first calls are timed eager calls (TIMED_EAGER), then come its warmup calls (which
+  count among the eager samples), then the capture; its replays are timed after (the first replay,
+  which may pay set-up, is dropped). Eager samples taken after the capture would make the process
+  hold, in the same step, the key's graphs (their pools, static grads) and what an eager call
+  allocates (activations, then new parameter grads that are cached once freed): a model graphed
+  layer by layer then peaks at its graphs plus a whole eager step (docs/guides/memory.md, "Eager
+  samples"). Before the capture no graph holds anything yet. The eager samples are
+  eager's own computation: results stay bitwise those of eager; stats() counts them among eager
+  calls with the reason "timed against its graphed calls". A call of one key and a call of
+  another share a step, so noise that falls on one step (another process, a garbage collection)
+  falls on several samples; the lower quartile below keeps any few of them from deciding.
 * **Each side's number is its lower quartile**, not its median. Noise only ever adds host time,
   and on some calls it adds much: on the H100 (32 layers of six matmuls, width 512) the first
   layer of every step paid about 150 us more than the next layer, eagerly and graphed alike,
@@ -102,7 +106,7 @@ class HostCost:
 
     Args:
         measure: time this key's calls at all (False: nothing is timed).
-        judge: interleave eager calls after capture and run the key eagerly when its graphed
+        judge: time eager calls before the capture and run the key eagerly when its graphed
             calls are slower (``eager_if_slower``); False: measure and warn only.
     """
 
@@ -133,10 +137,11 @@ class HostCost:
     def timing_chained(self):
         return self.chain_verdict is None and self.verdict == "graphed"
 
-    def wants_eager(self):
-        """True when the next call of this key should run eagerly, as an eager sample (the dispatcher's
+    def wants_eager(self, warmups_left):
+        """True when the next call of this key, still warming up with ``warmups_left`` warmup calls
+        to come (each an eager sample too), should be a timed eager call (the dispatcher's
         TIMED_EAGER: core/dispatch.py)."""
-        return self.judging and len(self.eager_s) < SAMPLES and len(self.eager_s) < len(self.replay_s)
+        return self.judging and not self.replay_s and len(self.eager_s) + warmups_left < SAMPLES
 
     # ------------------------------------------------------------------ samples (the runner times the calls)
     def add_eager(self, seconds):
@@ -170,7 +175,7 @@ class HostCost:
                 self.chain_verdict = "eager" if self._slower(self.chained_s) else "graphed"
 
     def _judge_alone(self):
-        if len(self.replay_s) <= SAMPLES or (self.judge and len(self.eager_s) < SAMPLES):
+        if len(self.replay_s) <= SAMPLES:
             return
         if not self.eager_s:  # no eager call was timed (warmup_steps=0, eager_if_slower=False)
             self.verdict = "unmeasured"
@@ -216,7 +221,8 @@ class HostCost:
         graphed = self.graphed_us() if how == "alone" else self.chained_us()
         calls = "graphed calls" if how == "alone" else "graphed calls in chains"
         return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {self.eager_us():.1f} "
-                "us per forward call (lower quartiles of interleaved calls; eager_if_slower=False keeps it graphed)")
+                "us per forward call (lower quartiles of its eager calls before its capture and its replays; "
+                "eager_if_slower=False keeps it graphed)")
 
     def warning(self, label, acted):
         how = self.slower() or "alone"

@@ -95,14 +95,10 @@ class Runner:
         return result
 
     def _timed_eager(self, d, args, kwargs):
-        entry, slots = d.entry, d.entry.graphs
-        accumulators = getattr(slots.current, "accumulators", None) if slots is not None else None
-        if accumulators is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
-            accumulators.keep_through_eager()
+        """An eager sample of a key still warming up (NOTE [ Graphed calls that cannot pay ])."""
         start = host_cost.clock()
         result = self._eager(d.call, d.reason)
-        entry.host_cost.add_eager(host_cost.clock() - start)
-        self._acted(entry)
+        d.entry.host_cost.add_eager(host_cost.clock() - start)
         return result
 
     def _fall_back(self, d, args, kwargs):

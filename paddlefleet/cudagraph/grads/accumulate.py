@@ -373,20 +373,6 @@ class Accumulators:
         for i in self.expect | set(self.stash):
             self._before[i] = copy(self.tensors[i])
 
-    def keep_through_eager(self):
-        """Before an eager call of this key (an ``eager_if_slower`` sample, NOTE [ Graphed calls that
-        cannot pay ] in core/host_cost.py): its backward adds into the accumulators in place, as a
-        backward replay does, instead of binding new grads, which would capture the key again. A freed
-        accumulator is put back filled with -0.0 (``-0.0 + g`` is eager's first grad bit for bit), and
-        Paddle's "fake empty" flag of a zeroed grad is reset, as after a backward replay. A grad the
-        user rebound is left alone: the next replay sees it."""
-        for i in self._in_use():
-            p, main, _, current = self._put_back_if_freed(i)
-            if current is not None and current.data_ptr() != self._ptrs[i]:
-                continue
-            if not main:
-                p._unset_fake_empty()
-
     def combine(self, grads):
         """After a backward replay, for the parameters whose grad this pass also gets from outside
         the graph: the accumulator gets back its value from before the replay plus the sum of both
