@@ -57,7 +57,7 @@ from testkit.common import (
     short,
 )
 
-from .timing import MODES, Runner, forward_timed, run_rounds, timed_call
+from .timing import MODES, STARTUP_STEPS, Runner, forward_timed, run_rounds, timed_call
 
 
 
@@ -385,8 +385,6 @@ def eager_sgd_entry(s):
     return Entry(Runner("paddle_eager_sgd", step, s.sync, short), check=None)
 
 
-#: Steps whose wall time is a runner's start-up (warmup, capture, first replay of a block).
-STARTUP_STEPS = 3
 RESULT_KEYS = ("times", "checks", "why_null", "counters", "peak_bytes", "allocated_bytes", "pool_bytes", "held_bytes",
                "startup_ms",
                "capture_ms")

@@ -8,7 +8,7 @@ import sys
 from testkit.common import SPEED_OPTIONS, info_lines, write_generated
 
 from .plot import LABELS
-from .timing import MODES
+from .timing import MODES, STARTUP_STEPS
 
 OPTION_RUNNERS = [f"autocudagraph_{o.name}" for o in SPEED_OPTIONS]
 PADDLE_RUNNERS = (["paddle_eager", "autocudagraph"] + OPTION_RUNNERS
@@ -120,12 +120,12 @@ STARTUP_COLUMNS = ["paddle_eager", "autocudagraph", "autocudagraph_step", "raw_r
 
 
 def _startup_table(rows):
-    """Per config: start-up (ms of the first 3 steps), capture ms and peak reserved MiB per runner."""
+    """Per config: start-up (ms of the first STARTUP_STEPS steps), capture ms and peak reserved MiB per runner."""
     head = " | ".join(LABELS.get(n, n) for n in STARTUP_COLUMNS)
     out = [f"| config | what | {head} |", "|---|---|" + "---|" * len(STARTUP_COLUMNS)]
     for r in (r for r in rows if r["mode"] == MODES[0]):
         cap = r.get("capture_ms", {})
-        out.append(f"| {r['config']} | start-up ms (3 steps) | "
+        out.append(f"| {r['config']} | start-up ms ({STARTUP_STEPS} steps) | "
                    + " | ".join(fmt(r.get("startup_ms", {}).get(n)) for n in STARTUP_COLUMNS) + " |")
         out.append(f"| | captures: keys, total ms | "
                    + " | ".join(f"{cap[n]['keys']}, {fmt(cap[n]['total_ms'])}" if n in cap else "-"
@@ -276,7 +276,8 @@ def markdown(rows, info, torch, run, plot_note):
         out += _time_table(rows, mode, OPTION_COLUMNS) + [""]
         out += [f"### {mode.capitalize()}: ratios", ""] + _ratio_table(rows, mode) + [""]
     out += ["## Start-up, captures and peak memory", "",
-            "Per runner: wall ms of its first 3 steps with its set-up (warmup, capture, first replay), the host ms",
+            f"Per runner: wall ms of its first {STARTUP_STEPS} steps with its set-up (timed eager calls and warmup, capture,",
+            "first replay), the host ms",
             "of its captures, and the reserved device memory it added at its peak (NOTE [ Peak memory and",
             "start-up per runner ] in tools/benchmark/paddle_runs.py; `-` without CUDA).", ""]
     out += _startup_table(rows) + [""]

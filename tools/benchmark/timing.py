@@ -70,6 +70,11 @@ class Config:
         return f"{self.layers} x {self.width}, batch {self.batch}{split}"
 
 
+#: Steps whose wall time is a runner's start-up: a graphed key's timed eager calls and warmup (8 eager
+#: calls where eager_if_slower measures them: SAMPLES in paddlefleet/cudagraph/core/host_cost.py), its
+#: capture and its first replay. Every runner, Paddle's and torch's, is timed over as many steps.
+STARTUP_STEPS = 10
+
 #: One transformer layer's projections: q, k, v, o (width), up (4x width), down.
 TRANSFORMER = (1, 1, 1, 1, 1, 4, 1)
 

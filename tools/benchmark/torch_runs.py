@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from .timing import MODES, Runner, forward_timed, pick_configs, run_rounds, timed_call
+from .timing import MODES, STARTUP_STEPS, Runner, forward_timed, pick_configs, run_rounds, timed_call
 
 
 
@@ -136,7 +136,6 @@ class _Memory:
         return int(self.torch.cuda.max_memory_allocated() - self.base_allocated) if self.cuda else None
 
 
-STARTUP_STEPS = 3
 
 
 def _runners(torch, cfg, dev, sync, out, warmup):
