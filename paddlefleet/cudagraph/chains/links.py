@@ -23,9 +23,10 @@ itself sums in the chain's order (exact with one outside consumer).
 import functools
 import weakref
 
+from .eligible import flags
 from .table import TABLE
 
-__all__ = ["CONFIRM", "OUTSIDE", "bar", "confirmed", "current_run", "flags", "forget_link", "observe", "remember",
+__all__ = ["CONFIRM", "OUTSIDE", "bar", "confirmed", "current_run", "forget_link", "observe", "remember",
            "set_run", "watch"]
 
 #: Times a link is seen in a row before a chain uses it.
@@ -68,11 +69,6 @@ def current_run():
 
 def set_run(run):
     TABLE.thread.run = run
-
-
-def flags(graphs):
-    """The training flags of the Layers a key's graphs use (its key was made with them)."""
-    return tuple(layer.training for layer in graphs.layers)
 
 
 def remember(entry, output, extras, token=None):
