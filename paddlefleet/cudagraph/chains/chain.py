@@ -66,6 +66,7 @@ import paddle
 from ..io.nested import unflatten
 from .eligible import current, flags, may_join, member_now
 from .links import confirmed, current_run
+from .record import record
 from .run import ChainRun
 from .table import TABLE
 
@@ -106,18 +107,22 @@ def start_chain(body, entry, call):
         run.break_at(run.handed, "a new chain started")
     if confirmed(entry) is None or not paddle.is_grad_enabled():
         return None
-    chain = entry.chain  # held by the entry: released with its graphs
+    held = record(entry)  # the entry's: its chain is forgotten when the entry releases its graphs
+    chain = held.chain
     if chain is None or chain.version != TABLE.version or len(chain.members) < 2 or not current(chain.members[0]):
         members = _members(body, entry, call)
         through_view = len(members) >= 2 and _fed_through_barred_link(entry) and root_consumer_crashes()
-        chain = entry.chain = Chain(TABLE.version, members, through_view)
+        chain = held.chain = Chain(TABLE.version, members, through_view)
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, chain.forget, chain.through_view).start()
+    started = ChainRun(chain, held, call).start()
+    held.cost.headed(entry.host_cost)  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+    return started
 
 
 class Chain:
-    """The members confirmed links lead to from one head (checked again at each call)."""
+    """The members confirmed links lead to from one head (checked again at each call); held by the
+    head's ChainRecord (chains/record.py)."""
 
     __slots__ = ("version", "members", "through_view", "__weakref__")
 
@@ -125,10 +130,6 @@ class Chain:
         self.version = version
         self.members = members
         self.through_view = through_view  # NOTE [ Chains of graphed calls ]: a root consumed by another root's node
-
-    def forget(self):
-        """A member no longer fits: the next run builds the chain again."""
-        self.version = None
 
     def describe(self):
         """What explain() says of the chain this key heads ("" when it heads none)."""

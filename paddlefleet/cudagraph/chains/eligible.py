@@ -8,6 +8,7 @@ why a call cannot be served as its chain's next call.
 from ..core.call import Call
 from ..core.entry import Phase
 from ..block.replay import replay_blocker
+from .record import record
 
 __all__ = ["current", "flags", "may_join", "member_now", "mismatch", "why_never"]
 
@@ -52,10 +53,7 @@ def member_now(body, entry):
         return False
     if entry.host_cost.judging:  # judged alone first (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)
         return False
-    graphs = slots.all[0]
-    if graphs.chain is None:
-        graphs.chain = why_never(graphs)
-    return not graphs.chain
+    return not record(entry).never(slots.all[0], why_never)
 
 
 def may_join(member, head, call, params):

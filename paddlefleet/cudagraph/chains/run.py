@@ -24,21 +24,22 @@ class ChainRun:
     """The members of one run of a chain and what each call of it is handed.
 
     Args:
-        members: the chain's Members (chains/chain.py), in call order, the head first.
+        chain: the Chain (chains/chain.py): its Members in call order, the head first, and whether the
+            bridge takes the head's first argument through two reshapes (NOTE [ Chains of graphed
+            calls ]: a root consumed by another root's node).
+        held: the head's ChainRecord (chains/record.py), which forgets the chain when a member no longer fits.
         call: the head call (its Call).
-        forget: drops the head's cached members (a member no longer fits).
-        through_view: the bridge takes the head's first argument through two reshapes (NOTE [ Chains
-            of graphed calls ] in chains/chain.py: a root consumed by another root's node).
     """
 
-    __slots__ = ("members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "through_view", "__weakref__")
+    __slots__ = ("chain", "held", "members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
+                 "ids", "order", "hooks", "args", "executes", "through_view", "__weakref__")
 
-    def __init__(self, members, call, forget, through_view=False):
-        self.members = members
-        self.through_view = through_view
+    def __init__(self, chain, held, call):
+        self.chain = chain
+        self.held = held
+        members = self.members = chain.members
+        self.through_view = chain.through_view
         self.call = call
-        self.forget = forget
         self.extras = call.tensors[1:]
         self.handed = 0
         self.tokens = []
@@ -144,6 +145,10 @@ class ChainRun:
         if member.clone:  # the head made it, empty, as an output of the one grad node
             self.outputs[j].copy_(member.out_buf, False)
         return copied, skipped
+
+    def forget(self):
+        """A member no longer fits: the head's next call builds the chain again."""
+        self.held.forget(self.chain)
 
     def break_at(self, j, reason):
         """No call from member ``j`` on is handed its output: their graphs are free for their own
