@@ -21,7 +21,9 @@ The second way sees every such consumer, at the first chained backward that has 
 itself sums in the chain's order (exact with one outside consumer).
 """
 
+import dataclasses
 import weakref
+from typing import Any, Optional
 
 from .eligible import flags
 from .record import record
@@ -153,18 +155,16 @@ def watch(entry, token):
         token.watch.feeds = weakref.ref(producer.watch)
 
 
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
 class _Watch:
     """What a replay's backward tells the links (block/bridge.py's ``Token.watch``): as the consumer of
     its producer's output (``feeds``: the producer's _Watch, weakly), the address of the grad it gave
     that output (``fed`` on the producer); as a producer whose consumer was watched (``outside``: a weak
     reference to its entry), whether the grad Paddle passed its output is another tensor."""
 
-    __slots__ = ("feeds", "fed", "outside", "__weakref__")
-
-    def __init__(self):
-        self.feeds = None
-        self.fed = None
-        self.outside = None
+    feeds: Any = None
+    fed: Optional[int] = None
+    outside: Any = None
 
     def __call__(self, grad, given):
         if self.fed is not None and grad is not None and grad.data_ptr() != self.fed:
