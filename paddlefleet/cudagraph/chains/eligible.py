@@ -1,8 +1,9 @@
 """Whether a key or a call may chain (NOTE [ Chains of graphed calls ] in chains/chain.py): every
 predicate chains decide on, in one place. ``why_never``: once per capture, what keeps a key out of
 chains for good; ``member_now``: whether a key may join a chain now; ``may_join``: whether it may follow
-a chain's head; ``current``: whether a member still replays the graphs it joined with; ``mismatch``:
-why a call cannot be served as its chain's next call.
+a chain's head; ``current``: whether a member still replays the graphs it joined with; ``given_output``:
+whether a call is a link from the latest replay; ``mismatch``: why a call cannot be served as its chain's
+next call.
 """
 
 from ..core.call import Call
@@ -10,7 +11,7 @@ from ..core.entry import Phase
 from ..block.replay import replay_blocker
 from .record import record
 
-__all__ = ["current", "flags", "may_join", "member_now", "mismatch", "why_never"]
+__all__ = ["current", "flags", "given_output", "may_join", "member_now", "mismatch", "why_never"]
 
 
 def flags(graphs):
@@ -84,8 +85,7 @@ def mismatch(run, j, args, kwargs, keys):
     if not args or args[0] is not prev or prev.stop_gradient:
         return "its first argument is not the previous call's output"
     call = Call(args, kwargs)
-    extras = run.extras
-    if len(call.tensors) != len(extras) + 1 or any(a is not b for a, b in zip(call.tensors[1:], extras)):
+    if not _same(call.tensors[1:], run.extras):
         return "its other tensor arguments are not the first call's"
     member = run.members[j]
     if keys.key(args, kwargs, call.tensors, call.spec) != member.entry.key:
@@ -97,6 +97,23 @@ def mismatch(run, j, args, kwargs, keys):
     # parameters, adopted inputs, Layer attributes and structure. A blocked call runs alone, which acts on it.
     blocked = replay_blocker(member.graphs, call, check_inputs=False)
     return None if blocked is None else blocked.reason
+
+
+def given_output(seen, call):
+    """Whether ``call`` is given the output of the replay ``seen`` recorded (chains/links.py's _Seen, or
+    None), unchanged since, with the same other tensors: a link (other arguments are compared by
+    value, through the key, when a chain claims the call: ``mismatch``)."""
+    if seen is None or not call.args:
+        return False
+    out = seen.output()
+    if out is None or call.args[0] is not out or out._inplace_version() != seen.version:
+        return False
+    return _same(call.tensors[1:], seen.extras)
+
+
+def _same(tensors, others):
+    """The same tensor objects, in the same order."""
+    return len(tensors) == len(others) and all(a is b for a, b in zip(tensors, others))
 
 
 class _Predicted:

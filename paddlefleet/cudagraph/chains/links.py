@@ -25,7 +25,7 @@ import dataclasses
 import weakref
 from typing import Any, Optional
 
-from .eligible import flags
+from .eligible import flags, given_output
 from .record import record
 from .table import TABLE
 
@@ -114,13 +114,7 @@ def observe(body, entry, call):
     compared by value, through the key, when a chain claims the call: ChainRun.claim)."""
     thread = TABLE.thread
     seen, thread.last, thread.feeding = thread.last, None, None
-    if seen is None or not call.args:
-        return
-    out = seen.output()
-    if out is None or call.args[0] is not out or out._inplace_version() != seen.version:
-        return
-    extras = call.tensors[1:]
-    if len(extras) != len(seen.extras) or any(a is not b for a, b in zip(extras, seen.extras)):
+    if not given_output(seen, call):
         return
     before = seen.entry()
     if before is None:
