@@ -12,32 +12,14 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
 from paddlefleet.cudagraph.chains import run as chain_run
-from testkit.common import MatLayer, build, host_tensor, normal
+from testkit.common import MatLayer, build
+from tests.core.test_memory import W, train
 
-B, W, LAYERS = 4, 8, 3
+LAYERS = 3
 
 
 def stack():
     return build(lambda: paddle.nn.LayerList([MatLayer(W, W) for _ in range(LAYERS)]), 0)
-
-
-def train(model, steps, micro=1, seed=3):
-    """``steps`` steps of ``micro`` micro-batches through every layer of ``model``; every output, input
-    grad and parameter grad, as numpy."""
-    draw = normal(seed)
-    log = []
-    for _ in range(steps):
-        for _ in range(micro):
-            x = host_tensor(draw(B, W), stop_gradient=False)
-            h = x
-            for layer in model:
-                h = layer(h)
-            h.backward(host_tensor(draw(B, W)))
-            log += [h.numpy(), x.grad.numpy()]
-        log += [p.grad.numpy() for p in model.parameters()]
-        for p in model.parameters():
-            p.clear_gradient(False)
-    return log
 
 
 class ChainSecondSetBudgetTest(unittest.TestCase):
@@ -56,9 +38,9 @@ class ChainSecondSetBudgetTest(unittest.TestCase):
         with mock.patch.object(simulated.SimulatedBackend, "pool_model", True), \
                 mock.patch.object(chain_run, "capture_second_backward", counted):
             for model in (graphed, eager):  # chained first, then accumulating over micro-batches
-                log = train(model, 6)
+                log = train(model, 6, layers=list(model))
                 held.append([layer.forward.stats()["held_bytes"] for layer in graphed])
-                logs.append(log + train(model, 4, micro=2, seed=5))
+                logs.append(log + train(model, 4, micro=2, seed=5, layers=list(model)))
         np.testing.assert_equal(logs[0], logs[1])
         return graphed, captured, held[0]
 
