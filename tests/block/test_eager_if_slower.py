@@ -137,13 +137,13 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(entry.phase.value, "replay", layer.forward.explain())
             self.assertEqual(entry.host_cost.verdict, "graphed")
             if k == 0:  # the chain's first call pays every member's bridge: not judged in chains
-                self.assertEqual(entry.host_cost.chain_verdict, "head")
+                self.assertEqual(entry.chain.cost.verdict, "head")
                 self.assertIn("graphed 60.0 (lower quartile of 8)\n", layer.forward.explain())  # no chained time
                 # The verdict says how much faster, measured.
                 self.assertIn("; a graphed forward call takes 1.7x less host time than eager (60.0 against 100.0 us, "
                               "measured)", layer.forward.explain().splitlines()[0])
                 continue
-            self.assertEqual(entry.host_cost.chain_verdict, "graphed", layer.forward.explain())
+            self.assertEqual(entry.chain.cost.verdict, "graphed", layer.forward.explain())
             self.assertIn("graphed 60.0 (lower quartile of 8), chained 60.0 (lower quartile of 8)",
                           layer.forward.explain())
         # Steps 1-7 are timed eager calls, 8 warms up, 9 captures, 10-18 replay alone; a chain serves every later step.
@@ -178,7 +178,7 @@ class TestEagerIfSlower(unittest.TestCase):
         for i in range(30):
             if i == 20:
                 [entry] = graphed[0].forward.entries().values()
-                self.assertEqual((entry.host_cost.verdict, entry.host_cost.chain_verdict), ("graphed", None))
+                self.assertEqual((entry.host_cost.verdict, entry.chain), ("graphed", None))  # no chain record
                 before = len(reads)
             for a, e in zip(step(graphed, x, dy), step(eager, x, dy)):
                 np.testing.assert_array_equal(a, e, err_msg=f"step {i}")

@@ -266,6 +266,56 @@ class StructureTest(unittest.TestCase):
                         sites.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(target)} =")
         self.assertEqual(sites, [], "replace Paddle attributes through guards/paddle_patches.py (Patches, patched)")
 
+    def test_chain_state_lives_in_chains(self):
+        """Chains own their state: outside chains/, no class has a field about chains but the entry's one
+        record (GraphEntry.chain, a chains/record.py ChainRecord), the option and the public counter of chained calls;
+        the bridge's token has one watch hook, not the chains' fields."""
+        allowed = {("core/entry.py", "GraphEntry", "chain"), ("core/stats.py", "Counters", "chained_calls"),
+                   ("options.py", "GraphOptions", "chain_calls")}
+        found = set()
+        for name, (path, tree) in self.modules.items():
+            rel = path.relative_to(PACKAGE).as_posix()
+            if rel.startswith("chains/"):
+                continue
+            for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+                found.update((rel, cls.name, field) for field in _fields(cls) if "chain" in field.lower())
+        self.assertEqual(sorted(found - allowed), [], "keep a key's chain state in its chains/record.py ChainRecord")
+        path, tree = self.modules[f"{NAME}.block.bridge"]
+        [token] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Token"]
+        self.assertEqual(set(_fields(token)), {"__weakref__", "done", "hooked", "watch"})
+
+    def test_chain_predicates_and_invalidation_have_one_place_each(self):
+        """Whether a call or key may chain is decided in chains/eligible.py alone (the only chains module
+        that asks a replay's preconditions); a key's cached chain is dropped by ChainRecord.forget alone."""
+        asks, drops = [], []
+        for name, (path, tree) in self.modules.items():
+            rel = path.relative_to(PACKAGE).as_posix()
+            for node in ast.walk(tree):
+                if (rel.startswith("chains/") and rel != "chains/eligible.py" and isinstance(node, ast.ImportFrom)
+                        and any(a.name == "replay_blocker" for a in node.names)):
+                    asks.append(rel)
+                if isinstance(node, ast.Assign) and rel != "chains/record.py":
+                    drops += [f"{rel}:{node.lineno}" for t in node.targets if isinstance(t, ast.Attribute)
+                              and t.attr in ("chain", "version") and isinstance(node.value, ast.Constant)
+                              and node.value.value is None]
+        self.assertEqual(asks, [], "ask chains/eligible.py whether a call may chain")
+        self.assertEqual(drops, [], "drop a key's chain through ChainRecord.forget (chains/record.py)")
+
+
+def _fields(cls):
+    """The fields a class declares: annotated class attributes, ``__slots__`` and ``self.x = ...`` in its methods."""
+    fields = set()
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            fields.add(node.target.id)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            fields.update(e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant))
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            fields.add(node.attr)
+    return fields
+
 
 if __name__ == "__main__":
     unittest.main()

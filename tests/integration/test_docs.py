@@ -202,6 +202,121 @@ class ArchitectureDocTest(unittest.TestCase):
         self.assertGreater(len(paths), 50)
         self.assertEqual([ref for ref in paths if not path_exists(ref, ARCHITECTURE)], [])
 
+    def test_the_walkthroughs_name_functions_the_code_has(self):
+        """The walks of one call through the dispatcher, one call phase by phase, one capture through the
+        session and the chains' record name modules, functions, classes and their members that exist: a
+        renamed or moved function makes this fail, so the walkthrough cannot go stale silently."""
+        modules, classes, names = code_index()
+        stale = {}
+        for title in WALKTHROUGHS:
+            text = section(self.text, title)
+            self.assertGreater(len(walk_refs(text)), 5, title)
+            bad = [ref for ref in walk_refs(text) if not ref_exists(ref, modules, classes, names)]
+            if bad:
+                stale[title] = bad
+        self.assertEqual(stale, {}, "names in the walkthroughs of " + ARCHITECTURE + " that the code lacks")
+
+    def test_the_walkthrough_check_sees_a_stale_name(self):
+        modules, classes, names = code_index()
+        for ref in (("path", "core/dispatch", "dispatch_call"), ("path", "core/gone", None), ("class", "Runner", "_replays"),
+                    ("class", "NoSuchBody", "claim"), ("call", "start_chains"), ("attr", "links", "observes")):
+            self.assertFalse(ref_exists(ref, modules, classes, names), ref)
+        self.assertTrue(ref_exists(("class", "Lifecycle", "_replay"), modules, classes, names))  # inherited
+
+
+#: The sections of architecture.md whose names test_the_walkthroughs_name_functions_the_code_has checks.
+WALKTHROUGHS = ("One call through the dispatcher", "One call, phase by phase", "One capture through the session",
+                "Chains (layer-by-layer graphing)")
+PATH_REF = re.compile(r"(?<![\w/])((?:[a-z_]+/)+[a-z_]+)(?:\.py\b|\.(\w+))")
+CLASS_REF = re.compile(r"(?<![\w./])([A-Z]\w*[a-z]\w*)\.(\w+)")
+ATTR_REF = re.compile(r"(?<![\w./])([a-z_]\w*)\.([a-z_]\w*)(?![\w/(])")
+CALL_REF = re.compile(r"(?<![\w.])([a-z_]\w*)\(")
+#: Names a walkthrough uses for the user's code and Paddle's, not the package's.
+NOT_OURS = {"wrapped", "layer", "paddle", "p", "args", "kwargs"}
+#: What a class of the package inherits from Paddle's (PyLayer).
+INHERITED = {"apply"}
+
+
+def walk_refs(text):
+    """The references of a walkthrough: ``("path", module, attribute or None)``, ``("class", Class,
+    member)``, ``("attr", name, attribute)``, ``("call", function)``."""
+    refs = [("path", m.group(1), m.group(2)) for m in PATH_REF.finditer(text)]
+    refs += [("class",) + m.groups() for m in CLASS_REF.finditer(text)]
+    refs += [("attr",) + m.groups() for m in ATTR_REF.finditer(text) if m.group(1) not in NOT_OURS]
+    refs += [("call", m.group(1)) for m in CALL_REF.finditer(text) if m.group(1) not in NOT_OURS]
+    return refs
+
+
+def ref_exists(ref, modules, classes, names):
+    kind = ref[0]
+    if kind == "path":
+        _, module, attribute = ref
+        if module.startswith(("tests/", "tools/", "testkit/")):
+            return os.path.exists(os.path.join(REPO, module + ".py"))
+        if module not in modules:
+            return module + "/__init__" in modules and attribute is None
+        return attribute is None or attribute in modules[module]
+    if kind == "class":
+        return ref[2] in class_members(ref[1], classes) or (ref[1] in classes and ref[2] in INHERITED)
+    if kind == "attr":
+        return ref[2] in names
+    return ref[1] in names
+
+
+def class_members(name, classes, seen=()):
+    """The members of the package's class ``name``, with those of its bases in the package."""
+    if name not in classes or name in seen:
+        return set()
+    members, bases = classes[name]
+    out = set(members)
+    for base in bases:
+        out |= class_members(base, classes, seen + (name,))
+    return out
+
+
+def code_index():
+    """``(modules, classes, names)`` of the package: each module's (path under the package, no
+    ``.py``) top-level names; each class's ``(members, base names)``; every name defined anywhere."""
+    modules, classes, names = {}, {}, set()
+    for folder, _, files in os.walk(PACKAGE):
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            tree = ast.parse(read(path))
+            top = _defined(tree.body)
+            modules[os.path.relpath(path, PACKAGE)[:-3]] = top
+            names |= top
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                if isinstance(node, ast.ClassDef):
+                    members = _class_fields(node)
+                    classes[node.name] = (members, [b.id for b in node.bases if isinstance(b, ast.Name)])
+                    names |= members
+    return modules, classes, names
+
+
+def _defined(body):
+    """The names the statements ``body`` define: functions, classes, assigned and imported names."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _class_fields(cls):
+    members = _defined(cls.body)
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and getattr(node.value, "id", "") == "self":
+            members.add(node.attr)
+    return members
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -73,6 +73,18 @@ def _device_decisions():
 
 
 @contextlib.contextmanager
+def _counted(name):
+    """One more level of the nesting ``name`` (a _PerThread field: depth, rerun_replays, steps) for
+    this thread while the block runs."""
+    fields = vars(_state)  # this thread's own fields (the class gives the defaults)
+    fields[name] = getattr(_state, name) + 1
+    try:
+        yield
+    finally:
+        fields[name] -= 1
+
+
+@contextlib.contextmanager
 def capturing(hooks=()):
     """Marks the current thread as capturing and enters the capture hooks; undone on exit.
     Paddle functions that decide on the host are replaced meanwhile (NOTE [ Cross entropy
@@ -81,17 +93,14 @@ def capturing(hooks=()):
         for factory in hooks:
             stack.enter_context(factory())
         stack.enter_context(_device_decisions())
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _state.depth -= 1
+        stack.enter_context(_counted("depth"))
+        yield
 
 
 def capture_open():
     """is_capturing() for the library's own checks: the same answer, not recorded as the function
     asking (NOTE [ The function's own exceptions ] in core/runner.py)."""
-    return getattr(_state, "depth", 0) > 0
+    return _state.depth > 0
 
 
 #: The mark of an exception the graphed function raised itself during a capture.
@@ -137,22 +146,17 @@ def function_errors():
 def in_rerun_replay():
     """True while a replay that re-runs the captured Python (the simulated backend's) runs in this
     thread. A GPU replay runs no Python: a graphed callable called there is not a call at all."""
-    return getattr(_state, "rerun_replays", 0) > 0
+    return _state.rerun_replays > 0
 
 
-@contextlib.contextmanager
 def rerun_replay():
     """Marks a replay that re-runs the captured body in this thread (see in_rerun_replay)."""
-    _state.rerun_replays = getattr(_state, "rerun_replays", 0) + 1
-    try:
-        yield
-    finally:
-        _state.rerun_replays -= 1
+    return _counted("rerun_replays")
 
 
 def in_whole_step():
     """True while a whole training step (autocudagraph_step) runs in this thread."""
-    return getattr(_state, "steps", 0) > 0
+    return _state.steps > 0
 
 
 @contextlib.contextmanager
@@ -161,12 +165,8 @@ def whole_step():
     eagerly, since the step's own graph captures them (in every phase of the step alike). Paddle
     functions that decide on the host are replaced meanwhile, so that warmup, capture and replays
     run the same ops (NOTE [ Cross entropy decides on the host ] in core/cross_entropy.py)."""
-    _state.steps = getattr(_state, "steps", 0) + 1
-    try:
-        with _device_decisions():
-            yield
-    finally:
-        _state.steps -= 1
+    with _counted("steps"), _device_decisions():
+        yield
 
 
 @contextlib.contextmanager

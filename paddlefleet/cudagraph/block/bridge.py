@@ -33,38 +33,21 @@ __all__ = ["DOUBLE_BACKWARD", "GraphedFunction", "Token", "bridge_args", "hand_o
 class Token:
     """Lives as long as a forward replay's autograd graph (held by the PyLayer ctx); ``hooked``: the
     grads hooks on its outputs returned, by output index (NOTE [ Hooks on graphed outputs ] in
-    grads/handles.py), or None.
+    grads/handles.py), or None; ``watch``: what the block's hooks (block/hooks.py) run after this
+    replay's backward, ``watch(grad, given)`` with the grad Paddle passed its first output and the
+    grad it gave its first input, or None."""
 
-    The block's hooks (block/hooks.py) may watch who gives a replay's first output its grad: a replay
-    whose first input is that output gets ``feeds`` (a weak reference to the producer's token), its
-    backward records on the producer the address of the grad it gave that input (``fed``), and the
-    producer's backward runs ``outside`` when the grad Paddle passes it is another tensor: a grad
-    from another consumer reached the output first (Paddle adds later ones into the first)."""
-
-    __slots__ = ("__weakref__", "done", "hooked", "feeds", "fed", "outside")
+    __slots__ = ("__weakref__", "done", "hooked", "watch")
 
     def __init__(self):
         self.done = False
         self.hooked = None
-        self.feeds = None
-        self.fed = None
-        self.outside = None
+        self.watch = None
 
     def keep_hooked(self, index, grad):
         if self.hooked is None:
             self.hooked = {}
         self.hooked[index] = grad
-
-    def feed(self, grad):
-        """This replay's backward gave ``grad`` to its first input (the output ``feeds`` produced)."""
-        producer = self.feeds()
-        if producer is not None and grad is not None:
-            producer.fed = grad.data_ptr()
-
-    def check(self, grad):
-        """Runs ``outside`` when the grad of this replay's first output is not the one ``fed``."""
-        if self.fed is not None and grad is not None and grad.data_ptr() != self.fed:
-            self.outside()
 
 
 def new_token(graphs):
@@ -113,16 +96,14 @@ class GraphedFunction(PyLayer):
         if paddle.is_grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
         graphs, args, token, generation = ctx.held
-        if token.outside is not None:  # watched by the block's hooks (see Token)
-            token.check(grads[0])
         try:
             plan = replay_backward(graphs, grads, generation, token)
         except BaseException:
             token.done = True  # Paddle never runs a failed backward again: the forward waits no more
             raise
         handed = plan.hand_out()
-        if token.feeds is not None:
-            token.feed(handed[0])
+        if token.watch is not None:  # the block's hooks watch this backward (see Token)
+            token.watch(grads[0], handed[0])
         return args.grads(bridge_grads(graphs.backward, handed, len(graphs.static_inputs.buffers)))
 
 

@@ -139,7 +139,6 @@ class BlockBody(Body):
             else:  # nothing to put back (and no context manager's host time on every call)
                 started = self.hooks.head(self, entry, call)
             if started is not None:
-                entry.host_cost.chain_head = True  # timed as a chained call (NOTE [ Graphed calls that cannot pay ])
                 return started
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]

@@ -83,7 +83,6 @@ class BlockGraphs(Graphs):
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
         answered: the generation of the latest forward replay whose backward ran, 0 for none (NOTE [ Outputs
             that need grad, and no backward ] in block/slots.py).
-        chain: why the key never joins a chain ("" when it may), decided once (chains/chain.py).
         bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
     """
@@ -108,7 +107,6 @@ class BlockGraphs(Graphs):
     generation: int = 0
     inflight: Any = None
     answered: int = 0
-    chain: Any = None
     bridge_tail: tuple = ()
     diff_at: tuple = ()
     non_diff_at: tuple = ()

@@ -63,12 +63,12 @@ verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several sl
 
 import paddle
 
-from ..core.entry import Phase
 from ..io.nested import unflatten
-from .links import confirmed, current_run, flags
+from .eligible import current, flags, may_join, member_now
+from .links import confirmed, current_run
+from .record import record
 from .run import ChainRun
 from .table import TABLE
-from ..block.replay import replay_blocker
 
 __all__ = ["Chain", "Member", "start_chain"]
 
@@ -92,47 +92,11 @@ class Member:
         # The call returns its one output itself (not in a container): handed out as it is.
         self.bare = unflatten(graphs.out_spec, [self.out_buf], graphs.out_consts) is self.out_buf
 
-    def current(self):
-        """Whether the key still replays these graphs, alone in its slots, and none waits for a backward."""
-        slots = self.entry.graphs
-        return (slots is not None and slots.current is self.graphs and len(slots.all) == 1
-                and self.entry.phase is Phase.REPLAY and not self.graphs.backward_pending())
-
-
-def _why_not(graphs):
-    """Why a key with ``graphs`` never joins a chain, or "" (decided once per capture)."""
-    backward = graphs.backward
-    if backward is None or backward.graph is None:
-        return "no backward graph"
-    if backward.accumulators is not None or backward.anchor is not None:
-        return "accumulate_in_graph"
-    if len(graphs.static_outputs) != 1 or not graphs.out_differentiable[0] or graphs.host_outputs:
-        return "not one differentiable output"
-    if graphs.handed_out is not None:
-        return "check_stale_outputs"
-    static = graphs.static_inputs
-    if not static.buffers or static.host:
-        return "host tensors among its arguments"
-    if any(not b.stop_gradient for b in static.buffers[1:]):
-        return "an argument other than the first needs grad"
-    return ""
-
 
 def _member(body, entry, flags_):
     """The Member for ``entry`` when its key may join a chain now, else None."""
-    slots = entry.graphs
-    options = body.options
-    if (slots is None or len(slots.all) != 1 or entry.verify_left > 0 or not options.chain_calls
-            or options.dispatch_key_fn is not None):
-        return None
-    if entry.host_cost.judging:  # judged alone first (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)
-        return None
-    graphs = slots.all[0]
-    if graphs.chain is None:
-        graphs.chain = _why_not(graphs)
-    if graphs.chain:
-        return None
-    return Member(body, entry, graphs, flags_)
+    return Member(body, entry, entry.graphs.all[0], flags_) if member_now(body, entry) else None
+
 
 
 def start_chain(body, entry, call):
@@ -143,18 +107,22 @@ def start_chain(body, entry, call):
         run.break_at(run.handed, "a new chain started")
     if confirmed(entry) is None or not paddle.is_grad_enabled():
         return None
-    chain = entry.chain  # held by the entry: released with its graphs
-    if chain is None or chain.version != TABLE.version or len(chain.members) < 2 or not chain.members[0].current():
+    held = record(entry)  # the entry's: its chain is forgotten when the entry releases its graphs
+    chain = held.chain
+    if chain is None or chain.version != TABLE.version or len(chain.members) < 2 or not current(chain.members[0]):
         members = _members(body, entry, call)
         through_view = len(members) >= 2 and _fed_through_barred_link(entry) and root_consumer_crashes()
-        chain = entry.chain = Chain(TABLE.version, members, through_view)
+        chain = held.chain = Chain(TABLE.version, members, through_view)
     if len(chain.members) < 2:
         return None
-    return ChainRun(chain.members, call, chain.forget, chain.through_view).start()
+    started = ChainRun(chain, held, call).start()
+    held.cost.headed(entry.host_cost)  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+    return started
 
 
 class Chain:
-    """The members confirmed links lead to from one head (checked again at each call)."""
+    """The members confirmed links lead to from one head (checked again at each call); held by the
+    head's ChainRecord (chains/record.py)."""
 
     __slots__ = ("version", "members", "through_view", "__weakref__")
 
@@ -162,10 +130,6 @@ class Chain:
         self.version = version
         self.members = members
         self.through_view = through_view  # NOTE [ Chains of graphed calls ]: a root consumed by another root's node
-
-    def forget(self):
-        """A member no longer fits: the next run builds the chain again."""
-        self.version = None
 
     def describe(self):
         """What explain() says of the chain this key heads ("" when it heads none)."""
@@ -177,7 +141,7 @@ def _members(body, entry, call):
     """The head and the members the confirmed links lead to, as far as each may join (the later
     members are checked again when their call comes: ChainRun.claim)."""
     head = _member(body, entry, flags(entry.graphs.current))
-    if head is None or not head.current():
+    if head is None or not current(head):
         return []
     members, seen = [head], {id(entry)}
     params = {id(p) for p in head.params}
@@ -186,27 +150,12 @@ def _members(body, entry, call):
     while nxt is not None:
         body, entry, link_flags = nxt
         member = None if id(entry) in seen else _member(body, entry, link_flags)
-        if member is None or not _may_join(member, head, call, params):
+        if member is None or not may_join(member, head, call, params):
             break
         members.append(member)
         seen.add(id(entry))
         nxt = confirmed(entry)
     return members
-
-
-def _may_join(member, head, call, params):
-    graphs = member.graphs
-    if not member.current() or graphs.in_spec != head.graphs.in_spec or flags(graphs) != member.flags:
-        return False
-    if member.entry.backend.name != head.entry.backend.name or 0 in graphs.static_inputs.adopted:
-        return False
-    if graphs.backward.grad_plan.slots[0] is None:  # its first argument gets no grad
-        return False
-    if any(id(p) in params for p in member.params):  # a parameter shared with another member
-        return False
-    params.update(id(p) for p in member.params)
-    predicted = _Predicted([graphs.static_inputs.buffers[0]] + call.tensors[1:])
-    return replay_blocker(graphs, predicted, check_inputs=False) is None
 
 
 def _fed_through_barred_link(entry):
@@ -233,10 +182,3 @@ def root_consumer_crashes():
     return _ROOT_CONSUMER[0]
 
 
-class _Predicted:
-    """The tensors a member's call will have, for its replay preconditions."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self, tensors):
-        self.tensors = tensors

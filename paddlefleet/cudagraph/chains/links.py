@@ -12,20 +12,24 @@ more the sum can differ from eager's in the last bit. No order can be proven fro
 a link whose output has a consumer outside the chain is **barred**: no chain goes through it again
 (the calls replay alone, each with its own grad node), and explain() says so. It is seen two ways:
 - before a chain uses the link, while the calls replay alone: the next call's backward records the
-  grad it gives the output (block/bridge.py's Token), and the producer's backward gets another
-  tensor when a grad from another consumer reached the output first (Paddle adds later ones into
-  the first, so a consumer whose grad arrives after the next call's is not seen here);
+  grad it gives the output, and the producer's backward gets another tensor when a grad from another
+  consumer reached the output first (Paddle adds later ones into the first, so a consumer whose grad
+  arrives after the next call's is not seen here). Both are seen by a ``_Watch`` the bridge's backward
+  runs (block/bridge.py's ``Token.watch``);
 - in a chain's backward: a grad from outside reached an intermediate output.
 The second way sees every such consumer, at the first chained backward that has one; that backward
 itself sums in the chain's order (exact with one outside consumer).
 """
 
-import functools
+import dataclasses
 import weakref
+from typing import Any, Optional
 
+from .eligible import flags, given_output
+from .record import record
 from .table import TABLE
 
-__all__ = ["CONFIRM", "OUTSIDE", "bar", "confirmed", "current_run", "flags", "forget_link", "observe", "remember",
+__all__ = ["CONFIRM", "OUTSIDE", "bar", "confirmed", "current_run", "forget_link", "observe", "remember",
            "set_run", "watch"]
 
 #: Times a link is seen in a row before a chain uses it.
@@ -70,11 +74,6 @@ def set_run(run):
     TABLE.thread.run = run
 
 
-def flags(graphs):
-    """The training flags of the Layers a key's graphs use (its key was made with them)."""
-    return tuple(layer.training for layer in graphs.layers)
-
-
 def remember(entry, output, extras, token=None):
     """Records a call whose single output ``output`` a later call may be given (see observe);
     ``extras``: the call's tensors after its first; ``token``: its bridge Token's weak reference."""
@@ -97,7 +96,7 @@ def bar(entry, reason):
     link.barred = reason
     link.count = 0
     TABLE.version += 1
-    entry.chain_note = f"calls after it are not chained to it: {reason}"
+    record(entry).note = f"calls after it are not chained to it: {reason}"
 
 
 def confirmed(entry):
@@ -115,13 +114,7 @@ def observe(body, entry, call):
     compared by value, through the key, when a chain claims the call: ChainRun.claim)."""
     thread = TABLE.thread
     seen, thread.last, thread.feeding = thread.last, None, None
-    if seen is None or not call.args:
-        return
-    out = seen.output()
-    if out is None or call.args[0] is not out or out._inplace_version() != seen.version:
-        return
-    extras = call.tensors[1:]
-    if len(extras) != len(seen.extras) or any(a is not b for a, b in zip(extras, seen.extras)):
+    if not given_output(seen, call):
         return
     before = seen.entry()
     if before is None:
@@ -141,18 +134,38 @@ def observe(body, entry, call):
 def watch(entry, token):
     """After a replay alone of ``entry`` (its bridge Token ``token``): when it was given the output
     of the replay observe() saw, the two backwards tell whether another consumer gave that output a
-    grad first (block/bridge.py's Token; NOTE [ Outputs with consumers outside the chain ])."""
+    grad first (NOTE [ Outputs with consumers outside the chain ])."""
     thread = TABLE.thread
     feeding, thread.feeding = thread.feeding, None
     if feeding is None or feeding[0]() is not entry or token is None:
         return
     producer = feeding[1]()
     if producer is not None:
-        token.feeds = feeding[1]
-        producer.outside = functools.partial(_outside, feeding[2])
+        if producer.watch is None:
+            producer.watch = _Watch()
+        producer.watch.outside = feeding[2]
+        if token.watch is None:
+            token.watch = _Watch()
+        token.watch.feeds = weakref.ref(producer.watch)
 
 
-def _outside(entry_ref):
-    entry = entry_ref()
-    if entry is not None:
-        bar(entry, OUTSIDE)
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
+class _Watch:
+    """What a replay's backward tells the links (block/bridge.py's ``Token.watch``): as the consumer of
+    its producer's output (``feeds``: the producer's _Watch, weakly), the address of the grad it gave
+    that output (``fed`` on the producer); as a producer whose consumer was watched (``outside``: a weak
+    reference to its entry), whether the grad Paddle passed its output is another tensor."""
+
+    feeds: Any = None
+    fed: Optional[int] = None
+    outside: Any = None
+
+    def __call__(self, grad, given):
+        if self.fed is not None and grad is not None and grad.data_ptr() != self.fed:
+            entry = self.outside()
+            if entry is not None:
+                bar(entry, OUTSIDE)
+        if self.feeds is not None and given is not None:
+            producer = self.feeds()
+            if producer is not None:
+                producer.fed = given.data_ptr()

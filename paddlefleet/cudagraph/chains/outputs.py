@@ -58,21 +58,28 @@ def output_grad(run, j, total, given):
     return total
 
 
-def _take_hook(t, hook):
+def _at_output(t, act):
+    """``act(run, index)`` when ``t`` is an output a chain handed out, else None (Paddle's own way)."""
     found = _find(t)
-    if found is None:
-        return None
-    run, j = found
+    return None if found is None else act(*found)
+
+
+def _take_hook(t, hook):
+    return _at_output(t, lambda run, j: _add_hook(run, j, hook))
+
+
+def _add_hook(run, j, hook):
+    """Keeps ``hook`` (None: retain_grads()) for output ``j``; returns its id."""
     hook_id = next(TABLE.hook_ids)
     run.hooks.setdefault(j, []).append((hook_id, hook))
     return hook_id
 
 
 def _drop_hook(t, hook_id):
-    found = _find(t)
-    if found is None:
-        return None
-    run, j = found
+    return _at_output(t, lambda run, j: _remove_hook(run, j, hook_id))
+
+
+def _remove_hook(run, j, hook_id):
     hooks = run.hooks.get(j, [])
     kept = [(i, h) for i, h in hooks if i != hook_id]
     if len(kept) == len(hooks):
@@ -92,11 +99,8 @@ def install():
     retain = paddle.Tensor.retain_grads
 
     def retain_grads(self):
-        found = _find(self)
-        if found is None:
+        if _at_output(self, lambda run, j: _add_hook(run, j, None)) is None:
             return retain(self)
-        run, j = found
-        run.hooks.setdefault(j, []).append((None, None))
         return None
 
     retain_grads.__doc__ = getattr(retain, "__doc__", None)

@@ -7,7 +7,6 @@ import weakref
 import paddle
 
 from ..core.body import Replayed
-from ..core.call import Call
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
 from ..io.nested import unflatten
@@ -15,8 +14,8 @@ from . import outputs as chain_outputs
 from ..block import partial_grad
 from ..block.capture import capture_second_backward
 from .bridge import ChainFunction, replay_forward
+from .eligible import mismatch
 from .links import current_run, forget_link, remember, set_run
-from ..block.replay import replay_blocker
 from ..block.replay_fallback import state_restored_on_refusal
 
 __all__ = ["ChainRun"]
@@ -25,21 +24,22 @@ class ChainRun:
     """The members of one run of a chain and what each call of it is handed.
 
     Args:
-        members: the chain's Members (chains/chain.py), in call order, the head first.
+        chain: the Chain (chains/chain.py): its Members in call order, the head first, and whether the
+            bridge takes the head's first argument through two reshapes (NOTE [ Chains of graphed
+            calls ]: a root consumed by another root's node).
+        held: the head's ChainRecord (chains/record.py), which forgets the chain when a member no longer fits.
         call: the head call (its Call).
-        forget: drops the head's cached members (a member no longer fits).
-        through_view: the bridge takes the head's first argument through two reshapes (NOTE [ Chains
-            of graphed calls ] in chains/chain.py: a root consumed by another root's node).
     """
 
-    __slots__ = ("members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
-                 "ids", "order", "hooks", "args", "forget", "executes", "through_view", "__weakref__")
+    __slots__ = ("chain", "held", "members", "call", "extras", "handed", "tokens", "generations", "outputs", "refs",
+                 "ids", "order", "hooks", "args", "executes", "through_view", "__weakref__")
 
-    def __init__(self, members, call, forget, through_view=False):
-        self.members = members
-        self.through_view = through_view
+    def __init__(self, chain, held, call):
+        self.chain = chain
+        self.held = held
+        members = self.members = chain.members
+        self.through_view = chain.through_view
         self.call = call
-        self.forget = forget
         self.extras = call.tensors[1:]
         self.handed = 0
         self.tokens = []
@@ -110,7 +110,7 @@ class ChainRun:
         if j > self.handed:  # a later member called first: the calls in between never come
             self.break_at(self.handed, "a later member was called first")
             return None
-        why = self._mismatch(j, args, kwargs, keys)
+        why = mismatch(self, j, args, kwargs, keys)
         if why is not None:
             self.break_at(j, why)
             return None
@@ -146,30 +146,9 @@ class ChainRun:
             self.outputs[j].copy_(member.out_buf, False)
         return copied, skipped
 
-    def _mismatch(self, j, args, kwargs, keys):
-        """Why call ``j`` cannot be replayed as the chain's (its key's) call now, or None.
-
-        The call is served only under the key it would get itself (KeyMaker.key: every non-tensor
-        argument by value, each tensor's metadata, grad mode, AMP state and training flags), equal to
-        its member's key; its tensors other than the first are the first call's, which the chain
-        copies in."""
-        prev = self.outputs[j - 1]
-        if not args or args[0] is not prev or prev.stop_gradient:
-            return "its first argument is not the previous call's output"
-        call = Call(args, kwargs)
-        extras = self.extras
-        if len(call.tensors) != len(extras) + 1 or any(a is not b for a, b in zip(call.tensors[1:], extras)):
-            return "its other tensor arguments are not the first call's"
-        member = self.members[j]
-        if keys.key(args, kwargs, call.tensors, call.spec) != member.entry.key:
-            return "the key it would get is not its key in the chain (an argument's value, grad mode, AMP state or a training flag changed)"
-        if not member.current():
-            self.forget()
-            return "its key's graphs changed or wait for a backward"
-        # Every precondition an alone replay checks (NOTE [ Replay preconditions ] in block/replay.py):
-        # parameters, adopted inputs, Layer attributes and structure. A blocked call runs alone, which acts on it.
-        blocked = replay_blocker(member.graphs, call, check_inputs=False)
-        return None if blocked is None else blocked.reason
+    def forget(self):
+        """A member no longer fits: the head's next call builds the chain again."""
+        self.held.forget(self.chain)
 
     def break_at(self, j, reason):
         """No call from member ``j`` on is handed its output: their graphs are free for their own

@@ -72,8 +72,9 @@ class GraphEntry:
             static buffers), None before the first.
         host_cost: HostCost, the host time of its eager and graphed calls (NOTE [ Graphed calls
             that cannot pay ] in core/host_cost.py).
-        chain: the chain whose first call this key makes (chains/chain.py), or None.
-        chain_note: why calls after this key's are not chained to it (chains/links.py), or "".
+        chain: what this key knows about chains, a ChainRecord (chains/record.py: the chain it heads,
+            why calls after it are not chained to it, the host time of its chained calls), made by
+            chains/ when they first need it; None before. release() tells it (``forget``).
         eager_if_slower: the key runs eagerly once its graphed calls were measured slower than
             its eager calls (the option; NOTE [ Graphed calls that cannot pay ]).
     """
@@ -98,7 +99,6 @@ class GraphEntry:
     capture_ms: Optional[float] = None
     host_cost: Optional[HostCost] = None
     chain: Any = None
-    chain_note: str = ""
     eager_if_slower: bool = False
     attr_streak: Any = None  # ((where, attribute), replays then, values seen): NOTE [ Attributes that change on every call ]
     attr_written: Any = None  # (where, attribute) its last refused capture changed: NOTE [ Attributes a capture writes ]
@@ -174,11 +174,12 @@ class GraphEntry:
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts), and the chain built
-        from this key (chains/chain.py)."""
+        from this key (chains/record.py: ChainRecord.forget)."""
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None
-        self.chain = None
+        if self.chain is not None:
+            self.chain.forget()
 
     def to_recapture(self):
         """Drops the graphs; the next call of this key captures again (no warmup)."""

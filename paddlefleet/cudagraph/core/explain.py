@@ -43,7 +43,7 @@ def describe_entries(entries):
     """
     rows = []
     for entry in entries:
-        graphs, cost = entry.graphs, entry.host_cost
+        graphs, cost, chain = entry.graphs, entry.host_cost, entry.chain  # chain: chains/record.py, or None
         unanswered = graphs.unanswered()[1] if graphs is not None and hasattr(graphs, "unanswered") else 0
         rows.append(
             {
@@ -68,12 +68,11 @@ def describe_entries(entries):
                 "no_backward": unanswered,
                 "capture_ms": _round(entry.capture_ms),
                 "host_us": {"eager": _round(cost.eager_us()), "graphed": _round(cost.graphed_us()),
-                            "chained": _round(cost.chained_us())},
-                "host_cost": cost.describe(),
+                            "chained": _round(chain.cost.us() if chain is not None else None)},
+                "host_cost": cost.describe() + (chain.cost.describe() if chain is not None and cost.describe() else ""),
                 "grads": graphs.describe() if graphs is not None else "",
                 "slot_bytes": list(graphs.slot_bytes()) if hasattr(graphs, "slot_bytes") else [],
-                "chain": "; ".join(filter(None, [entry.chain.describe() if entry.chain is not None and graphs
-                                                 is not None else "", entry.chain_note])),
+                "chain": chain.describe(graphs is not None) if chain is not None else "",
             }
         )
     return rows

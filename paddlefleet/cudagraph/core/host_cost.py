@@ -15,8 +15,9 @@ graphed calls cost more is run eagerly:
   output copy; the dispatcher reads the clock before the body's ``blocker``, core/dispatch.py). A
   call the checks keep from replaying (one in flight, one captured again) is no sample. The
   dispatcher decides which call is a sample (``wants_eager``); the runner times it and adds it
-  here (``add_eager``, ``add_replay``, ``add_chained``). The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows
-  with the forward's, and an eager backward launches about twice the forward's kernels.
+  here (``add_eager``, ``add_replay``; a call a chain served: chains/record.py ``ChainCost.add``).
+  The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows with the
+  forward's, and an eager backward launches about twice the forward's kernels.
 * **Eager samples before the capture.** A judged key takes its SAMPLES eager samples before it
   captures: its first calls are timed eager calls (TIMED_EAGER), then come its warmup calls (which
   count among the eager samples), then the capture; its replays are timed after (the first replay,
@@ -42,12 +43,10 @@ graphed calls cost more is run eagerly:
   every key of a wrapper runs eagerly as slower, its later calls skip the key too (ALL_SLOWER:
   the key costs host time as well; a call of a new shape is then not graphed, reset() measures
   again).
-* **Chained calls** (NOTE [ Chains of graphed calls ] in chains/chain.py) are judged too: a key
-  joins chains only once judged alone; then its first SAMPLES calls served by a chain are timed
-  and the same rule runs on their quartile against the same eager quartile. A chain's first call is
-  not judged in chains: it applies the one bridge of every member, a toll the chain pays once
-  (a first layer judged on it ran eagerly on the H100 although the chain paid); that key keeps
-  the verdict on its calls alone.
+* **Chained calls** (NOTE [ Chains of graphed calls ] in chains/chain.py) are judged too, by the
+  same rule against the same eager quartile, once the key is judged alone (chains/record.py's
+  ChainCost, held by the key's chain record). A replay that starts a chain is no sample here
+  (``not_a_sample``): it paid the bridge of every member.
 * **Where it is off.** A backend whose replay re-runs the function (simulate) is not timed:
   its graphed calls always cost more than eager ones. The whole training step is not judged
   (one graph for the step: the toll is paid once a step). ``eager_if_slower=False`` keeps every
@@ -60,7 +59,8 @@ graphed calls cost more is run eagerly:
 import statistics
 import time
 
-__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "warn_once_per_process"]
+__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us", "slower_message",
+           "slower_reason", "warn_once_per_process"]
 
 #: Timed calls per side (eager, graphed alone, chained) a decision needs.
 SAMPLES = 8
@@ -92,7 +92,7 @@ def warn_once_per_process():
     return True
 
 
-def _quartile_us(samples):
+def quartile_us(samples):
     """The lower quartile of ``samples`` (seconds) in us (NOTE [ Graphed calls that cannot pay ])."""
     if not samples:
         return None
@@ -102,7 +102,8 @@ def _quartile_us(samples):
 
 
 class HostCost:
-    """Host seconds of one key's eager and graphed forward calls, and the decision made on them.
+    """Host seconds of one key's eager forward calls and its graphed calls alone, and the decision
+    made on them (its calls chains served: chains/record.py's ChainCost).
 
     Args:
         measure: time this key's calls at all (False: nothing is timed).
@@ -110,17 +111,15 @@ class HostCost:
             calls are slower (``eager_if_slower``); False: measure and warn only.
     """
 
-    __slots__ = ("eager_s", "replay_s", "chained_s", "measure", "judge", "chain_head", "verdict", "chain_verdict")
+    __slots__ = ("eager_s", "replay_s", "measure", "judge", "verdict", "skip")
 
     def __init__(self, measure=True, judge=False):
         self.eager_s = []
         self.replay_s = []
-        self.chained_s = []
         self.measure = measure
         self.judge = measure and judge
-        self.chain_head = False  # set by a replay that started a chain (its sample is a chained one)
         self.verdict = None if measure else "not timed"  # None while calls alone are timed
-        self.chain_verdict = None if measure else "not timed"
+        self.skip = False  # the replay under way is no sample (not_a_sample)
 
     # ------------------------------------------------------------------ what the lifecycle asks
     @property
@@ -132,10 +131,6 @@ class HostCost:
     def judging(self):
         """True while this key's calls alone decide whether it stays graphed (it joins no chain)."""
         return self.judge and self.verdict is None
-
-    @property
-    def timing_chained(self):
-        return self.chain_verdict is None and self.verdict == "graphed"
 
     def wants_eager(self, warmups_left):
         """True when the next call of this key, still warming up with ``warmups_left`` warmup calls
@@ -149,30 +144,18 @@ class HostCost:
         if self.verdict is None:
             self.eager_s.append(seconds)
 
+    def not_a_sample(self):
+        """The replay under way is no sample of this key's calls alone (a replay that started a chain
+        paid the bridge of every member: chains/record.py)."""
+        self.skip = self.verdict is None
+
     def add_replay(self, seconds):
-        """Records one replay's host seconds, as a graphed call alone unless it started a chain
-        (``chain_head``: it paid the bridge of every member, not judged in chains)."""
-        if self.chain_head:
-            self.head_seen()
+        """Records one replay's host seconds, as a graphed call alone unless ``not_a_sample`` said so."""
+        if self.skip:
+            self.skip = False
         elif self.verdict is None:
             self.replay_s.append(seconds)
             self._judge_alone()
-
-    def head_seen(self):
-        """Keeps whether the replay just made started a chain: such a key is not judged in chains. Asked
-        after the untimed replays of a key judged alone whose chained calls are still timed (its calls
-        alone are not timed any more: the clock reads cost host time on every call of a key that never
-        chains)."""
-        if self.chain_head:
-            self.chain_head = False
-            self.chain_verdict = self.chain_verdict or "head"
-
-    def add_chained(self, seconds):
-        """Records one chained call's host seconds (a chain's first call or a call it served)."""
-        if self.timing_chained:
-            self.chained_s.append(seconds)
-            if len(self.chained_s) >= SAMPLES:
-                self.chain_verdict = "eager" if self._slower(self.chained_s) else "graphed"
 
     def _judge_alone(self):
         if len(self.replay_s) <= SAMPLES:
@@ -180,63 +163,69 @@ class HostCost:
         if not self.eager_s:  # no eager call was timed (warmup_steps=0, eager_if_slower=False)
             self.verdict = "unmeasured"
             return
-        self.verdict = "eager" if self._slower(self.replay_s[1:]) else "graphed"
+        self.verdict = "eager" if self.slower_than_eager(self.replay_s[1:]) else "graphed"
 
-    def _slower(self, graphed):
-        return _quartile_us(graphed) >= _quartile_us(self.eager_s)
+    def slower_than_eager(self, graphed):
+        """Whether the lower quartile of ``graphed`` (seconds) is not below the eager one."""
+        return quartile_us(graphed) >= quartile_us(self.eager_s)
 
     # ------------------------------------------------------------------ results
     def graphed_us(self):
-        return _quartile_us(self.replay_s[1:])
-
-    def chained_us(self):
-        return _quartile_us(self.chained_s)
+        return quartile_us(self.replay_s[1:])
 
     def eager_us(self):
-        return _quartile_us(self.eager_s)
+        return quartile_us(self.eager_s)
 
     def slower(self):
-        """"alone" or "chained" when this key's graphed calls (alone, or in chains) were found slower than
-        its eager calls, else None."""
-        if self.verdict == "eager":
-            return "alone"
-        if self.chain_verdict == "eager":
-            return "chained"
-        return None
+        """True when this key's graphed calls alone were found slower than its eager calls."""
+        return self.verdict == "eager"
 
     def describe(self):
         """The measured host times for explain(), or ""."""
         eager, graphed = self.eager_us(), self.graphed_us()
         if eager is None or graphed is None:
             return ""
-        text = (f"host us per forward call: eager {eager:.1f} (lower quartile of {len(self.eager_s)}), "
+        return (f"host us per forward call: eager {eager:.1f} (lower quartile of {len(self.eager_s)}), "
                 f"graphed {graphed:.1f} (lower quartile of {len(self.replay_s) - 1})")
-        if self.chained_s:
-            text += f", chained {self.chained_us():.1f} (lower quartile of {len(self.chained_s)})"
-        return text
 
-    def reason(self):
-        """Why the key runs eagerly (``slower()`` is not None): both numbers and the override."""
-        how = self.slower()
-        graphed = self.graphed_us() if how == "alone" else self.chained_us()
-        calls = "graphed calls" if how == "alone" else "graphed calls in chains"
-        return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {self.eager_us():.1f} "
-                "us per forward call (lower quartiles of its eager calls before its capture and its replays; "
-                "eager_if_slower=False keeps it graphed)")
+    def reason(self, alone=None):
+        """Why the key runs eagerly (``slower()``): both numbers and the override."""
+        return slower_reason("graphed calls", self.graphed_us(), self.eager_us())
 
-    def warning(self, label, acted):
-        how = self.slower() or "alone"
-        graphed = self.graphed_us() if how == "alone" else self.chained_us()
-        then = ("so it runs eagerly from now on (results are eager's; eager_if_slower=False keeps it graphed)" if acted
-                else "so graphing it makes training slower where the host is the bottleneck")
-        return (
-            f"key {label}: a graphed call{' in a chain' if how == 'chained' else ''} costs {graphed:.1f} us of host "
-            f"time against {self.eager_us():.1f} us for the eager call (forward, lower quartiles), {then}. Each "
-            "graphed call pays a fixed toll (key, checks, copies and Paddle's autograd bridge, again in backward), more than this "
-            "block's kernel launches cost eagerly. Graph larger blocks (several layers in one Layer: autocudagraph "
-            "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "
-            "are in explain()."
-        )
+    def warning(self, label, alone, acted):
+        return slower_message(label, "a graphed call", self.graphed_us(), self.eager_us(), acted)
+
+
+def slower_reason(calls, graphed, eager):
+    """The fallback reason of a key whose ``calls`` cost ``graphed`` us against ``eager``."""
+    return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {eager:.1f} "
+            "us per forward call (lower quartiles of its eager calls before its capture and its replays; "
+            "eager_if_slower=False keeps it graphed)")
+
+
+def slower_message(label, call, graphed, eager, acted):
+    """The warning for key ``label``, whose ``call`` costs ``graphed`` us against ``eager``; ``acted``:
+    it runs eagerly from now on."""
+    then = ("so it runs eagerly from now on (results are eager's; eager_if_slower=False keeps it graphed)" if acted
+            else "so graphing it makes training slower where the host is the bottleneck")
+    return (
+        f"key {label}: {call} costs {graphed:.1f} us of host "
+        f"time against {eager:.1f} us for the eager call (forward, lower quartiles), {then}. Each "
+        "graphed call pays a fixed toll (key, checks, copies and Paddle's autograd bridge, again in backward), more than this "
+        "block's kernel launches cost eagerly. Graph larger blocks (several layers in one Layer: autocudagraph "
+        "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "
+        "are in explain()."
+    )
+
+
+def judged_slower(entry):
+    """What found ``entry``'s graphed calls slower than its eager calls: its HostCost (calls alone), its
+    chain record's cost (calls chains served: chains/record.py), or None."""
+    cost = entry.host_cost
+    if cost.slower():
+        return cost
+    chain = entry.chain
+    return chain.cost if chain is not None and chain.cost.slower() else None
 
 
 def act(entry, warn_once, entries):
@@ -244,11 +233,12 @@ def act(entry, warn_once, entries):
     entry falls back with the reason), and ``warn_once(topic, message)`` once per process.
     Returns ALL_SLOWER when the entry has just fallen back and every key of ``entries`` (its
     wrapper's) runs eagerly as slower, else None."""
-    cost = entry.host_cost
-    if cost.slower() is None or not entry.has_graphs:
+    judged = judged_slower(entry)
+    if judged is None or not entry.has_graphs:
         return None
+    cost = entry.host_cost
     if cost.judge:
-        entry.fall_back(cost.reason())
+        entry.fall_back(judged.reason(cost))
     if warn_once_per_process():
-        warn_once("cannot_pay", cost.warning(entry.label, acted=cost.judge))
-    return ALL_SLOWER if cost.judge and all(e.host_cost.slower() for e in entries) else None
+        warn_once("cannot_pay", judged.warning(entry.label, cost, acted=cost.judge))
+    return ALL_SLOWER if cost.judge and all(judged_slower(e) for e in entries) else None

@@ -78,8 +78,9 @@ class Runner:
         self.counters.chained_calls += 1
         entry = d.entry
         result = self._run_graphs(entry, None, True, replayed)
-        if entry.host_cost.timing_chained:  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-            entry.host_cost.add_chained(host_cost.clock() - d.start)
+        cost = entry.chain.cost  # a served key's chain record (chains/record.py)
+        if cost.timing(entry.host_cost):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
+            cost.add(entry.host_cost, host_cost.clock() - d.start)
             self._acted(entry)
         return result
 
@@ -175,8 +176,6 @@ class Runner:
         if d.start is not None:  # timed: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
             entry.host_cost.add_replay(host_cost.clock() - d.start)
             self._acted(entry)
-        elif entry.host_cost.chain_head and entry.host_cost.timing_chained:  # a key judged alone, chained calls timed
-            entry.host_cost.head_seen()
         return result
 
     def _graph_call(self, entry, call, copy):

@@ -13,7 +13,7 @@ import paddle
 
 from ..api import autocudagraph
 from ..backends import cuda_available
-from .transformer_blocks import compare_transformer
+from .transformer_blocks import MLP, compare_transformer
 from .transformer_steps import compare_transformer_steps
 
 __all__ = ["Block", "DemoModel", "train", "run_demo", "MIN_STEPS"]
@@ -24,18 +24,15 @@ __all__ = ["Block", "DemoModel", "train", "run_demo", "MIN_STEPS"]
 MIN_STEPS = 4
 
 
-class Block(paddle.nn.Layer):
-    """Linear -> GELU -> Linear -> Dropout, residual, then LayerNorm."""
+class Block(MLP):
+    """The MLP (Linear -> GELU -> Linear -> Dropout), residual, then LayerNorm."""
 
     def __init__(self, width, hidden, dropout):
-        super().__init__()
-        self.fc1 = paddle.nn.Linear(width, hidden)
-        self.fc2 = paddle.nn.Linear(hidden, width)
-        self.drop = paddle.nn.Dropout(dropout)
+        super().__init__(width, hidden, dropout)
         self.norm = paddle.nn.LayerNorm(width)
 
     def forward(self, x):
-        return self.norm(x + self.drop(self.fc2(paddle.nn.functional.gelu(self.fc1(x)))))
+        return self.norm(x + super().forward(x))
 
 
 class DemoModel(paddle.nn.Layer):

@@ -22,6 +22,7 @@ import paddle
 import paddle.nn.functional as F
 
 __all__ = [
+    "MLP",
     "TransformerBlock",
     "TrainResult",
     "Comparison",
@@ -54,7 +55,9 @@ class _Attention(paddle.nn.Layer):
         return self.out_drop(self.out(ctx))
 
 
-class _MLP(paddle.nn.Layer):
+class MLP(paddle.nn.Layer):
+    """Linear -> GELU -> Linear -> Dropout."""
+
     def __init__(self, d_model, d_ff, dropout):
         super().__init__()
         self.fc1 = paddle.nn.Linear(d_model, d_ff)
@@ -80,7 +83,7 @@ class TransformerBlock(paddle.nn.Layer):
         self.ln1 = paddle.nn.LayerNorm(d_model)
         self.attn = _Attention(d_model, n_heads, dropout)
         self.ln2 = paddle.nn.LayerNorm(d_model)
-        self.mlp = _MLP(d_model, d_ff, dropout)
+        self.mlp = MLP(d_model, d_ff, dropout)
         self.recompute_mlp = recompute_mlp
 
     def forward(self, x):

@@ -51,7 +51,7 @@ from .paddle_patches import Patches
 from .host_errors import copy_error, grad_assignment_error, print_error, read_error, sync_error, what_value
 from .host_marks import mark_host
 from .traced_ops import paused
-from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors
+from .raw_tensors import RawTensorGuard, host_place, patch_raw_tensors, refused
 
 __all__ = ["host_guard", "gpu_is_host", "constructor_guarded"]
 
@@ -98,6 +98,10 @@ def _device_of(args, kwargs):
     return None
 
 
+def _plain_call(original, tensor, args, kwargs):
+    return original(tensor, *args, **kwargs)
+
+
 class _Guard(RawTensorGuard):
     """The patched entry points of one host_guard() block."""
 
@@ -135,41 +139,19 @@ class _Guard(RawTensorGuard):
 
     # ------------------------------------------------------------------ device -> host
     def read(self, name):
-        guard = self
+        counted = self.host_reads is not None and name not in ("cpu", "pin_memory")
+        return self.host_only(self.is_host, lambda: read_error(f"Tensor.{name}()"),
+                              self._counted_read if counted else None)
 
-        def make(original):
-            def read(self, *args, **kwargs):
-                if not guard.is_host(self):
-                    raise read_error(f"Tensor.{name}()")
-                if guard.host_reads is not None and name not in ("cpu", "pin_memory"):
-                    return guard.host_reads.read(original, (self,) + args, kwargs)
-                return guard.allowed(original, self, *args, **kwargs)
-
-            return read
-
-        return make
+    def _counted_read(self, original, tensor, args, kwargs):
+        return self.host_reads.read(original, (tensor,) + args, kwargs)
 
     def formatted(self, what):
-        guard = self
-
-        def make(original):
-            def formatted(self, *args, **kwargs):
-                if not guard.is_host(self):
-                    raise print_error(what)
-                return original(self, *args, **kwargs)  # its numpy() goes through read(): host_reads sees it
-
-            return formatted
-
-        return make
+        # its numpy() goes through read(): host_reads sees it
+        return self.host_only(self.is_host, lambda: print_error(what), _plain_call)
 
     def sync(self, what):
-        def make(original):
-            def sync(*args, **kwargs):
-                raise sync_error(what)
-
-            return sync
-
-        return make
+        return refused(lambda: sync_error(what))
 
     def patch_grad_setter(self):
         """``p.grad = t``: done as an in-place copy where that is eager's assignment, else refused

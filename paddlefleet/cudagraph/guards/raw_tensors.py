@@ -8,7 +8,7 @@ import paddle
 from .host_errors import copy_error, read_error, sync_object_error, what_value
 from .refusals import RAW_TENSOR_READ
 
-__all__ = ["RawTensorGuard", "host_place", "patch_raw_tensors"]
+__all__ = ["RawTensorGuard", "host_place", "patch_raw_tensors", "refused"]
 
 #: Methods of Paddle's raw tensor (``Tensor.get_tensor()``, ``Tensor.value().get_tensor()``) that read
 #: its values on the host, and how messages name them.
@@ -60,18 +60,24 @@ def host_place(place):
     return False
 
 
+def refused(refuse):
+    """A patch (``make(original)``) of a method that always raises ``refuse()``."""
+
+    def make(original):
+        def refuse_call(*args, **kwargs):
+            raise refuse()
+
+        return refuse_call
+
+    return make
+
+
 class RawTensorGuard:
     """The raw-tensor and wait entry points of host_guard's _Guard (a mixin: ``self.is_host``,
     ``self.allowed`` and ``self.dense`` are the guard's)."""
 
     def sync_object(self, what):
-        def make(original):
-            def sync(*args, **kwargs):
-                raise sync_object_error(what)
-
-            return sync
-
-        return make
+        return refused(lambda: sync_object_error(what))
 
     def get_tensor(self, original):
         guard = self
@@ -94,18 +100,28 @@ class RawTensorGuard:
         except Exception:  # no place to read: not a device tensor we know of
             return True
 
-    def dense_read(self, name):
-        guard = self
+    def host_only(self, is_host, refuse, then=None):
+        """A patch (``make(original)``) of a method that raises ``refuse()`` unless ``is_host(tensor)``
+        says its tensor is host memory, and then runs ``then(original, tensor, args, kwargs)`` (by
+        default the original, allowed: what it calls in turn passes)."""
+        then = then or self._allowed_call
 
         def make(original):
-            def read(self, *args, **kwargs):
-                if not guard.dense_is_host(self):
-                    raise read_error(f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)", RAW_TENSOR_READ)
-                return guard.allowed(original, self, *args, **kwargs)
+            def checked(tensor, *args, **kwargs):
+                if not is_host(tensor):
+                    raise refuse()
+                return then(original, tensor, args, kwargs)
 
-            return read
+            return checked
 
         return make
+
+    def _allowed_call(self, original, tensor, args, kwargs):
+        return self.allowed(original, tensor, *args, **kwargs)
+
+    def dense_read(self, name):
+        return self.host_only(self.dense_is_host, lambda: read_error(
+            f"{name} of Tensor.get_tensor() (the raw tensor of a device tensor)", RAW_TENSOR_READ))
 
     def dense_set(self, original):
         guard = self

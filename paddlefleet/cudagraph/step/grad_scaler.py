@@ -44,6 +44,7 @@ unscaled (possibly clipped) values where Paddle's CPU kernel leaves zeros; it ne
 
 import collections
 import enum
+import operator
 import weakref
 
 import numpy as np
@@ -54,6 +55,25 @@ from .optimizer_state import inner_optimizer, optimizer_params, state_tensors
 __all__ = ["GraphGradScaler", "live_scalers"]
 
 _LIVE = weakref.WeakSet()
+
+
+#: Paddle's GradScaler getters, each returning one setting: (name, attribute).
+_GETTERS = (("is_enable", "_enable"), ("is_use_dynamic_loss_scaling", "_use_dynamic_loss_scaling"),
+            ("get_init_loss_scaling", "_init_loss_scaling"), ("get_incr_ratio", "_incr_ratio"),
+            ("get_decr_ratio", "_decr_ratio"), ("get_incr_every_n_steps", "_incr_every_n_steps"),
+            ("get_decr_every_n_nan_or_inf", "_decr_every_n_nan_or_inf"))
+
+
+def _getter(attribute):
+    get = operator.attrgetter(attribute)
+    return lambda self: get(self)
+
+
+class _Getters:
+    """The base of GraphGradScaler: the getters of _GETTERS (one method each, made in the class's
+    own namespace)."""
+
+    vars().update({name: _getter(attribute) for name, attribute in _GETTERS})
 
 
 def live_scalers():
@@ -67,7 +87,7 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
-class GraphGradScaler:
+class GraphGradScaler(_Getters):
     """A drop-in for ``paddle.amp.GradScaler`` that a whole-step graph can capture
     (NOTE [ Loss scaling without host syncs ]).
 
@@ -245,24 +265,3 @@ class GraphGradScaler:
         self._incr_every_n_steps = state_dict["incr_every_n_steps"]
         self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
         self._use_dynamic_loss_scaling = state_dict["use_dynamic_loss_scaling"]
-
-    def is_enable(self):
-        return self._enable
-
-    def is_use_dynamic_loss_scaling(self):
-        return self._use_dynamic_loss_scaling
-
-    def get_init_loss_scaling(self):
-        return self._init_loss_scaling
-
-    def get_incr_ratio(self):
-        return self._incr_ratio
-
-    def get_decr_ratio(self):
-        return self._decr_ratio
-
-    def get_incr_every_n_steps(self):
-        return self._incr_every_n_steps
-
-    def get_decr_every_n_nan_or_inf(self):
-        return self._decr_every_n_nan_or_inf
