@@ -131,7 +131,8 @@ class BlockBody(Body):
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call`` (or the hooks do: a chain's first call)."""
         graphs = entry.graphs.current
-        bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
+        grad = paddle.is_grad_enabled()
+        bridged = copy and grad and graphs.backward is not None
         if bridged:
             if entry.backend.replays_python:  # a head that replays executes the body: state put back on refusal
                 with state_restored_on_refusal(graphs.layers, True):
@@ -145,12 +146,12 @@ class BlockBody(Body):
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
         if not entry.backend.replays_python:  # a replay that does not re-run the function: nothing to restore
-            replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+            replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label, grad))
         else:
             # NOTE [ A replay that changes shape ] in block/replay_fallback.py
             # NOTE [ Values a simulated replay reads ]: a replay that differs raises ReplayTraceError.
             with state_restored_on_refusal(graphs.layers, True):
-                replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+                replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label, grad))
         if bridged and isinstance(replayed.result, paddle.Tensor):
             self.hooks.replayed(self, entry, call, replayed.result)
         return replayed
