@@ -26,12 +26,14 @@ import paddle
 from .bridge import GraphedFunction, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import route_hooks
-from ..core.body import Action, Blocked
+from ..core.body import Action, Blocked, Replayed
 from ..guards.layer_attrs import attr_message
 from ..guards.location import user_call_site
 from ..io.nested import unflatten
 
 __all__ = ["replay_blocker", "run_graphs"]
+
+_new = tuple.__new__  # a Replayed made positionally: half the cost of Replayed(...)
 
 
 def replay_blocker(graphs, call, check_inputs):
@@ -72,8 +74,8 @@ def replay_blocker(graphs, call, check_inputs):
 
 
 def run_graphs(graphs, call, copy, name, label, grad):
-    """Runs the graphs for ``call`` and returns ``(result, copied, skipped)``: what the call
-    returns and how many input copies were made and skipped (none when ``copy`` is False: the
+    """Runs the graphs for ``call`` and returns its Replayed: what the call returns and how many
+    input copies were made and skipped (none when ``copy`` is False: the
     capture call's tensors are already in the static inputs); ``grad``: paddle.is_grad_enabled()."""
     tensors = call.tensors
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
@@ -93,4 +95,4 @@ def run_graphs(graphs, call, copy, name, label, grad):
         # After the replay: this call's inputs may be the previous outputs (y = f(f(x))).
         graphs.handed_out.overwrite(name, label, user_call_site())
         graphs.handed_out.hand_out(outputs, graphs.host_outputs)
-    return unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped
+    return _new(Replayed, (unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped, None))
