@@ -24,8 +24,9 @@ first replay) of a model graphed layer by layer, to PATH.startup.
 NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
 ``Internals`` below and nowhere else: ``GraphedCallable.entry()`` (a read-only view of the key's entry),
-``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable.body().blocker``,
-``entry.graphs`` (BlockGraphs: ``params.moved``, ``bridge.args``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
+``_entries`` (the chain hooks keep an entry weakly), ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``,
+``GraphedCallable.body().blocker`` and ``.hooks`` (``head``, ``replayed``), ``entry.graphs`` (BlockGraphs:
+``params.moved``, ``bridge.args``, ``grad_feeds``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
 ``dispatch.nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
@@ -178,6 +179,32 @@ class Internals:
         _, call = self._call()
         return self._entry().graphs.current.bridge.args(call.tensors)
 
+    def bridge_inputs(self):
+        _, call = self._call()
+        plan = self._entry().graphs.current.bridge
+        return lambda: plan.args(call.tensors)
+
+    def chain_hooks(self):
+        from paddlefleet.cudagraph.grads.handles import copy
+
+        _, call = self._call()
+        body = self.wrapper.body()
+        entry = next(e for e in self.wrapper._entries.values() if e.graphs is not None)  # the hooks keep it weakly
+        hooks, output = body.hooks, copy(entry.graphs.current.static_outputs[0])  # a stand-in for the call's output
+
+        def around():
+            hooks.head(body, entry, call)
+            hooks.replayed(body, entry, call, output)
+
+        return around
+
+    def grad_output_copy(self):
+        from paddlefleet.cudagraph.grads.handles import copy
+
+        graphs = self._entry().graphs.current
+        feeds = [(buf, copy(buf)) for _, buf in graphs.grad_feeds]  # stand-ins for the grads Paddle passes
+        return lambda: [buf.copy_(grad, False) for buf, grad in feeds]
+
     def forward_replay(self):
         return self._entry().graphs.current.fwd_graph.replay
 
@@ -194,6 +221,10 @@ class Internals:
             ("input copy into the static buffer (copy_)", "ours (1 device copy)", self.copy_in),
             ("output hand-out (clone_outputs: one copy per output)", "ours (1 device copy)", self.hand_out_outputs),
             ("hook route of the differentiable outputs (a weak reference each)", "ours", self.hook_route),
+            ("bridge inputs of the call (BridgePlan.args)", "ours", self.bridge_inputs),
+            ("chain hooks of a replay alone (links observed and remembered, no chain)", "ours", self.chain_hooks),
+            ("grad-output copy into its static buffer (one copy per output)", "ours (1 device copy)",
+             self.grad_output_copy),
             ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
             ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks)", "ours", self.hand_out_grads),
             ("forward graph replay()", "Paddle", self.forward_replay),
@@ -806,9 +837,9 @@ def layer_call_lines(calls, reps):
 def stage_lines(c, reps):
     """Markdown of one layer_call_us result's stages (NOTE [ Call stages ])."""
     total = c.get("stages_total_us")
-    lines = ["", f"The same call stage by stage, timed inside the call (median of {reps} per stage; instrumented "
-                 f"call {'n/a' if total is None else f'{total:.1f}'} us against {c['layer_call_us']:.1f} us "
-                 "uninstrumented: the probes' frames; NOTE [ Call stages ] in tools/host_breakdown.py):", "",
+    lines = ["", f"The same call stage by stage, timed inside the call (median of {reps} per stage; the instrumented "
+                 f"call {'n/a' if total is None else f'{total:.1f}'} us, uninstrumented {c['layer_call_us']:.1f} us: "
+                 "each probe adds a Python frame; NOTE [ Call stages ] in tools/host_breakdown.py):", "",
              "| stage | whose | host us |", "|---|---|---|"]
     for st in c.get("stages", ()):
         us = "n/a (" + st["why"] + ")" if st["us"] is None else f"{st['us']:.1f}"

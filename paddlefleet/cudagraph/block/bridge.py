@@ -28,6 +28,7 @@ the general path. BridgePlan decides this, and the order of the grads the backwa
 per key.
 """
 
+import operator
 import weakref
 
 import paddle
@@ -110,7 +111,7 @@ class BridgePlan:
         order: per bridge input, the index of its grad in GradPlan.hand_out() (None: the anchor's).
     """
 
-    __slots__ = ("n", "needs", "tail", "ids", "order")
+    __slots__ = ("n", "needs", "tail", "ids", "order", "_pick")
 
     def __init__(self, graphs):
         backward, buffers = graphs.backward, graphs.static_inputs.buffers
@@ -119,8 +120,10 @@ class BridgePlan:
         needs = tuple(i for i, b in enumerate(buffers) if not b.stop_gradient)
         self.needs = needs if self.tail or needs else None  # None: nothing needs grad, every tensor goes
         self.ids = None if partial_grad.one_slot() else [id(t) for t in self.tail]
-        self.order = tuple(range(n, n + len(backward.bridged))) + (() if backward.anchor is None else (None,)) + \
-            (needs if self.needs is not None else tuple(range(n)))
+        self.order = order = tuple(range(n, n + len(backward.bridged))) + \
+            (() if backward.anchor is None else (None,)) + (needs if self.needs is not None else tuple(range(n)))
+        # One C call picks every grad (itemgetter of one index returns the item itself, not a tuple).
+        self._pick = operator.itemgetter(*order) if len(order) > 1 and None not in order else None
 
     def args(self, tensors):
         """The BridgeArgs of a call's ``tensors``."""
@@ -132,12 +135,15 @@ class BridgePlan:
         if bridged[0].stop_gradient:  # never, where the key and the parameter check held: the general path
             return partial_grad.BridgeArgs(bridged, len(self.tail))
         ids = self.ids
-        if ids is not None:
+        if ids is not None and needs:  # read only by BridgeArgs: the tail's are shared by every call
             ids = ids + [id(t) if t.is_leaf else None for t in bridged[len(ids):]]
         return partial_grad.BridgeArgs.leading(bridged, ids)
 
     def grads(self, handed):
         """GradPlan.hand_out()'s grads (the call tensors', then the parameters') in the bridge's order."""
+        pick = self._pick
+        if pick is not None:
+            return list(pick(handed))
         return [None if j is None else handed[j] for j in self.order]
 
 
