@@ -118,7 +118,8 @@ class BlockGraphs(Graphs):
     def settle(self):
         """Decides once, after capture, what every replay of these graphs passes and hands out
         (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs and grads
-        (block/bridge.py's BridgePlan), the indices of the outputs that carry a grad and of those that do not, and ``(output index, grad-output buffer)`` of each that does."""
+        (block/bridge.py's BridgePlan), the indices of the outputs that carry a grad and of those that
+        do not, and ``(output index, grad-output buffer)`` of each that does."""
         self.diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if d)
         self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
         backward = self.backward

@@ -15,9 +15,9 @@ A replayed call pays the host time of everything it does, so what is the same fo
 of a key is decided once when it is captured (BlockGraphs.settle): the tensors the bridge takes
 and the order of the grads it returns (NOTE [ Bridge inputs ] in block/bridge.py), which outputs
 carry a grad (their hooks are routed to the backward, NOTE [ Hooks on graphed outputs ] in
-grads/handles.py) and which do not; likewise the parameter-address
-check (NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out (NOTE [ A
-precomputed hand-out ] in grads/hand_out_plan.py).
+grads/handles.py) and which do not; likewise the parameter-address check
+(NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out
+(NOTE [ A precomputed hand-out ] in grads/hand_out_plan.py).
 A call still gets new output tensors and new grad tensors every time.
 """
 
