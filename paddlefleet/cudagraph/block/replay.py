@@ -60,11 +60,13 @@ def replay_blocker(graphs, call, check_inputs):
     changed = graphs.attrs.changed() if graphs.attrs is not None else None
     if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
         return Blocked(Action.RECAPTURE, *attr_message(changed), changed)
-    if graphs.accumulators is not None:
-        shared = graphs.accumulators.shared_now()
+    backward = graphs.backward
+    accumulators = backward.accumulators if backward is not None else None
+    if accumulators is not None:
+        shared = accumulators.shared_now()
         if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
             return Blocked(Action.RECAPTURE, f"{shared}: its grad goes through autograd from now on")
-        moved = graphs.accumulators.moved()
+        moved = accumulators.moved()
         if moved is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
             return Blocked(Action.RECAPTURE_ONCE, moved, (
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
