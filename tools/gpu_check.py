@@ -50,7 +50,8 @@ CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed
          "tests/block/test_capture_failures.py", "tests/step/test_step_capture_failures.py",
          "tests/chains/test_chains.py", "tests/chains/test_chain_keys.py",
          "tests/chains/test_outside_consumers.py", "tests/block/test_frozen_values.py",
-         "tests/backends/test_refusals.py", "tests/step/test_step_dataflow.py"]  # modules holding the gpu_safe cases
+         "tests/backends/test_refusals.py", "tests/step/test_step_dataflow.py",
+         "tests/block/test_bridge_inputs.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

@@ -24,15 +24,19 @@ first replay) of a model graphed layer by layer, to PATH.startup.
 NOTE [ Host breakdown internals ]
 Timing the wrapper's pieces one by one needs its private names. Every such use is in
 ``Internals`` below and nowhere else: ``GraphedCallable.entry()`` (a read-only view of the key's entry),
-``GraphedCallable._keys.key(args, kwargs, tensors, spec)``, ``GraphedCallable.body().blocker``,
-``entry.graphs`` (BlockGraphs: ``params.moved``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
+``_entries`` (the chain hooks keep an entry weakly), ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``,
+``GraphedCallable.body().blocker`` and ``.hooks`` (``head``, ``replayed``), ``entry.graphs`` (BlockGraphs:
+``params.moved``, ``bridge.args``, ``grad_feeds``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
 ``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
 ``dispatch.nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
 view of the StepBody: ``blocker``, ``_between``,
 ``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
 ``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
-``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``. A piece whose name moved
+``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``; for the stages of one call, in
+``CallStages`` (NOTE [ Call stages ]): ``core.lifecycle.Lifecycle.__call__`` and the module's ``dispatch``,
+``block.graphed.BlockBody.replay``, ``block.replay.GraphedFunction`` (its ``apply``),
+``block.bridge.GraphedFunction.forward`` / ``backward`` and ``block.bridge.replay_backward``. A piece whose name moved
 reads "n/a (...)" in the report, with what was missing, and the other rows still run: update
 ``Internals`` / ``StepInternals`` after a refactor.
 """
@@ -95,19 +99,23 @@ class Passthrough(PyLayer):
 
 
 class BridgeShape(PyLayer):
-    """Paddle's share of the bridge alone: a PyLayer taking the input and every parameter, whose
-    forward hands out a view (no copy: the output copy is a row of ours) and whose backward hands
-    autograd one grad per parameter (as the bridge does)."""
+    """Paddle's share of the bridge alone: a PyLayer taking what the bridge takes (the bridged parameters
+    and the call's tensors that need grad, in BridgeArgs' convention: NOTE [ Bridge inputs ] in
+    block/bridge.py), whose forward hands out a view of the input (no copy: the output copy is a row of
+    ours) and whose backward hands autograd one grad per parameter (as the bridge does).
+    ``apply(held, args, *args.args)``: ``held()`` returns the input (no PyLayer input itself)."""
 
     grads = ()
 
     @staticmethod
-    def forward(ctx, x, *params):
+    def forward(ctx, held, args, *tensors):
+        ctx.args = args
+        x = held()
         return _C_ops.view_shape(x, x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        return (None,) + tuple(BridgeShape.grads)
+        return ctx.args.grads(list(BridgeShape.grads))
 
 
 class Internals:
@@ -166,6 +174,37 @@ class Internals:
         outputs = [copy(t) for t in graphs.static_outputs]  # stand-ins for what a call hands out
         return lambda: route_hooks(outputs, graphs.diff_at, graphs.inflight)
 
+    def bridge_args(self):
+        """The BridgeArgs a replay of this call hands to PyLayer.apply (NOTE [ Bridge inputs ])."""
+        _, call = self._call()
+        return self._entry().graphs.current.bridge.args(call.tensors)
+
+    def bridge_inputs(self):
+        _, call = self._call()
+        plan = self._entry().graphs.current.bridge
+        return lambda: plan.args(call.tensors)
+
+    def chain_hooks(self):
+        from paddlefleet.cudagraph.grads.handles import copy
+
+        _, call = self._call()
+        body = self.wrapper.body()
+        entry = next(e for e in self.wrapper._entries.values() if e.graphs is not None)  # the hooks keep it weakly
+        hooks, output = body.hooks, copy(entry.graphs.current.static_outputs[0])  # a stand-in for the call's output
+
+        def around():
+            hooks.head(body, entry, call)
+            hooks.replayed(body, entry, call, output)
+
+        return around
+
+    def grad_output_copy(self):
+        from paddlefleet.cudagraph.grads.handles import copy
+
+        graphs = self._entry().graphs.current
+        feeds = [(buf, copy(buf)) for _, buf in graphs.grad_feeds]  # stand-ins for the grads Paddle passes
+        return lambda: [buf.copy_(grad, False) for buf, grad in feeds]
+
     def forward_replay(self):
         return self._entry().graphs.current.fwd_graph.replay
 
@@ -182,6 +221,10 @@ class Internals:
             ("input copy into the static buffer (copy_)", "ours (1 device copy)", self.copy_in),
             ("output hand-out (clone_outputs: one copy per output)", "ours (1 device copy)", self.hand_out_outputs),
             ("hook route of the differentiable outputs (a weak reference each)", "ours", self.hook_route),
+            ("bridge inputs of the call (BridgePlan.args)", "ours", self.bridge_inputs),
+            ("chain hooks of a replay alone (links observed and remembered, no chain)", "ours", self.chain_hooks),
+            ("grad-output copy into its static buffer (one copy per output)", "ours (1 device copy)",
+             self.grad_output_copy),
             ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
             ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks)", "ours", self.hand_out_grads),
             ("forward graph replay()", "Paddle", self.forward_replay),
@@ -305,6 +348,118 @@ class StepInternals:
         ]
 
 
+# NOTE [ Call stages ]
+# The pieces of layer_call_us are each timed alone, in a loop of their own: warm caches, no neighbours.
+# What a call pays between and around them (Paddle's Layer.__call__, the runner, the PyLayer machinery,
+# the autograd engine, and the pieces themselves slowed by the call's other work) is "the rest" there.
+# CallStages times whole calls, forward and backward, cut at the boundaries of the replay path: a
+# timestamp (time.perf_counter_ns) where the wrapper's call, the dispatcher, the block's replay, the
+# bridge's PyLayer.apply, its forward and backward, and the backward replay start and end. The stages
+# add up to the instrumented call; each boundary costs one Python frame (a wrapper, about 0.1-0.2 us
+# on a CPU), which lands in the stage it opens or closes. The probes wrap private names (listed in
+# NOTE [ Host breakdown internals ]) for the measurement only and put them back after it.
+
+_ns = time.perf_counter_ns
+
+#: (stage, whose, from boundary, to boundary): the table's rows, in the order a call runs them.
+STAGES = (
+    ("Paddle's Layer.__call__ into the wrapper", "Paddle", "start", "call<"),
+    ("dispatch: flatten, key, entry lookup, replay preconditions", "ours", "call<", "dispatch>"),
+    ("runner: from the Decision to the block's replay", "ours", "dispatch>", "replay<"),
+    ("block replay before the bridge: chain hooks (head), input copy, bridge inputs", "ours", "replay<", "apply<"),
+    ("PyLayer.apply into the bridge's forward (per input)", "Paddle", "apply<", "forward<"),
+    ("bridge forward: graph replay, token, output hand-out (copies)", "ours", "forward<", "forward>"),
+    ("PyLayer.apply out of the bridge's forward (grad node, outputs)", "Paddle", "forward>", "apply>"),
+    ("block replay after the bridge: hook route, chain hooks (replayed), result", "ours", "apply>", "replay>"),
+    ("runner and Layer.__call__ back to the caller", "ours and Paddle", "replay>", "forward done"),
+    ("Tensor.backward into the bridge's backward (engine start)", "Paddle", "forward done", "backward<"),
+    ("bridge backward until its replay ran: grad-output copy, adopted check, graph replay", "ours",
+     "backward<", "replayed>"),
+    ("bridge backward after its replay: grad hand-out, grads in the bridge's order", "ours", "replayed>",
+     "backward>"),
+    ("autograd engine after the bridge: grads accumulated into p.grad, hooks", "Paddle", "backward>",
+     "backward done"),
+    ("the output dropped (its grad node, the bridge's context and token freed)", "Paddle", "backward done", "end"),
+)
+
+
+class CallStages:
+    """The stages of one graphed layer call, timed inside the call (NOTE [ Call stages ]):
+    ``with CallStages() as stages: rows, total = stages.time(forward, backward, reps, after)``."""
+
+    def __init__(self):
+        self.marks = {}
+        self._saved = []
+
+    def _wrap(self, owner, name, before, after, static=False):
+        original = owner.__dict__[name] if static else getattr(owner, name)
+        function = original.__func__ if static else original
+        marks = self.marks
+
+        def probe(*args, **kwargs):
+            marks[before] = _ns()
+            result = function(*args, **kwargs)
+            marks[after] = _ns()
+            return result
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, staticmethod(probe) if static else probe)
+
+    def __enter__(self):
+        from paddlefleet.cudagraph.block import bridge, graphed, replay
+        from paddlefleet.cudagraph.core import lifecycle
+
+        try:
+            self._wrap(lifecycle.Lifecycle, "__call__", "call<", "call>")
+            self._wrap(lifecycle, "dispatch", "dispatch<", "dispatch>")
+            self._wrap(graphed.BlockBody, "replay", "replay<", "replay>")
+            self._wrap(bridge.GraphedFunction, "forward", "forward<", "forward>", static=True)
+            self._wrap(bridge.GraphedFunction, "backward", "backward<", "backward>", static=True)
+            self._wrap(bridge, "replay_backward", "replayed<", "replayed>")
+            marks, function = self.marks, replay.GraphedFunction
+
+            def apply(*args):
+                marks["apply<"] = _ns()
+                result = function.apply(*args)
+                marks["apply>"] = _ns()
+                return result
+
+            self._saved.append((replay, "GraphedFunction", function))
+            replay.GraphedFunction = type("TimedBridge", (), {"apply": staticmethod(apply)})
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+        return False
+
+    def time(self, forward, backward, reps, after):
+        """``[(stage, whose, median us)]`` plus the instrumented total: ``y = forward()``, ``backward(y)``,
+        ``y`` dropped, then ``after()`` untimed; ``reps`` times."""
+        samples = {stage: [] for stage, _, _, _ in STAGES}
+        totals = []
+        marks = self.marks
+        for _ in range(reps):
+            marks.clear()
+            marks["start"] = _ns()
+            y = forward()
+            marks["forward done"] = _ns()
+            backward(y)
+            marks["backward done"] = _ns()
+            del y
+            marks["end"] = _ns()
+            after()
+            for stage, _, start, end in STAGES:
+                samples[stage].append(marks[end] - marks[start])
+            totals.append(marks["end"] - marks["start"])
+        rows = [(stage, whose, statistics.median(samples[stage]) / 1e3) for stage, whose, _, _ in STAGES]
+        return rows, statistics.median(totals) / 1e3
+
+
 def timed(fn, reps, sync):
     samples = []
     for _ in range(reps):
@@ -356,9 +511,13 @@ def layer_call_us(args, sync, matmuls, width, label):
             pieces.append({"piece": name, "whose": who, "us": None, "why": short(err, 160)})
             continue
         pieces.append({"piece": name, "whose": "Paddle" if who == "Paddle" else "ours", "us": round(us, 2)})
+    bridge_args = Internals(model.forward, x).bridge_args()
+    taken = len(bridge_args.args[0]) if isinstance(bridge_args.args[0], list) else len(bridge_args.args)
     BridgeShape.grads = [host_tensor(draw(width, width)) for _ in params]
-    bridge = timed_with(lambda: BridgeShape.apply(x, *params).backward(dy), release, args.reps, sync)
-    pieces.append({"piece": f"PyLayer bridge: apply with {len(params) + 1} inputs and its backward node handing "
+    held = lambda: x  # noqa: E731
+    bridge = timed_with(lambda: BridgeShape.apply(held, bridge_args, *bridge_args.args).backward(dy), release,
+                        args.reps, sync)
+    pieces.append({"piece": f"PyLayer bridge: apply with {taken} inputs and its backward node handing "
                             f"{len(params)} grads to autograd (accumulated into p.grad)", "whose": "Paddle",
                    "us": round(bridge, 2)})
     known = sum(p["us"] for p in pieces if p["us"] is not None)
@@ -366,12 +525,24 @@ def layer_call_us(args, sync, matmuls, width, label):
                    "whose": "ours and Paddle", "us": round(total - known, 2)})
     for piece in pieces:
         piece["share"] = None if piece["us"] is None else round(piece["us"] / total, 3)
+    stages, staged = call_stages(model, x, dy, release, args.reps, sync)
     by = lambda whose: round(sum(p["us"] for p in pieces if p["whose"] == whose and p["us"] is not None), 2)  # noqa: E731
     return {"layer": label, "parameters": len(params), "matmuls": matmuls, "width": width, "batch": args.batch,
             "layer_call_us": round(total, 2), "forward_us": round(forward, 2), "backward_us": round(backward, 2),
             "ours_us": by("ours"), "paddle_us": by("Paddle"),
-            "rest_us": round(total - known, 2), "pieces": pieces,
+            "rest_us": round(total - known, 2), "pieces": pieces, "stages": stages, "stages_total_us": staged,
             "counters": {k: model.forward.stats()[k] for k in ("captures", "replays", "eager_calls", "chained_calls")}}
+
+
+def call_stages(model, x, dy, release, reps, sync):
+    """``([{"stage", "whose", "us"}], instrumented total us)`` of ``model(x).backward(dy)`` (NOTE [ Call
+    stages ]); one row "n/a" with why, and None, where a probe's private name moved."""
+    try:
+        with CallStages() as probes:
+            rows, total = probes.time(lambda: model(x), lambda y: y.backward(dy), reps, lambda: (release(), sync()))
+    except Exception as err:  # noqa: BLE001 - a private name a refactor moved (NOTE [ Host breakdown internals ])
+        return [{"stage": "n/a", "whose": "", "us": None, "why": short(err, 160)}], None
+    return [{"stage": stage, "whose": whose, "us": round(us, 2)} for stage, whose, us in rows], round(total, 2)
 
 
 def forward_backward_us(model, x, dy, release, reps, sync):
@@ -659,6 +830,20 @@ def layer_call_lines(calls, reps):
             us = "n/a (" + p["why"] + ")" if p["us"] is None else f"{p['us']:.1f}"
             share = "" if p["share"] is None else f"{100 * p['share']:.0f}%"
             lines.append(f"| {p['piece']} | {p['whose']} | {us} | {share} |")
+        lines += stage_lines(c, reps)
+    return lines
+
+
+def stage_lines(c, reps):
+    """Markdown of one layer_call_us result's stages (NOTE [ Call stages ])."""
+    total = c.get("stages_total_us")
+    lines = ["", f"The same call stage by stage, timed inside the call (median of {reps} per stage; the instrumented "
+                 f"call {'n/a' if total is None else f'{total:.1f}'} us, uninstrumented {c['layer_call_us']:.1f} us: "
+                 "each probe adds a Python frame; NOTE [ Call stages ] in tools/host_breakdown.py):", "",
+             "| stage | whose | host us |", "|---|---|---|"]
+    for st in c.get("stages", ()):
+        us = "n/a (" + st["why"] + ")" if st["us"] is None else f"{st['us']:.1f}"
+        lines.append(f"| {st['stage']} | {st['whose']} | {us} |")
     return lines
 
 

@@ -110,6 +110,11 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own():
         whose = {p["whose"] for p in c["pieces"]}
         assert {"ours", "Paddle"} <= whose and all(p["us"] is not None for p in c["pieces"]), c["pieces"]
         assert abs(sum(p["share"] for p in c["pieces"]) - 1) < 0.01, c["pieces"]
+        # NOTE [ Call stages ] in tools/host_breakdown.py: every probe found its private name, and the stages
+        # (medians each) add up to about the instrumented call.
+        stages = c["stages"]
+        assert len(stages) == 14 and all(st["us"] is not None and st["us"] >= 0 for st in stages), stages
+        assert abs(sum(st["us"] for st in stages) / c["stages_total_us"] - 1) < 0.25, (stages, c["stages_total_us"])
 
 
 # ----------------------------------------------------------------------------- every tool on a CPU

@@ -14,7 +14,7 @@ import paddle
 from .hooks import NO_HOOKS
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
-from ..core.body import Body, Replayed
+from ..core.body import Body
 from ..grads.accumulate import note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
@@ -131,9 +131,11 @@ class BlockBody(Body):
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call`` (or the hooks do: a chain's first call)."""
         graphs = entry.graphs.current
-        bridged = copy and graphs.backward is not None and paddle.is_grad_enabled()
+        grad = paddle.is_grad_enabled()
+        bridged = copy and grad and graphs.backward is not None
+        python = entry.backend.replays_python  # a replay that re-runs the function: state put back on refusal
         if bridged:
-            if entry.backend.replays_python:  # a head that replays executes the body: state put back on refusal
+            if python:  # a head that replays executes the body
                 with state_restored_on_refusal(graphs.layers, True):
                     started = self.hooks.head(self, entry, call)
             else:  # nothing to put back (and no context manager's host time on every call)
@@ -143,13 +145,13 @@ class BlockBody(Body):
         note_call()
         if graphs.backward is not None and graphs.backward.sets.wanted:  # NOTE [ Two grad buffer sets ]
             capture_second_backward(graphs)
-        if not entry.backend.replays_python:  # a replay that does not re-run the function: nothing to restore
-            replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+        if not python:  # a replay that does not re-run the function: nothing to restore
+            replayed = run_graphs(graphs, call, copy, self.name, entry.label, grad)
         else:
             # NOTE [ A replay that changes shape ] in block/replay_fallback.py
             # NOTE [ Values a simulated replay reads ]: a replay that differs raises ReplayTraceError.
             with state_restored_on_refusal(graphs.layers, True):
-                replayed = Replayed(*run_graphs(graphs, call, copy, self.name, entry.label))
+                replayed = run_graphs(graphs, call, copy, self.name, entry.label, grad)
         if bridged and isinstance(replayed.result, paddle.Tensor):
             self.hooks.replayed(self, entry, call, replayed.result)
         return replayed

@@ -11,6 +11,7 @@ from typing import Any, List, Optional
 from ..core.body import Graphs
 from ..core.memory import footprint
 from ..io.static_inputs import nbytes
+from .bridge import BridgePlan
 
 __all__ = ["BlockGraphs", "BackwardGraphs"]
 
@@ -83,7 +84,7 @@ class BlockGraphs(Graphs):
         generation, inflight: the bridge's in-flight forward replay (NOTE in block/bridge.py).
         answered: the generation of the latest forward replay whose backward ran, 0 for none (NOTE [ Outputs
             that need grad, and no backward ] in block/slots.py).
-        bridge_tail, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
+        bridge, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
     """
 
@@ -107,21 +108,21 @@ class BlockGraphs(Graphs):
     generation: int = 0
     inflight: Any = None
     answered: int = 0
-    bridge_tail: tuple = ()
+    bridge: Any = None  # block/bridge.py's BridgePlan
     diff_at: tuple = ()
     non_diff_at: tuple = ()
     grad_feeds: tuple = ()
 
     def settle(self):
         """Decides once, after capture, what every replay of these graphs passes and hands out
-        (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs after the
-        call's tensors (bridged parameters, then the anchor), the indices of the outputs that carry
-        a grad and of those that do not, and ``(output index, grad-output buffer)`` of each that does."""
+        (NOTE [ Replay work decided at capture ] in block/replay.py): the bridge's inputs and grads
+        (block/bridge.py's BridgePlan), the indices of the outputs that carry a grad and of those that
+        do not, and ``(output index, grad-output buffer)`` of each that does."""
         self.diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if d)
         self.non_diff_at = tuple(i for i, d in enumerate(self.out_differentiable) if not d)
         backward = self.backward
         if backward is not None:
-            self.bridge_tail = tuple(backward.bridged) + (() if backward.anchor is None else (backward.anchor,))
+            self.bridge = BridgePlan(self)
             self.grad_feeds = tuple(zip(self.diff_at, backward.grad_outputs))
 
     @property
@@ -190,7 +191,8 @@ class BlockGraphs(Graphs):
         self.static_outputs = []
         self.inflight = None
         self.handed_out = None
-        self.bridge_tail = self.grad_feeds = ()  # grad_feeds holds the grad-output buffers
+        self.grad_feeds = ()  # grad_feeds holds the grad-output buffers
+        self.bridge = None
 
 
 def hand_out_text(policy, copies, rescues, sets, slots=1):

@@ -107,6 +107,15 @@ class BridgeArgs:
             self.args = tuple(tensors)
             self.ids = [id(t) if i < leaves or t.is_leaf else None for i, t in enumerate(tensors)]
 
+    @classmethod
+    def leading(cls, tensors, ids):
+        """The BridgeArgs of ``tensors`` whose first needs grad (no swap), decided by the caller:
+        ``ids`` as ``self.ids``, None where one_slot() (block/bridge.py's BridgePlan)."""
+        args = cls.__new__(cls)
+        args.lead = 0
+        args.args, args.ids = ((tensors,), None) if ids is None else (tuple(tensors), ids)
+        return args
+
     def grads(self, grads):
         """What the bridge's backward returns for ``grads`` (one per tensor, in the order given)."""
         lead = self.lead

@@ -13,24 +13,27 @@ structure are checked (InputMismatchError).
 NOTE [ Replay work decided at capture ]
 A replayed call pays the host time of everything it does, so what is the same for every replay
 of a key is decided once when it is captured (BlockGraphs.settle): the tensors the bridge takes
-after the call's own, which outputs carry a grad (their hooks are routed to the backward, NOTE
-[ Hooks on graphed outputs ] in grads/handles.py) and which do not; likewise the parameter-address
-check (NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out (NOTE [ A
-precomputed hand-out ] in grads/hand_out_plan.py).
+and the order of the grads it returns (NOTE [ Bridge inputs ] in block/bridge.py), which outputs
+carry a grad (their hooks are routed to the backward, NOTE [ Hooks on graphed outputs ] in
+grads/handles.py) and which do not; likewise the parameter-address check
+(NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out
+(NOTE [ A precomputed hand-out ] in grads/hand_out_plan.py).
 A call still gets new output tensors and new grad tensors every time.
 """
 
 import paddle
 
-from .bridge import GraphedFunction, bridge_args, hand_out_outputs
+from .bridge import GraphedFunction, hand_out_outputs
 from ..errors import InputMismatchError
 from ..grads.handles import route_hooks
-from ..core.body import Action, Blocked
+from ..core.body import Action, Blocked, Replayed
 from ..guards.layer_attrs import attr_message
 from ..guards.location import user_call_site
 from ..io.nested import unflatten
 
 __all__ = ["replay_blocker", "run_graphs"]
+
+_new = tuple.__new__  # a Replayed made positionally: half the cost of Replayed(...)
 
 
 def replay_blocker(graphs, call, check_inputs):
@@ -57,11 +60,13 @@ def replay_blocker(graphs, call, check_inputs):
     changed = graphs.attrs.changed() if graphs.attrs is not None else None
     if changed is not None:  # NOTE [ Layer attributes a replay freezes ] in guards/layer_attrs.py
         return Blocked(Action.RECAPTURE, *attr_message(changed), changed)
-    if graphs.accumulators is not None:
-        shared = graphs.accumulators.shared_now()
+    backward = graphs.backward
+    accumulators = backward.accumulators if backward is not None else None
+    if accumulators is not None:
+        shared = accumulators.shared_now()
         if shared is not None:  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
             return Blocked(Action.RECAPTURE, f"{shared}: its grad goes through autograd from now on")
-        moved = graphs.accumulators.moved()
+        moved = accumulators.moved()
         if moved is not None:  # NOTE [ Accumulation inside the graph ] in grads/accumulate.py
             return Blocked(Action.RECAPTURE_ONCE, moved, (
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
@@ -70,17 +75,16 @@ def replay_blocker(graphs, call, check_inputs):
     return None  # a pending backward: BlockBody.blocker's Slots.select() took a slot without one
 
 
-def run_graphs(graphs, call, copy, name, label):
-    """Runs the graphs for ``call`` and returns ``(result, copied, skipped)``: what the call
-    returns and how many input copies were made and skipped (none when ``copy`` is False: the
-    capture call's tensors are already in the static inputs)."""
+def run_graphs(graphs, call, copy, name, label, grad):
+    """Runs the graphs for ``call`` and returns its Replayed: what the call returns and how many
+    input copies were made and skipped (none when ``copy`` is False: the
+    capture call's tensors are already in the static inputs); ``grad``: paddle.is_grad_enabled()."""
     tensors = call.tensors
     copied, skipped = graphs.static_inputs.copy_in(tensors) if copy else (0, 0)
     backward = graphs.backward
-    if backward is not None and backward.graph is not None and paddle.is_grad_enabled():
-        # NOTE [ Replay work decided at capture ]: bridge_tail, diff_at; NOTE [ paddle.grad through a
-        # graphed call ] in block/partial_grad.py: bridge_args.
-        args = bridge_args(graphs, tensors)
+    if grad and backward is not None and backward.graph is not None:
+        # NOTE [ Replay work decided at capture ]: diff_at; NOTE [ Bridge inputs ] in block/bridge.py.
+        args = graphs.bridge.args(tensors)
         outputs = GraphedFunction.apply(graphs, args, *args.args)
         outputs = [outputs] if isinstance(outputs, paddle.Tensor) else list(outputs)
         route_hooks(outputs, graphs.diff_at, graphs.inflight)  # NOTE [ Hooks on graphed outputs ] in grads/handles.py
@@ -93,4 +97,4 @@ def run_graphs(graphs, call, copy, name, label):
         # After the replay: this call's inputs may be the previous outputs (y = f(f(x))).
         graphs.handed_out.overwrite(name, label, user_call_site())
         graphs.handed_out.hand_out(outputs, graphs.host_outputs)
-    return unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped
+    return _new(Replayed, (unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped, None))
