@@ -60,6 +60,20 @@ class StorageCensusTest(unittest.TestCase):
         self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"] + twice)
 
 
+class FinishTest(unittest.TestCase):
+    def test_grads_of_another_dtype_than_their_parameters_get_a_stack_of_their_own(self):
+        from paddlefleet.cudagraph.grads.stacks import Stacking
+
+        leaves = [paddle.zeros([2, 3], dtype="float32") for _ in range(3)]
+        stacking = Stacking([[0, 1, 2]])
+        stacks = stacking.begin([], leaves)
+        stacking.end()
+        grads = [paddle.full([2, 3], float(i), dtype="float64") for i in range(2)] + [None]  # master grads
+        [stack] = stacking.finish(grads, stacks)
+        self.assertEqual(stack.dtype, paddle.float64)
+        np.testing.assert_array_equal(stack.numpy()[:2], np.stack([g.numpy() for g in grads[:2]]))
+
+
 class Tied(paddle.nn.Layer):
     """Four same-shape matmuls, one weight used twice (two edges: not hooked)."""
 

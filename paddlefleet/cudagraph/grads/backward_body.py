@@ -107,8 +107,7 @@ def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad)
             live["grad_groups"] = []
             return list(grads)
         if stacking is not None:  # NOTE [ Stacking grads as they arrive ] in grads/stacks.py
-            stacking.finish(grads, stacks)
-            return list(grads) + stacks
+            return list(grads) + stacking.finish(grads, stacks)
         if "grad_groups" not in live:
             live["grad_groups"] = grad_stacks.plan_groups(grads, range(first_param, len(leaves)))
         return list(grads) + grad_stacks.stack_grads(grads, live["grad_groups"])

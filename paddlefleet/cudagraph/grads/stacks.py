@@ -212,12 +212,23 @@ class Stacking:
         self._slots.clear()
 
     def finish(self, grads, stacks):
-        """Copies into its slice each grad the hooks did not place (None stays None)."""
+        """The stacks holding ``grads``: each grad the hooks did not place is copied into its slice (None
+        stays None); a group with a grad of another shape or dtype than its parameter (master grads) gets
+        a stack made from its grads, as stack_grads makes it."""
+        done = []
         for idxs, stack in zip(self.groups, stacks):
-            for part, i in zip(_UNBIND(stack, 0), idxs):
-                g = grads[i]
-                if g is not None and g.data_ptr() != part.data_ptr():
-                    part.copy_(g, False)
+            present = [grads[i] for i in idxs if grads[i] is not None]
+            if any(g.shape != list(stack.shape[1:]) or g.dtype != stack.dtype for g in present):
+                first = present[0]
+                [stack] = stack_grads([g if g is not None else _EMPTY(first.shape, first.dtype, first.place)
+                                       for g in (grads[i] for i in idxs)], [list(range(len(idxs)))])
+            else:
+                for part, i in zip(_UNBIND(stack, 0), idxs):
+                    g = grads[i]
+                    if g is not None and g.data_ptr() != part.data_ptr():
+                        part.copy_(g, False)
+            done.append(stack)
+        return done
 
 
 def _hookable(edges, grouped):
