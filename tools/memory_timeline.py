@@ -176,10 +176,16 @@ def _step_name(step, warmup):
 
 
 def fresh(cuda):
+    """Before a runner: garbage collected, the allocator's cache released, the peak counters reset
+    where this Paddle can (3.x; on 2.6 the max columns are the process's peaks so far)."""
     gc.collect()
     if cuda:
-        paddle.device.cuda.synchronize()
-        paddle.device.cuda.empty_cache()
+        mod = paddle.device.cuda
+        mod.synchronize()
+        mod.empty_cache()
+        for name in ("reset_max_memory_reserved", "reset_max_memory_allocated"):
+            if hasattr(mod, name):
+                getattr(mod, name)()
 
 
 def _mib(v):
@@ -189,8 +195,9 @@ def _mib(v):
 def markdown(results, info):
     lines = ["# Memory timeline: where a graphed model's device memory goes", "",
              f"- {info['when']}; paddle {info['paddle']}; backend {info['backend']}; took {info['elapsed_s']:.1f} s",
-             f"- warmup steps {info['warmup']}, replay steps {info['steps']}; MiB after each phase "
-             "(NOTE in tools/memory_timeline.py says what each phase is)", ""]
+             f"- warmup steps {info['warmup']}, replay steps {info['steps']}; MiB after each phase (the docstring "
+             "of tools/memory_timeline.py says what each phase is); the max columns are reset before each runner "
+             "where Paddle can (3.x), else they are the process's peaks so far (2.6)", ""]
     for config, runners in results.items():
         lines += [f"## {config}", ""]
         for r in runners:
@@ -204,7 +211,19 @@ def markdown(results, info):
                           f"{_mib(r['stats']['held_bytes'])} MiB, captures {r['stats']['captures']}, replays "
                           f"{r['stats']['replays']}; memory (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in m.items())]
             lines.append("")
+        peaks = {r["runner"]: peak(r["rows"]) for r in runners}
+        if None not in peaks.values() and peaks.get("paddle eager"):
+            lines += ["peak reserved MiB: " + ", ".join(f"{k} {_mib(v)}" for k, v in peaks.items()) +
+                      f"; autocudagraph / eager {peaks.get('autocudagraph', 0) / peaks['paddle eager']:.2f}x", ""]
     return lines
+
+
+def peak(rows):
+    """The highest reserved bytes a runner's rows saw: its readings, and its max counter where Paddle resets it
+    before each runner (on 2.6 it holds the earlier runners' peaks too), or None."""
+    counter = ("max_memory_reserved",) if hasattr(getattr(paddle.device, "cuda", None), "reset_max_memory_reserved") else ()
+    seen = [row[k] for row in rows for k in ("memory_reserved",) + counter if row[k] is not None]
+    return max(seen) if seen else None
 
 
 def parse(argv=None):
