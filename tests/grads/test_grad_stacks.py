@@ -60,6 +60,37 @@ class StorageCensusTest(unittest.TestCase):
         self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"] + twice)
 
 
+class HostPeakTest(unittest.TestCase):
+    """What a GPU pool keeps is the peak of its capture: on the CPU, Paddle's host allocator counts the same peak."""
+
+    def test_the_backward_capture_peaks_at_the_stack_and_about_one_grad(self):
+        core = paddle.base.core
+        if not hasattr(core, "host_memory_stat_reset_peak_value"):
+            self.skipTest("this Paddle cannot reset its host memory peak")
+        width, peaks = 256, []
+        original = simulated._SimulatedGraph.capture
+
+        def measured(graph, body, hooks=()):
+            core.host_memory_stat_reset_peak_value("Allocated", 0)
+            base = core.host_memory_stat_current_value("Allocated", 0)
+            result = original(graph, body, hooks)
+            peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
+            return result
+
+        graphed = build(lambda: MatMLP([width] * 5), 0)
+        from paddlefleet.cudagraph import autocudagraph
+
+        autocudagraph(graphed, backend="simulate", warmup_steps=0)
+        draw = normal(2)
+        with mock.patch.object(simulated._SimulatedGraph, "capture", measured):
+            graphed(host_tensor(draw(B, width), stop_gradient=False)).backward(host_tensor(draw(B, width)))
+        grads = peaks[1] / (width * width * 4)  # the backward graph's capture, in parameter grads
+        if stacks_as_grads_arrive():
+            self.assertLess(grads, 5.5, "the stack of four and about one grad as computed")
+        else:
+            self.assertGreater(grads, 7.9, "four grads as computed and their stack")
+
+
 class FinishTest(unittest.TestCase):
     def test_grads_of_another_dtype_than_their_parameters_get_a_stack_of_their_own(self):
         from paddlefleet.cudagraph.grads.stacks import Stacking
