@@ -10,13 +10,16 @@ the pool model's bytes stand in for the pools)::
     python tools/memory_timeline.py --dry-run --out /tmp/memory_timeline.md
 
 Per config (``tools/bench.py``'s ``xformer24x1024_b32_perlayer``, one graphed Layer per transformer layer
-of six matmuls, and ``mlp16x512_b16``, one graphed block) and per runner (Paddle eager, then autocudagraph)
+of six matmuls, and ``mlp16x512_b16``, one graphed block) and per runner (Paddle eager, autocudagraph, and
+autocudagraph with ``eager_if_slower=False``, which times no eager calls against the graphed ones)
 it records ``memory_reserved``, ``memory_allocated``, ``max_memory_reserved`` and ``max_memory_allocated``
 after each phase: the model built, each eager warmup step, every release of the allocator's cache the package
 makes before a capture (before and after it), every capture (the graph's key, which capture of that key it
 was - forward, backward, a second grad buffer set - and the bytes its pool made the process reserve), the
-step that captured, and each replay step; then each wrapper's ``stats()["memory"]``, ``pool_bytes`` and
-``held_bytes`` (NOTE [ What a key holds ] in core/memory.py). A step is forward, ``y.backward(dy)`` and the
+step that captured, and each replay step (with how many layer calls ran eagerly in it: on a GPU a key's first
+calls after its capture alternate with eager calls timed against its replays, NOTE [ Graphed calls that cannot
+pay ] in core/host_cost.py, and their grads are allocated beside the graphs' pools); then each wrapper's
+``stats()["memory"]``, ``pool_bytes`` and ``held_bytes`` (NOTE [ What a key holds ] in core/memory.py). A step is forward, ``y.backward(dy)`` and the
 parameter grads released with ``clear_gradient(False)`` (matmul-only: Paddle 2.6.2 on Hopper runs only cuBLAS
 and copies, NOTE [ Kernel-less GPUs ] in testkit/common.py). Each runner starts after the previous one's
 model is deleted and the allocator's cache released, so its readings are its own plus what stays reserved.
@@ -128,8 +131,15 @@ def _model(cfg):
     return model, [model]
 
 
-def run(cfg, backend, graphed, warmup, steps, cuda):
+#: The runners: name, and autocudagraph's options (None: eager). eager_if_slower=False times no eager calls
+#: against the graphed ones after a capture, so no eager grads are allocated beside the pools then.
+RUNNERS = (("paddle eager", None), ("autocudagraph", {}),
+           ("autocudagraph eager_if_slower=False", {"eager_if_slower": False}))
+
+
+def run(cfg, backend, name, options, warmup, steps, cuda):
     """One runner's timeline: ``{"runner", "rows", "stats"}``."""
+    graphed = options is not None
     sync = paddle.device.cuda.synchronize if cuda else (lambda: None)
     draw = normal(1234)
     x, dy = host_tensor(draw(cfg.batch, cfg.width)), host_tensor(draw(cfg.batch, cfg.width))
@@ -138,21 +148,24 @@ def run(cfg, backend, graphed, warmup, steps, cuda):
     model, targets = _model(cfg)
     params = model.parameters()
     tl.note("model built")
-    name = "autocudagraph" if graphed else "paddle eager"
     with tl.watching():
         if graphed:
             from paddlefleet.cudagraph import autocudagraph
 
             for i, target in enumerate(targets):
-                autocudagraph(target, backend=backend, warmup_steps=warmup)
+                autocudagraph(target, backend=backend, warmup_steps=warmup, **options)
                 target.register_forward_pre_hook(lambda layer, args, i=i: setattr(tl, "current", f"layer {i}"))
+        eager_before = 0
         for step in range(warmup + 1 + steps):
             y = model(x)
             y.backward(dy)
             for p in params:
                 p.clear_gradient(False)
             tl.current = None
-            tl.note(_step_name(step, warmup) if graphed else f"eager step {step + 1}")
+            eager_now = sum(t.forward.stats()["eager_calls"] for t in targets) if graphed else 0
+            note = f"{eager_now - eager_before} layer call(s) ran eagerly" if eager_now > eager_before else ""
+            eager_before = eager_now
+            tl.note(_step_name(step, warmup) if graphed else f"eager step {step + 1}", note)
     stats = None
     if graphed:
         every = [t.forward.stats() for t in targets]
@@ -213,8 +226,9 @@ def markdown(results, info):
             lines.append("")
         peaks = {r["runner"]: peak(r["rows"]) for r in runners}
         if None not in peaks.values() and peaks.get("paddle eager"):
-            lines += ["peak reserved MiB: " + ", ".join(f"{k} {_mib(v)}" for k, v in peaks.items()) +
-                      f"; autocudagraph / eager {peaks.get('autocudagraph', 0) / peaks['paddle eager']:.2f}x", ""]
+            lines += ["peak reserved MiB: " + ", ".join(f"{k} {_mib(v)}" for k, v in peaks.items()) + "; over eager's: " +
+                      ", ".join(f"{k} {v / peaks['paddle eager']:.2f}x" for k, v in peaks.items() if k != "paddle eager"),
+                      ""]
     return lines
 
 
@@ -233,14 +247,16 @@ def parse(argv=None):
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated tools/bench.py configs "
                         f"(default {DEFAULT_CONFIGS})")
     parser.add_argument("--warmup", type=int, help=sized_help("eager warmup steps per key", 2, 1))
-    parser.add_argument("--steps", type=int, help=sized_help("replay steps after the capture step", 3, 2))
+    parser.add_argument("--steps", type=int, help=sized_help(
+        "replay steps after the capture step (on a GPU a key's first calls after its capture alternate with eager "
+        "calls timed against them, eager_if_slower: 20 covers that window)", 20, 2))
     parser.add_argument("--out", help="markdown report path (the JSON goes next to it); a smoke run only under the "
                         "temp dir")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.backend = "simulate"
     args.warmup = sized(args.warmup, args.backend, 2, 1)
-    args.steps = sized(args.steps, args.backend, 3, 2)
+    args.steps = sized(args.steps, args.backend, 20, 2)
     return args
 
 
@@ -259,13 +275,13 @@ def main(argv=None):
     start, results, failed = time.perf_counter(), {}, False
     for cfg in configs:
         results[cfg.name] = []
-        for graphed in (False, True):
+        for name, options in RUNNERS:
             fresh(cuda)
             try:
-                results[cfg.name].append(run(cfg, args.backend, graphed, args.warmup, args.steps, cuda))
+                results[cfg.name].append(run(cfg, args.backend, name, options, args.warmup, args.steps, cuda))
             except Exception as err:  # noqa: BLE001 - one runner's failure is reported, the others go on
                 failed = True
-                results[cfg.name].append({"runner": "autocudagraph" if graphed else "paddle eager",
+                results[cfg.name].append({"runner": name,
                                           "rows": [], "stats": None, "error": short(err)})
                 print(f"{TOOL}: {cfg.name} failed: {short(err)}", file=sys.stderr)
     info = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "paddle": paddle.__version__, "backend": args.backend,

@@ -222,7 +222,8 @@ def test_memory_timeline_dry_run_records_every_phase_and_the_pool_model(tmp_path
     assert rc == 0, log[-3000:]
     data = json.loads((tmp_path / "memory_timeline.json").read_text())
     runners = data["results"]["xformer24x1024_b32_perlayer"]
-    assert [r["runner"] for r in runners] == ["paddle eager", "autocudagraph"], runners
+    assert [r["runner"] for r in runners] == ["paddle eager", "autocudagraph",
+                                              "autocudagraph eager_if_slower=False"], runners
     phases = [row["phase"] for row in runners[1]["rows"]]
     layers = 8  # the smoke config: one graphed Layer per layer
     assert phases[:3] == ["start (cache released)", "model built", "eager warmup step 1"], phases
