@@ -2,7 +2,7 @@
 
 On a GPU host (README.md, "Install on a GPU")::
 
-    python tools/memory_timeline.py --out docs/reports/memory_timeline.md   # also memory_timeline.json
+    python tools/memory_timeline.py --out OUT.md   # also OUT.json; a GPU run's report goes under docs/reports/
 
 CPU smoke test (simulated backend, the configs shrunk; readings are "-" where there is no device memory, and
 the pool model's bytes stand in for the pools)::
