@@ -18,7 +18,8 @@ function changes on every call (refused at capture, as on simulate), a parameter
 whole step; tests/backends/test_refusals.py: rows of the refusal table whose
 GPU behaviour matters - a stream wait refused, ``int(paddle.shape(x)[0])`` captured, ``p.grad = t`` captured as an
 in-place copy; tests/step/test_step_dataflow.py: a closure tensor that is no Parameter frozen after a whole
-step's capture) with
+step's capture; tests/grads/test_grad_stacks.py: stacked parameter grads under every hand-out policy, and the
+pool bytes of a key whose four 1 MiB grads share one stack, in the case's notes) with
 PADDLEFLEET_CUDAGRAPH_BACKEND set to the backend, in a child pytest process that reports each case
 as it ends (conftest's ``--results-jsonl``). If the child dies (a CUDA error inside a capture can
 abort the process), the case that was running is recorded as an error and the rest run in a new
@@ -51,7 +52,7 @@ CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed
          "tests/chains/test_chains.py", "tests/chains/test_chain_keys.py",
          "tests/chains/test_outside_consumers.py", "tests/block/test_frozen_values.py",
          "tests/backends/test_refusals.py", "tests/step/test_step_dataflow.py",
-         "tests/block/test_bridge_inputs.py"]  # modules holding the gpu_safe cases
+         "tests/block/test_bridge_inputs.py", "tests/grads/test_grad_stacks.py"]  # modules holding the gpu_safe cases
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import paddle
 
 from .backends import ENV_BACKEND, cuda_available, pool_sharing_supported, resolve_backend
+from .grads.stacks import stacks_as_grads_arrive
 
 __all__ = ["run_doctor"]
 
@@ -115,6 +116,12 @@ def _checks():
     else:
         shared_text = "no: each graph gets its own memory pool (Paddle < 3.1; correct, uses more memory)"
     rows.append(("pool sharing", err or shared_text, None))
+    arrive, err = _guarded(stacks_as_grads_arrive)
+    rows.append(("grad stacks", err or (
+        "each same-shape parameter grad is copied into its stack as the backward makes it (node post hooks): "
+        "a graph's pool holds it once" if arrive else
+        "grads are stacked after the backward (no node post hooks in this Paddle): a graph's pool holds each "
+        "stacked grad twice, as computed and stacked"), None))
     choice, err = _guarded(lambda: _backend_choice(gpu_ok))
     rows.append(("backend", choice or err, None if err is None else False))
     return rows

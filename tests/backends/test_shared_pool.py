@@ -133,5 +133,51 @@ class ModelledPoolsTest(unittest.TestCase):
                       "backward graph of key (x: float32[4, 8] grad)", str(refused.exception))
 
 
+class OnePoolForAllKeysTest(unittest.TestCase):
+    """A model graphed layer by layer whose keys all capture into one modelled pool, as a chain's layers would
+    share one on Paddle >= 3.1 (each key captures into its own today: NOTE [ One pool per key ] in
+    backends/cuda.py): the rule lets through one micro-batch at a time with grads handed out as copies, and
+    refuses micro-batches in flight and grads kept as aliases across micro-batches."""
+
+    def setUp(self):
+        self.pool = SharedPool()
+        for patch in (mock.patch.object(simulated.SimulatedBackend, "pool_model", True),
+                      mock.patch.object(simulated.SimulatedBackend, "new_pool", lambda backend: self.pool)):
+            patch.start()
+            self.addCleanup(patch.stop)
+
+    def layers(self, **options):
+        graphed = build(lambda: paddle.nn.Sequential(*[Two() for _ in range(3)]), 0)
+        for layer in graphed:
+            autocudagraph(layer, backend="simulate", warmup_steps=0, **options)
+        return graphed, build(lambda: paddle.nn.Sequential(*[Two() for _ in range(3)]), 0)
+
+    def test_layers_replayed_in_their_capture_order_with_copied_grads_share_safely(self):
+        graphed, eager = self.layers(clone_param_grads=True)
+        np.testing.assert_equal(accumulate(graphed, micro=1), accumulate(eager, micro=1))
+        np.testing.assert_equal(accumulate(graphed, micro=2, seed=6), accumulate(eager, micro=2, seed=6))
+        self.assertEqual([g.what.split(" of key")[0] for g in self.pool.graphs], ["the forward graph",
+                                                                                  "the backward graph"] * 3)
+
+    def test_grads_kept_as_aliases_across_micro_batches_are_refused(self):
+        graphed, _ = self.layers()  # p.grad aliases each key's static grads while they accumulate
+        with self.assertRaises(Exception) as refused:  # raised in the bridge's backward, which Paddle wraps
+            accumulate(graphed, micro=2)
+        self.assertIn("PoolConflictError: autocudagraph: replaying the backward graph of key (x: float32[4, 8] grad) "
+                      "would overwrite what the backward graph of key", str(refused.exception))
+
+    def test_micro_batches_in_flight_are_refused(self):
+        # The second micro-batch's forwards capture slots into the pool after the first's backward graphs; the
+        # first's backward replay would then overwrite the second's saved activations.
+        graphed, _ = self.layers(clone_param_grads=True)
+        draw = normal(8)
+        with self.assertRaises(Exception) as refused:
+            xs = [host_tensor(draw(4, 8), stop_gradient=False) for _ in range(2)]
+            ys = [graphed(x) for x in xs]  # two micro-batches in flight
+            for y in ys:
+                y.backward(host_tensor(draw(4, 8)))
+        self.assertIn("PoolConflictError: autocudagraph: replaying the backward graph of key (x: float32[4, 8] grad) "
+                      "would overwrite what the forward graph of key", str(refused.exception))
+
 if __name__ == "__main__":
     unittest.main()

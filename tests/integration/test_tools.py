@@ -124,7 +124,7 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own():
 CPU_TOOLS = ["cpu_host_time.py", "readme_table.py", "real_models_report.py", "simulate_cost.py"]
 TOOLS = sorted(name for name in os.listdir(os.path.join(REPO, "tools")) if name.endswith(".py") and name not in CPU_TOOLS)
 SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_models_bench.py": "--steps",
-         "bench.py": "--steps"}
+         "bench.py": "--steps", "memory_timeline.py": "--steps"}
 
 
 def run_tools_at_once(argvs, timeout=300):
@@ -137,8 +137,9 @@ def run_tools_at_once(argvs, timeout=300):
 
 
 def test_every_tool_is_listed():
-    assert TOOLS == ["bench.py", "dist_gpu_check.py", "gpu_check.py", "host_breakdown.py", "real_models_bench.py",
-                     "rng_gpu_check.py", "step_gpu_check.py"], "a new tool: add it to the CPU checks below"
+    assert TOOLS == ["bench.py", "dist_gpu_check.py", "gpu_check.py", "host_breakdown.py", "memory_timeline.py",
+                     "real_models_bench.py", "rng_gpu_check.py", "step_gpu_check.py"], \
+        "a new tool: add it to the CPU checks below"
 
 
 @pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="checks what a tool says on a CPU build of Paddle")
@@ -218,6 +219,28 @@ def test_rng_gpu_check_smoke_runs_every_case():
     assert "RuntimeWarning" not in log and "    warning: " not in log, log[-3000:]
     assert re.search(r"\[PASS\] paddle.rand inside the function \(refused\).*\n    expected refusal: "
                      r"autocudagraph\(<lambda>\): capture of key .* failed: CaptureError: .*random kernel 'uniform'", log), log
+
+
+def test_memory_timeline_dry_run_records_every_phase_and_the_pool_model(tmp_path):
+    out = tmp_path / "memory_timeline.md"
+    rc, log = run_tool("memory_timeline.py", "--dry-run", "--out", str(out), timeout=120)
+    assert rc == 0, log[-3000:]
+    data = json.loads((tmp_path / "memory_timeline.json").read_text())
+    runners = data["results"]["xformer24x1024_b32_perlayer"]
+    assert [r["runner"] for r in runners] == ["paddle eager", "autocudagraph",
+                                              "autocudagraph eager_if_slower=False"], runners
+    phases = [row["phase"] for row in runners[1]["rows"]]
+    layers = 8  # the smoke config: one graphed Layer per layer
+    assert phases[:3] == ["start (cache released)", "model built", "eager warmup step 1"], phases
+    assert phases[3:3 + 2 * layers] == [f"capture: layer {i}, {what}" for i in range(layers)
+                                        for what in ("forward", "backward")], phases
+    assert phases[3 + 2 * layers:] == ["capture step", "replay step 1", "replay step 2"], phases
+    stats = runners[1]["stats"]
+    assert stats["captures"] == layers and stats["replays"] == 2 * layers, stats
+    # No device memory on the CPU: readings are None, the simulated pool model gives the pools.
+    assert all(row["memory_reserved"] is None for row in runners[1]["rows"])
+    assert stats["pool_bytes"] > 0 and stats["memory"]["pool"] == stats["pool_bytes"], stats
+    assert "| capture: layer 7, backward |" in out.read_text()
 
 
 def test_real_models_bench_smoke_reports_bitwise_with_replays():

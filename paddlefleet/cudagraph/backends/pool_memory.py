@@ -47,9 +47,10 @@ def release_cache(measure=reserved):
 
 
 def distinct_bytes(tensors, skip):
-    """Bytes of ``tensors`` whose storage is not at an address in ``skip``, each address once (a view
-    and its base count as the larger); adds the addresses it counted to ``skip``."""
-    sizes = {}
+    """Bytes of the storage of ``tensors`` whose address is not in ``skip``, each byte once (views of
+    one stack, a view and its base, a tensor given twice: their union); adds the addresses it
+    counted to ``skip``."""
+    spans = []
     for t in tensors:
         if t is None or not t._is_initialized():
             continue
@@ -59,9 +60,17 @@ def distinct_bytes(tensors, skip):
         n = 1
         for d in t.shape:
             n *= d
-        sizes[ptr] = max(sizes.get(ptr, 0), n * t.element_size())
-    skip.update(sizes)
-    return sum(sizes.values())
+        spans.append((ptr, ptr + n * t.element_size()))
+    total, end = 0, None
+    for start, stop in sorted(spans):
+        if end is None or start >= end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    skip.update(start for start, _ in spans)
+    return total
 
 
 def results_bytes(tensors):

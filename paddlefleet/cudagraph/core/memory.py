@@ -16,7 +16,8 @@ user's tensors):
   with it. On a GPU the pool holds what the capture allocated: the static outputs and grad
   buffers, the saved activations the backward reads, the kernels' temporaries (freed at the end of
   the capture but kept by a private pool), grads grouped into a stack a second time as computed
-  (NOTE [ Grad groups ] in grads/stacks.py) and its fragmentation;
+  where they are stacked after paddle.grad (NOTE [ Stacking grads as they arrive ] in
+  grads/stacks.py) and its fragmentation;
 * ``cache_released``: the allocator's cached blocks given back right before its captures (NOTE
   [ Allocator cache before a capture ] in backends/pool_memory.py): what the warmup left cached.
   Held by nobody afterwards.

@@ -30,7 +30,8 @@ class BackwardBody:
         stacks = []
         for idxs, stack in zip(self.live["grad_groups"], results[self.n_leaves:]):
             for i, view in zip(idxs, grad_stacks.unstack(stack)):
-                static_grads[i] = view
+                if static_grads[i] is not None:  # a stacked parameter without a grad gets none
+                    static_grads[i] = view
             stacks.append((stack, idxs))
         return GradPlan(static_grads, self.needs_grad, self.bridged, self.policy, stacks)
 
@@ -89,21 +90,40 @@ def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad)
                 seed = seed + grad_outputs[k]
             seeds.append(seed)
         swap = GradSwap(leaves)
-        with swap, own_grad():
-            if by_grad:
-                raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
-            else:
-                paddle.autograd.backward(current, seeds, retain_graph=True)
+        stacking = _stacking(live, leaves, first_param) if acc is None and by_grad else None
+        stacks = stacking.begin(current, leaves) if stacking is not None else None
+        try:
+            with swap, own_grad():
+                if by_grad:
+                    raw = paddle.grad(current, leaves, seeds, retain_graph=True, allow_unused=True)
+                else:
+                    paddle.autograd.backward(current, seeds, retain_graph=True)
+        finally:
+            if stacking is not None:
+                stacking.end()
         grads = merge_leaf_grads(raw, swap.collected) if by_grad else swap.collected
         if acc is not None:
             acc.add(grads[first_param:])
             live["grad_groups"] = []
             return list(grads)
+        if stacking is not None:  # NOTE [ Stacking grads as they arrive ] in grads/stacks.py
+            return list(grads) + stacking.finish(grads, stacks)
         if "grad_groups" not in live:
             live["grad_groups"] = grad_stacks.plan_groups(grads, range(first_param, len(leaves)))
         return list(grads) + grad_stacks.stack_grads(grads, live["grad_groups"])
 
     return backward_body
+
+
+def _stacking(live, leaves, first_param):
+    """The key's Stacking, planned at its first backward (NOTE [ Stacking grads as they arrive ] in
+    grads/stacks.py), or None: its grads are stacked after paddle.grad."""
+    if "stacking" not in live:
+        stacking = grad_stacks.Stacking.plan(live["outputs"], leaves, range(first_param, len(leaves)))
+        live["stacking"] = stacking
+        if stacking is not None:
+            live["grad_groups"] = stacking.groups
+    return live["stacking"]
 
 
 def _anchor(place):

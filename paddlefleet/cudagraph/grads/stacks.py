@@ -12,13 +12,32 @@ views on the grads' place (checked once per place and dtype outside any capture)
 grads of at most GROUP_MAX_BYTES: the stack costs one more device copy per grad, which for
 large grads outweighs the host time saved (measured on an H100: 8 grads of 64 MiB made a
 compute-bound step 2.2x the raw replay instead of 1.7x).
+
+NOTE [ Stacking grads as they arrive ]
+Copied into its stack after ``paddle.grad`` returned, every stacked grad lives twice at the end
+of the backward capture: as computed and stacked, and a graph's pool keeps its peak (on the
+24-layer, 1024-wide benchmark model, the q, k, v and o projections' grads of every layer).
+paddle.grad runs no hook of a leaf (its accumulation node is copied without them, measured on
+2.6.2 and 3.3.1), so the grads are caught one node earlier: where Paddle has node post hooks
+(``GradNodeBase._register_post_hook``, 3.x), ``Stacking`` hooks the one node whose output is a
+stacked parameter's grad, copies that output into the parameter's slice of a stack allocated
+before the backward and passes the slice on, so the grad as computed dies at once and later
+grads reuse its memory: the pool holds the stack and about one grad. Only where every grouped
+parameter takes its grad from exactly one edge of such a node, of a kind whose grad slots each
+hold one tensor (a node with a list slot fails in Paddle once any post hook is registered on
+it), and only where the hook sees as many outputs as the node has edges (an embedding's index
+slot has none); a grad the hook did not place (a reentrant recompute added to it) is copied
+afterwards, as before. Elsewhere, and on Paddle without node post hooks (2.6), grads are copied
+after paddle.grad. The hand-out (one ``unbind`` per stack) is the same either way.
 """
+
+import paddle
 
 from paddle import _C_ops
 
 from ..io.static_inputs import nbytes
 
-__all__ = ["GROUP_MAX_BYTES", "probe", "plan_groups", "stack_grads", "unstack"]
+__all__ = ["GROUP_MAX_BYTES", "Stacking", "probe", "plan_groups", "stack_grads", "stacks_as_grads_arrive", "unstack"]
 
 #: Largest grad (bytes) that is stacked; ~3 us of device copy on an H100 against ~12 us of host
 #: time for a separate copy call.
@@ -89,3 +108,129 @@ def stack_grads(grads, groups):
 def unstack(stack):
     """Per-parameter views of a stack (one host call)."""
     return _UNBIND(stack, 0)
+
+
+#: Grad nodes whose grad slots each hold one tensor (checked on 3.3.1): a post hook on them works.
+_ONE_TENSOR_SLOTS = frozenset({"MatmulGradNode", "AddGradNode", "MultiplyGradNode", "EmbeddingGradNode",
+                               "LayerNormGradNode", "Conv2dGradNodeFinal"})
+
+
+def _edges(outputs, leaves, candidates):
+    """``{leaf index: [(grad node, output index)]}``: the edges of the autograd graph of ``outputs``
+    into the accumulation nodes of ``leaves[i]`` for ``i`` in ``candidates``."""
+    wanted = {}
+    for i in candidates:
+        node = getattr(leaves[i], "grad_fn", None)
+        if node is not None:
+            wanted[node.node_ptr()] = i
+    edges, seen = {}, set()
+    todo = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
+    while todo:
+        node = todo.pop()
+        if node.node_ptr() in seen:
+            continue
+        seen.add(node.node_ptr())
+        for k, nxt in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            i = wanted.get(nxt.node_ptr())
+            if i is None:
+                todo.append(nxt)
+            else:
+                edges.setdefault(i, []).append((node, k))
+    return edges
+
+
+def stacks_as_grads_arrive():
+    """Whether this Paddle has node post hooks (NOTE [ Stacking grads as they arrive ])."""
+    base = getattr(getattr(paddle, "base", None), "libpaddle", None)
+    return hasattr(getattr(base, "GradNodeBase", None), "_register_post_hook")
+
+
+class Stacking:
+    """Same-shape parameter grads stacked as the backward makes them (NOTE [ Stacking grads as they
+    arrive ]): ``groups`` (leaf indices per stack), planned once by ``plan``. A backward body calls
+    ``begin`` before paddle.grad (the stacks, allocated there, and the hooks on the nodes of this
+    run's autograd graph), ``end`` after it (the hooks removed) and ``finish`` with the grads."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self._slots = {}  # leaf index -> its slice of a stack, while a body runs
+        self._removers = []
+
+    @classmethod
+    def plan(cls, outputs, leaves, candidates):
+        """The Stacking of a backward body, or None where its grads are stacked after paddle.grad."""
+        groups = plan_groups(leaves, candidates)
+        grouped = [i for idxs in groups for i in idxs]
+        if not grouped or not stacks_as_grads_arrive():
+            return None
+        return cls(groups) if _hookable(_edges(outputs, leaves, grouped), grouped) else None
+
+    def begin(self, outputs, leaves):
+        """Allocates the stacks (inside a capture: in its pool) and hooks the nodes that make the
+        grouped grads in the autograd graph of ``outputs``; returns the stacks."""
+        stacks = []
+        for idxs in self.groups:
+            first = leaves[idxs[0]]
+            stack = _EMPTY([len(idxs)] + list(first.shape), first.dtype, first.place)
+            stack.stop_gradient = True
+            self._slots.update(zip(idxs, _UNBIND(stack, 0)))
+            stacks.append(stack)
+        grouped = list(self._slots)
+        edges = _edges(outputs, leaves, grouped)
+        if _hookable(edges, grouped):  # else finish() copies them all
+            by_node = {}
+            for i in grouped:
+                [(node, k)] = edges[i]
+                by_node.setdefault(node.node_ptr(), (node, []))[1].append((k, i))
+            for node, pairs in by_node.values():
+                self._removers.append(node._register_post_hook(self._hook(pairs, len(node.next_functions))))
+        return stacks
+
+    def _hook(self, pairs, width):
+        slots = self._slots
+
+        def post(outs, ins):
+            if len(outs) != width:  # a slot without edges: the output indices are not the edges'
+                return outs
+            outs = list(outs)
+            for k, i in pairs:
+                slot, g = slots.get(i), outs[k]
+                if slot is not None and isinstance(g, paddle.Tensor) and g._is_initialized() and (
+                        g.shape == slot.shape and g.dtype == slot.dtype):
+                    slot.copy_(g, False)
+                    outs[k] = slot
+            return outs
+
+        return post
+
+    def end(self):
+        for remover in self._removers:
+            remover.remove()
+        self._removers = []
+        self._slots.clear()
+
+    def finish(self, grads, stacks):
+        """The stacks holding ``grads``: each grad the hooks did not place is copied into its slice (None
+        stays None); a group with a grad of another shape or dtype than its parameter (master grads) gets
+        a stack made from its grads, as stack_grads makes it."""
+        done = []
+        for idxs, stack in zip(self.groups, stacks):
+            present = [grads[i] for i in idxs if grads[i] is not None]
+            if any(g.shape != list(stack.shape[1:]) or g.dtype != stack.dtype for g in present):
+                first = present[0]
+                [stack] = stack_grads([g if g is not None else _EMPTY(first.shape, first.dtype, first.place)
+                                       for g in (grads[i] for i in idxs)], [list(range(len(idxs)))])
+            else:
+                for part, i in zip(_UNBIND(stack, 0), idxs):
+                    g = grads[i]
+                    if g is not None and g.data_ptr() != part.data_ptr():
+                        part.copy_(g, False)
+            done.append(stack)
+        return done
+
+
+def _hookable(edges, grouped):
+    """Whether each grouped leaf takes its grad from exactly one edge, of a node a post hook works on."""
+    return all(len(edges.get(i, ())) == 1 and edges[i][0][0].name() in _ONE_TENSOR_SLOTS for i in grouped)
