@@ -231,10 +231,11 @@ def test_memory_timeline_dry_run_records_every_phase_and_the_pool_model(tmp_path
                                               "autocudagraph eager_if_slower=False"], runners
     phases = [row["phase"] for row in runners[1]["rows"]]
     layers = 8  # the smoke config: one graphed Layer per layer
-    assert phases[:3] == ["start (cache released)", "model built", "eager warmup step 1"], phases
+    assert phases[:3] == ["start (cache released)", "model built", f"step 1: {layers} warmup"], phases
     assert phases[3:3 + 2 * layers] == [f"capture: layer {i}, {what}" for i in range(layers)
                                         for what in ("forward", "backward")], phases
-    assert phases[3 + 2 * layers:] == ["capture step", "replay step 1", "replay step 2"], phases
+    assert phases[3 + 2 * layers:] == [f"step 2: {layers} captured", f"step 3: {layers} replayed",
+                                       f"step 4: {layers} replayed"], phases
     stats = runners[1]["stats"]
     assert stats["captures"] == layers and stats["replays"] == 2 * layers, stats
     # No device memory on the CPU: readings are None, the simulated pool model gives the pools.

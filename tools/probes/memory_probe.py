@@ -75,11 +75,13 @@ def child(config, variant):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--configs", default="xformer24x1024_b32_perlayer,mlp16x512_b16")
-    p.add_argument("--variants", default="eager,default,no_stacks,no_chain")
-    p.add_argument("--out")
-    p.add_argument("--child", nargs=2)
+    p = argparse.ArgumentParser(description="reserved / allocated device memory of bench runners, phase by phase")
+    p.add_argument("--configs", default="xformer24x1024_b32_perlayer,mlp16x512_b16",
+                   help="comma-separated tools/bench.py configs")
+    p.add_argument("--variants", default="eager,default,no_stacks,no_chain",
+                   help="comma-separated runners: eager, default, no_stacks (GROUP_MAX_BYTES = 0), no_chain")
+    p.add_argument("--out", help="folder for memory_probe.md")
+    p.add_argument("--child", nargs=2, help="internal: one config and variant in this process")
     a = p.parse_args()
     if a.child:
         child(*a.child)
