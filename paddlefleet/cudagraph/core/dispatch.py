@@ -17,6 +17,19 @@ user code and no device code and moves no phase of the call's key (the runner do
 Decision's warnings): a test pins a call's Decision with a stand-in body that may not run
 (tests/core/test_dispatch.py). The one exception is a key that gives its place under max_graphs to
 this call's: it is evicted (its graphs released) or dropped here.
+
+NOTE [ Calls of a key that runs eagerly ]
+A key that fell back (its capture failed, eager_if_slower sent it eager, it alone exceeds max_bytes, ...) stays
+in FALLBACK until reset(), and each of its calls runs the function eagerly, counted with its reason: the
+dispatcher needs only the key, nothing the Call, the phases or the reason's text would add. So for the common
+call, f(x, ...) with tensors only and no dispatch_key_fn, the key is made from the arguments as passed (the
+same Key a Call's tensors and spec give: positional_spec in core/call.py), looked up, and a FALLBACK entry's
+calls get its Decision, made once per fallback reason, with the wrapper's books kept as for any call (tick,
+last use, order). The checks before the key are unchanged (pass-through, nested calls, a chain's claim), the
+stale-output check reads the arguments themselves, and the key is made whole on every call, so a call whose
+shape, dtype, place, stop_gradient, grad mode, autocast or training flag differs gets its own key and the
+full path (a new key warms up and captures as before). Any other call (keyword arguments, non-tensor
+arguments, dispatch_key_fn) takes the full path.
 """
 
 import enum
@@ -29,7 +42,7 @@ from ..io import arguments
 from ..io.stale_outputs import check_fresh
 from . import host_cost
 from .body import Action as Blocker
-from .call import Call
+from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
@@ -83,6 +96,7 @@ class Decision(NamedTuple):
 
 _new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
 _EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
+_FALLBACK = Phase.FALLBACK
 
 
 def keyless_rule(rule):
@@ -120,26 +134,56 @@ def dispatch(wrapper, args, kwargs):
     claimed = body.claim(args, kwargs, wrapper._keys)
     if claimed is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
         return _new(Decision, (_CHAINED, claimed[0], None, None, None, (), start, claimed[1]))
-    if body.options.dispatch_key_fn is not None:
-        # One canonical form per call (defaults applied, positional where possible), so that
-        # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
-        bound = wrapper._keys.bound_arguments(args, kwargs)
-        args, kwargs = bound.args, bound.kwargs
-    call = Call(args, kwargs)
-    check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
-    key = wrapper._keys.key(args, kwargs, call.tensors, call.spec)
-    if key is None:
-        return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
-    entry = wrapper._entries.get(key)
+    spec = None if body.options.dispatch_key_fn is not None else positional_spec(args, kwargs)
+    if spec is not None:  # f(x, ...) with tensors only: NOTE [ Calls of a key that runs eagerly ]
+        check_fresh(args)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        key = wrapper._keys.key(args, kwargs, args, spec)
+        entry = wrapper._entries.get(key)
+        if entry is not None and entry.phase is _FALLBACK:
+            _used(wrapper, key, entry)
+            return _fell_back(entry)
+        call = Call(args, kwargs, spec)
+    else:
+        if body.options.dispatch_key_fn is not None:
+            # One canonical form per call (defaults applied, positional where possible), so that
+            # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
+            bound = wrapper._keys.bound_arguments(args, kwargs)
+            args, kwargs = bound.args, bound.kwargs
+        call = Call(args, kwargs)
+        check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        key = wrapper._keys.key(args, kwargs, call.tensors, call.spec)
+        if key is None:
+            return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
+        entry = wrapper._entries.get(key)
     if entry is None:
         entry = _new_entry(wrapper, key, call)
         if entry is None:
             return Decision(Action.EAGER, call=call, reason=wrapper._last_refusal)
+    _used(wrapper, key, entry)
+    return _by_phase(wrapper, body, entry, call)
+
+
+def _used(wrapper, key, entry):
+    """Counts a call of ``entry`` (under ``key``): the wrapper's tick, the entry's last use, the entries' order."""
     wrapper._tick += 1
     entry.last_used = wrapper._tick
     if entry is not wrapper._latest:  # the latest entry is already last: every insertion is moved
         wrapper._entries.move_to_end(key)
         wrapper._latest = entry
+
+
+def _fell_back(entry):
+    """The Decision of a call of ``entry``, a key that fell back: made once per reason (NOTE [ Calls of a key
+    that runs eagerly ])."""
+    made = entry.eager_decision
+    if made is None or made[0] is not entry.fallback_reason:
+        made = entry.eager_decision = (entry.fallback_reason, Decision(
+            Action.EAGER, entry, reason=f"key fell back: {entry.fallback_reason}"))
+    return made[1]
+
+
+def _by_phase(wrapper, body, entry, call):
+    """The Decision for ``call`` of ``entry`` (a key with its place), by the key's phase."""
     phase = entry.phase
     if phase is Phase.REPLAY:
         cost = entry.host_cost
