@@ -287,6 +287,9 @@ class EagerKeyTest(unittest.TestCase):
         self.assertIs(self.decide(y).entry, self.entry)
         y.reshape_([3, 2])
         self.assert_new_key_warms_up(self.decide(y))
+        z = paddle.ones([2, 3])
+        paddle.assign(paddle.ones([2, 3], dtype="float64"), output=z)  # the same object, another dtype
+        self.assert_new_key_warms_up(self.decide(z))
 
     def test_keyword_arguments_and_dispatch_key_fn_take_the_full_path(self):
         body = _StandInBody(dispatch_key_fn=lambda bound: "one")
