@@ -62,6 +62,9 @@ class _StandInBody:
     def claim(self, args, kwargs, keys):
         return self.claimed
 
+    def idle(self):
+        return self.claimed is None
+
     def _ran(self, *args, **kwargs):
         raise AssertionError("the dispatcher ran a phase of the body")
 

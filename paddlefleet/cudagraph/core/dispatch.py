@@ -20,33 +20,48 @@ this call's: it is evicted (its graphs released) or dropped here.
 
 NOTE [ Calls of a key that runs eagerly ]
 A key that fell back (its capture failed, eager_if_slower sent it eager, it alone exceeds max_bytes, ...) stays
-in FALLBACK until reset(), and each of its calls runs the function eagerly, counted with its reason: the
-dispatcher needs only the key, nothing the Call, the phases or the reason's text would add. So for the common
-call, f(x, ...) with tensors only and no dispatch_key_fn, the key is made from the arguments as passed (the
-same Key a Call's tensors and spec give: positional_spec in core/call.py), looked up, and a FALLBACK entry's
-calls get its Decision, made once per fallback reason, with the wrapper's books kept as for any call (tick,
-last use, order). The checks before the key are unchanged (pass-through, nested calls, a chain's claim), the
-stale-output check reads the arguments themselves, and the key is made whole on every call, so a call whose
-shape, dtype, place, stop_gradient, grad mode, autocast or training flag differs gets its own key and the
-full path (a new key warms up and captures as before). Any other call (keyword arguments, non-tensor
-arguments, dispatch_key_fn) takes the full path.
+in FALLBACK until reset(), and each of its calls runs the function eagerly, counted with its reason: nothing
+but the key decides such a call, so two things make it cost little more than the function's own call:
+* dispatch() makes the key of the common call, f(x, ...) with tensors only and no dispatch_key_fn, from the
+  arguments as passed (the Key a Call's tensors and spec give: positional_spec in core/call.py), and gives a
+  FALLBACK entry's calls its Decision, made once per fallback reason; the books are kept as for any call
+  (the wrapper's tick, the entry's last use, the entries' order).
+* That call also arms the front path: ``Lifecycle.__call__`` asks the wrapper's KnownEager (the key that
+  fell back whose call came last) whether the call is one of that key, and if so counts it and runs the
+  function without dispatch(). ``KnownEager.take`` answers yes only where dispatch() would decide the same
+  (each a test in tests/core/test_eager_calls.py): the key is still in FALLBACK with the same reason; no
+  keyless rule; no capture, whole step or re-running replay in this thread, no saved-tensors hooks (the
+  nested reasons), no chain open (``Body.idle``: a chain's claim acts on an open chain), no stale output
+  alive (check_fresh would look) and no tensor marked host; no dispatch_key_fn and no keyword argument; the
+  same number of positional arguments, each a tensor whose shape, dtype (its int, or the very dtype object
+  read before), place key and stop_gradient are the key's, read from the tensor on every call (an in-place
+  op, ``paddle.assign(output=)`` or a flipped stop_gradient changes them on the same object); and grad mode,
+  the autocast state and the training flag of every tracked Layer as in the entry's key (a capture of
+  another key may have added Layers: the entry's own key is compared, extended). It keeps the same books.
+Any other call (keyword or non-tensor arguments, dispatch_key_fn, another key) takes the full path; a new
+key warms up and captures as before.
 """
 
 import enum
 import logging
 from typing import Any, NamedTuple, Optional
 
-from ..backends import capture_open, in_rerun_replay, in_whole_step, resolve_backend
+import paddle
+
+from ..backends import capture_open, in_rerun_replay, in_whole_step, plain_thread, resolve_backend
 from ..guards import saved_hooks
+from ..guards.host_marks import any_marked
 from ..io import arguments
-from ..io.stale_outputs import check_fresh
+from ..io.static_inputs import place_key
+from ..io.stale_outputs import any_stale, check_fresh
+from . import state
 from . import host_cost
 from .body import Action as Blocker
 from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
-__all__ = ["Action", "Decision", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
+__all__ = ["Action", "Decision", "KnownEager", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +109,9 @@ class Decision(NamedTuple):
     plan: Any = None
 
 
+Tensor = paddle.Tensor
+_grad_enabled = paddle.is_grad_enabled
+_amp_state = state.amp_state
 _new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
 _EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
 _FALLBACK = Phase.FALLBACK
@@ -141,7 +159,11 @@ def dispatch(wrapper, args, kwargs):
         entry = wrapper._entries.get(key)
         if entry is not None and entry.phase is _FALLBACK:
             _used(wrapper, key, entry)
-            return _fell_back(entry)
+            decision = _fell_back(entry)
+            known = wrapper._known_eager
+            if (known is None or known.entry is not entry) and all(len(m) == 4 for m in key.arguments[1]):
+                wrapper._known_eager = KnownEager(entry, decision.reason)  # no host tensor keyed by value
+            return decision
         call = Call(args, kwargs, spec)
     else:
         if body.options.dispatch_key_fn is not None:
@@ -180,6 +202,48 @@ def _fell_back(entry):
         made = entry.eager_decision = (entry.fallback_reason, Decision(
             Action.EAGER, entry, reason=f"key fell back: {entry.fallback_reason}"))
     return made[1]
+
+
+class KnownEager:
+    """The key that fell back whose call came last through dispatch(), as the front of a call checks it
+    (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with, and the
+    argument part of its key (each tensor's shape as a list, dtype as its int, place key and stop_gradient;
+    the state part is read from the entry's key, which a capture of another key may extend: core/keys.py)."""
+
+    __slots__ = ("entry", "reason", "fallback_reason", "metas", "dtypes")
+
+    def __init__(self, entry, reason):
+        self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
+        self.metas = tuple((list(shape), dtype, place, sg) for shape, dtype, place, sg in entry.key.arguments[1])
+        self.dtypes = [None] * len(self.metas)  # a dtype object read whose int was the key's (identity: that int)
+
+    def take(self, wrapper, args):
+        """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
+        ``wrapper(*args)`` eagerly as a call of this key, without asking the body anything; else False."""
+        entry = self.entry
+        if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
+                or wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
+                or any_marked() or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
+                or len(args) != len(self.metas)):
+            return False
+        for i, t in enumerate(args):
+            shape, dtype, place, sg = self.metas[i]
+            if not isinstance(t, Tensor) or t.stop_gradient is not sg or t.shape != shape:
+                return False
+            d = t.dtype
+            if d is not self.dtypes[i]:  # Paddle 3 hands out one object per dtype; Paddle 2.6 a new one per read
+                if int(d) != dtype:
+                    return False
+                self.dtypes[i] = d
+            if place_key(t.place) != place:
+                return False
+        key = entry.key
+        grad, amp, training = key.state
+        if _grad_enabled() is not grad or _amp_state() != amp or \
+                tuple([layer.training for layer in wrapper._keys.layers]) != training:
+            return False
+        _used(wrapper, key, entry)
+        return True
 
 
 def _by_phase(wrapper, body, entry, call):
