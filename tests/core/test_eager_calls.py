@@ -211,5 +211,44 @@ class RekeyedTest(unittest.TestCase):
             links.set_run(saved)
 
 
+class RefusedUnderMaxGraphsTest(unittest.TestCase):
+    """A new key that finds every place under max_graphs taken names its arguments and makes its label only where
+    they are read: for the max_graphs warning while it is still to give, or once the key gets a place."""
+
+    def test_a_refused_key_makes_no_label_once_warned_and_its_label_when_it_gets_a_place(self):
+        from paddlefleet.cudagraph.core.keys import KeyMaker
+
+        f = autocudagraph(lambda t: t * 2.0, backend="simulate", warmup_steps=1, max_graphs=1)
+        a, b = paddle.ones([2, 3]), paddle.ones([3, 3])
+        f(a), f(a)  # warmup, capture
+        with self.assertWarnsRegex(RuntimeWarning, r"key \(t: float32\[3, 3\]\) runs eagerly"):
+            f(b)  # refused: the warning names it
+        with mock.patch.object(KeyMaker, "label", autospec=True, side_effect=KeyMaker.label) as label, \
+                mock.patch.object(KeyMaker, "named_arguments", autospec=True,
+                                  side_effect=KeyMaker.named_arguments) as named:
+            for _ in range(3):
+                f(a), f(b)  # a replays between: b stays refused
+            self.assertEqual((label.call_count, named.call_count), (0, 0))
+            f(b), f(b)  # called twice more with no call of a since: b takes a's place
+            self.assertEqual(label.call_count, 1)
+        self.assertEqual(f.stats()["eager_reasons"], {"max_graphs reached": 5})
+        self.assertEqual([row["label"] for row in f.report()][-1], "(t: float32[3, 3])")
+
+    def test_arguments_that_are_not_all_tensors_are_still_checked(self):
+        class Cache:
+            def update(self):
+                pass
+
+            def get_seq_length(self):
+                return 0
+
+        f = autocudagraph(lambda t, cache=None: t * 2.0, backend="simulate")
+        with self.assertWarnsRegex(RuntimeWarning, "argument 'cache' is a Cache"):
+            f(paddle.ones([2, 2]), Cache())
+        g = autocudagraph(lambda t, cache=Cache(): t * 2.0, backend="simulate")  # a default refused too
+        with self.assertWarnsRegex(RuntimeWarning, "argument 'cache' is a Cache"):
+            g(paddle.ones([2, 2]))
+
+
 if __name__ == "__main__":
     unittest.main()

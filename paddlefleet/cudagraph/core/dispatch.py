@@ -303,25 +303,38 @@ def _new_entry(wrapper, key, call):
         if not wrapper._tick:  # no key held yet: NOTE [ Pass-through wrappers ] in core/pass_through.py
             wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason))
         return None
-    named = wrapper._keys.named_arguments(call.args, call.kwargs)
-    refused = arguments.refusal(named)
+    keys = wrapper._keys
+    # A call of tensors only whose signature's defaults are plain: nothing to refuse, no host array to check,
+    # so the arguments are named only for a label that is read (NOTE [ Places under max_graphs ]).
+    named = None if not call.consts and keys.plain_defaults() else keys.named_arguments(call.args, call.kwargs)
+    refused = None if named is None else arguments.refusal(named)
     if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
         wrapper._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
         wrapper._last_refusal = refused
         return None
-    host = wrapper._keys.checked(key, call, named)  # raises for a host input too large to key by value
-    entry = GraphEntry(key=key, backend=backend, label=wrapper._keys.label(key, named, host),
+    host = keys.checked(key, call, named)  # raises for a host input too large to key by value
+
+    def label():
+        return keys.label(key, keys.named_arguments(call.args, call.kwargs) if named is None else named, host)
+
+    # The label is made for a key that gets its place, or for the max_graphs warning while it is still to give
+    # (Places.admit warns under a max_graphs above 0).
+    warns = wrapper._options.max_graphs and "max_graphs" not in wrapper._warned
+    entry = GraphEntry(key=key, backend=backend, label=label() if warns else None,
                        eager_if_slower=wrapper._options.eager_if_slower)
-    if not admitted(wrapper, entry):  # its label names what varies: NOTE [ Places under max_graphs ]
+    if not admitted(wrapper, entry, label):  # its label names what varies: NOTE [ Places under max_graphs ]
         wrapper._last_refusal = "max_graphs reached"
         return None
+    if entry.label is None:
+        entry.label = label()
     wrapper._entries[key], wrapper._keyless = entry, None  # a key held: no call passes through again
     return entry
 
 
-def admitted(wrapper, entry):
+def admitted(wrapper, entry, label=None):
     """Whether ``entry`` gets a place under max_graphs; the key that gives it its place is dropped (in
-    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py."""
+    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py. ``label()``
+    makes the entry's label where it has none yet."""
     ok, victim = wrapper._places.admit(wrapper._entries, entry, wrapper._tick, wrapper._options.max_graphs,
                                        wrapper._warn_once)
     if victim is None:
@@ -333,6 +346,8 @@ def admitted(wrapper, entry):
         del wrapper._entries[victim.key]
         if wrapper._latest is victim:
             wrapper._latest = None
+    if entry.label is None:
+        entry.label = label()
     logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
                 wrapper._body.api, wrapper.__name__, victim.label, wrapper._options.max_graphs, entry.label)
     return ok
