@@ -113,6 +113,18 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual((decision.action, decision.entry, decision.reason), (Action.TIMED_EAGER, entry, host_cost.TIMED))
         self.assertEqual(self.body.asked, [])  # the blocker is not asked for an eager sample
 
+    def test_a_call_of_the_latest_calls_key_reads_the_key_without_making_it(self):
+        from paddlefleet.cudagraph.core.keys import KeyMaker
+
+        entry = self.replaying()
+        with unittest.mock.patch.object(KeyMaker, "key", autospec=True, side_effect=KeyMaker.key) as made:
+            self.assertEqual([self.decide().entry for _ in range(3)], [entry] * 3)
+            self.assertEqual(made.call_count, 0)  # NOTE [ Calls of a key that runs eagerly ]
+            other = dispatch(self.wrapper, (paddle.ones([3, 3]),), {})
+            self.assertEqual((other.action, made.call_count), (Action.WARMUP, 1))
+            self.assertIs(self.decide().entry, entry)  # the latest is the other key now: this key is made
+            self.assertEqual(made.call_count, 2)
+
     def test_a_timed_replay_starts_its_clock_before_the_blocker(self):
         cost = HostCost(measure=True, judge=True)
         cost.eager_s.append(1e-5)

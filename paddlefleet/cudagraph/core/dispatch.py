@@ -22,22 +22,26 @@ NOTE [ Calls of a key that runs eagerly ]
 A key that fell back (its capture failed, eager_if_slower sent it eager, it alone exceeds max_bytes, ...) stays
 in FALLBACK until reset(), and each of its calls runs the function eagerly, counted with its reason: nothing
 but the key decides such a call, so two things make it cost little more than the function's own call:
-* dispatch() makes the key of the common call, f(x, ...) with tensors only and no dispatch_key_fn, from the
-  arguments as passed (the Key a Call's tensors and spec give: positional_spec in core/call.py), and gives a
-  FALLBACK entry's calls its Decision, made once per fallback reason; the books are kept as for any call
-  (the wrapper's tick, the entry's last use, the entries' order).
+* dispatch() takes the key of the common call, f(x, ...) with tensors only and no dispatch_key_fn, from the
+  arguments as passed (the Key a Call's tensors and spec give: positional_spec in core/call.py): where the
+  latest call's entry has that key, read part by part (``_is_key_of``: the same parts KeyMaker.key reads, each
+  compared, no Key made nor hashed; the latest entry is always held under its key), else made and looked up.
+  This serves every phase (a replayed key's calls too). A FALLBACK entry's calls get its Decision, made once
+  per fallback reason; the books are kept as for any call (the wrapper's tick, the entry's last use, the
+  entries' order).
 * That call also arms the front path: ``Lifecycle.__call__`` asks the wrapper's KnownEager (the key that
   fell back whose call came last) whether the call is one of that key, and if so counts it and runs the
   function without dispatch(). ``KnownEager.take`` answers yes only where dispatch() would decide the same
   (each a test in tests/core/test_eager_calls.py): the key is still in FALLBACK with the same reason; no
   keyless rule; no capture, whole step or re-running replay in this thread, no saved-tensors hooks (the
   nested reasons), no chain open (``Body.idle``: a chain's claim acts on an open chain), no stale output
-  alive (check_fresh would look) and no tensor marked host; no dispatch_key_fn and no keyword argument; the
-  same number of positional arguments, each a tensor whose shape, dtype (its int, or the very dtype object
-  read before), place key and stop_gradient are the key's, read from the tensor on every call (an in-place
-  op, ``paddle.assign(output=)`` or a flipped stop_gradient changes them on the same object); and grad mode,
-  the autocast state and the training flag of every tracked Layer as in the entry's key (a capture of
-  another key may have added Layers: the entry's own key is compared, extended). It keeps the same books.
+  alive (check_fresh would look); no dispatch_key_fn and no keyword argument; and ``_is_key_of`` the entry's
+  key: no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
+  int, or the very dtype object read before with that int), place key and stop_gradient are the key's, read
+  from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
+  changes them on the same object); and grad mode, the autocast state and the training flag of every tracked
+  Layer as in the entry's key (a capture of another key may have added Layers: the entry's own key is
+  compared, extended). It keeps the same books.
 Any other call (keyword or non-tensor arguments, dispatch_key_fn, another key) takes the full path; a new
 key warms up and captures as before.
 """
@@ -155,14 +159,18 @@ def dispatch(wrapper, args, kwargs):
     spec = None if body.options.dispatch_key_fn is not None else positional_spec(args, kwargs)
     if spec is not None:  # f(x, ...) with tensors only: NOTE [ Calls of a key that runs eagerly ]
         check_fresh(args)  # NOTE [ Stale outputs ] in io/stale_outputs.py
-        key = wrapper._keys.key(args, kwargs, args, spec)
-        entry = wrapper._entries.get(key)
+        entry = wrapper._latest  # a call of the latest call's key: the key read part by part, not made
+        if entry is not None and _is_key_of(entry.key, spec, args, wrapper._keys.layers):
+            key = entry.key
+        else:
+            key = wrapper._keys.key(args, kwargs, args, spec)
+            entry = wrapper._entries.get(key)
         if entry is not None and entry.phase is _FALLBACK:
             _used(wrapper, key, entry)
             decision = _fell_back(entry)
             known = wrapper._known_eager
-            if (known is None or known.entry is not entry) and all(len(m) == 4 for m in key.arguments[1]):
-                wrapper._known_eager = KnownEager(entry, decision.reason)  # no host tensor keyed by value
+            if known is None or known.entry is not entry:
+                wrapper._known_eager = KnownEager(entry, decision.reason)
             return decision
         call = Call(args, kwargs, spec)
     else:
@@ -206,16 +214,12 @@ def _fell_back(entry):
 
 class KnownEager:
     """The key that fell back whose call came last through dispatch(), as the front of a call checks it
-    (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with, and the
-    argument part of its key (each tensor's shape as a list, dtype as its int, place key and stop_gradient;
-    the state part is read from the entry's key, which a capture of another key may extend: core/keys.py)."""
+    (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with."""
 
-    __slots__ = ("entry", "reason", "fallback_reason", "metas", "dtypes")
+    __slots__ = ("entry", "reason", "fallback_reason")
 
     def __init__(self, entry, reason):
         self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
-        self.metas = tuple((list(shape), dtype, place, sg) for shape, dtype, place, sg in entry.key.arguments[1])
-        self.dtypes = [None] * len(self.metas)  # a dtype object read whose int was the key's (identity: that int)
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
@@ -223,27 +227,38 @@ class KnownEager:
         entry = self.entry
         if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
                 or wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
-                or any_marked() or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
-                or len(args) != len(self.metas)):
+                or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
+                or not _is_key_of(entry.key, positional_spec(args, None), args, wrapper._keys.layers)):
             return False
-        for i, t in enumerate(args):
-            shape, dtype, place, sg = self.metas[i]
-            if not isinstance(t, Tensor) or t.stop_gradient is not sg or t.shape != shape:
-                return False
-            d = t.dtype
-            if d is not self.dtypes[i]:  # Paddle 3 hands out one object per dtype; Paddle 2.6 a new one per read
-                if int(d) != dtype:
-                    return False
-                self.dtypes[i] = d
-            if place_key(t.place) != place:
-                return False
-        key = entry.key
-        grad, amp, training = key.state
-        if _grad_enabled() is not grad or _amp_state() != amp or \
-                tuple([layer.training for layer in wrapper._keys.layers]) != training:
-            return False
-        _used(wrapper, key, entry)
+        _used(wrapper, entry.key, entry)
         return True
+
+
+_dtype_seen = {}  # a dtype's int -> a dtype object read whose int it was (identity: that int)
+
+
+def _is_key_of(key, spec, args, layers):
+    """True when ``key`` is the key KeyMaker.key makes for the call f(*args) of positional tensors (no keyword
+    argument; ``spec``: its positional_spec, None for any other call), ``layers`` the wrapper's Layers (NOTE
+    [ Calls of a key that runs eagerly ]): read part by part from the tensors and the state, without making the
+    key. False for a key with host parts or of another form."""
+    if key.user or spec is None or key.arguments[0] is not spec or any_marked():
+        return False
+    metas = key.arguments[1]
+    if len(args) != len(metas):
+        return False
+    for t, meta in zip(args, metas):
+        if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
+            return False
+        d = t.dtype
+        if d is not _dtype_seen.get(meta[1]):  # Paddle 3 hands out one object per dtype; Paddle 2.6 one per read
+            if int(d) != meta[1]:
+                return False
+            _dtype_seen[meta[1]] = d
+        if place_key(t.place) != meta[2]:
+            return False
+    grad, amp, training = key.state
+    return _grad_enabled() is grad and _amp_state() == amp and tuple([layer.training for layer in layers]) == training
 
 
 def _by_phase(wrapper, body, entry, call):
