@@ -9,7 +9,11 @@ The block rows time one graphed Layer of ``--block`` LAYERSxWIDTHxBATCH matmul l
 backward, then each of its pieces alone (tools/host_breakdown.py's Internals: the same pieces as
 that report's rows) and Paddle's own pieces at that size. ``--block 0`` leaves them out. The
 pass-through rows time a Linear(4, 4) eagerly and wrapped with ``backend=None``, which a Paddle
-without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The
+without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The eager-call
+rows (eager_call_rows(); ``--eager-calls`` prints only them) time the same Layer through wrappers on the
+simulated backend whose key runs eagerly (its capture failed; eager_if_slower sent it eager while another
+key stays graphed; every key slower; every key over max_graphs), interleaved with the Layer's own call,
+forward alone and forward + backward. The
 ``layer_call_us`` tables are tools/host_breakdown.py's (one graphed Layer called alone, forward +
 backward, every piece with its share) for the ``--block`` Layer and a 6 x 1024 one, on the stand-in
 graph; perf_counter host time there, not thread CPU time.
@@ -206,6 +210,82 @@ def pass_through_rows(reps):
             (f"the same wrapped with backend=None ({wrapped.forward.stats()['eager_reasons']})", f"{w:.2f} ({w / o:.2f}x)")]
 
 
+def _eager_keyed(case, x, other):
+    """A Linear(4, 4) graphed on the simulated backend whose key for ``x`` runs eagerly as ``case`` says;
+    ``other``: an input of another shape whose key is captured first and stays graphed."""
+    import warnings
+
+    from paddlefleet.cudagraph.core.host_cost import HostCost
+    from paddlefleet.cudagraph.errors import CudaGraphError
+
+    paddle.seed(0)
+    layer = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate", warmup_steps=1, eager_if_slower=True,
+                          max_graphs=0 if case == "max_graphs" else 16)
+    wrapper = layer.forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3 if other is not None and case != "max_graphs" else 0):
+            layer(other)
+        if case == "capture failed":
+            capture = wrapper._body.capture
+            wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
+        for _ in range(2):  # warmup, capture
+            layer(x)
+        if case == "capture failed":
+            wrapper._body.capture = capture
+        if case == "eager_if_slower":  # its graphed calls measured slower (as core/host_cost.py would)
+            [entry] = [e for e in wrapper._entries.values() if e.key.arguments[1][0][0] == tuple(x.shape)]
+            entry.host_cost = cost = HostCost(measure=True, judge=True)
+            cost.eager_s, cost.replay_s, cost.verdict = [1e-5] * 8, [2e-5] * 9, "eager"
+            wrapper._acted(entry)
+    return layer
+
+
+def eager_call_rows(reps):
+    """``[(row, own us, wrapped us)]``: a Linear(4, 4) called directly and through wrappers whose key runs
+    eagerly (_eager_keyed), interleaved, forward alone and forward + backward, median of ``reps`` rounds of
+    200 calls each (thread CPU time)."""
+    paddle.seed(0)
+    own = paddle.nn.Linear(4, 4)
+    x, other, dy = paddle.randn([2, 4]), paddle.randn([3, 4]), paddle.randn([2, 4])
+    cases = [("its capture failed, another key graphed", "capture failed", other),
+             ("eager_if_slower sent it eager, another key graphed", "eager_if_slower", other),
+             ("eager_if_slower sent every key eager", "eager_if_slower", None),
+             ("every key over max_graphs (max_graphs=0)", "max_graphs", None)]
+    layers = [own] + [_eager_keyed(case, x, o) for _, case, o in cases]
+    params = [layer.parameters() for layer in layers]
+    fwd = [[] for _ in layers]
+    both = [[] for _ in layers]
+    for _ in range(reps):  # interleaved
+        for k, layer in enumerate(layers):
+            fwd[k].append(cpu_us(lambda: [layer(x) for _ in range(200)]) / 200)
+
+            def step(layer=layer, ps=params[k]):
+                layer(x).backward(dy)
+                for p in ps:
+                    p.clear_gradient(False)
+
+            both[k].append(cpu_us(lambda: [step() for _ in range(200)]) / 200)
+    f = [statistics.median(v) for v in fwd]
+    b = [statistics.median(v) for v in both]
+    rows = [("Linear(4, 4), the Layer's own call", f[0], b[0])]
+    for k, (name, _, _) in enumerate(cases, 1):
+        reasons = layers[k].forward.stats()["eager_reasons"]
+        rows.append((f"through autocudagraph, {name} ({max(reasons, key=reasons.get)[:48]}...)", f[k], b[k]))
+    return rows
+
+
+def eager_call_lines(reps):
+    rows = eager_call_rows(reps)
+    own_f, own_b = rows[0][1], rows[0][2]
+    lines = [f"Eager calls through the wrapper (simulated backend), us per call, median of {reps} interleaved rounds "
+             "of 200 calls, thread CPU time:", "| call | forward | over own | forward + backward | over own |",
+             "|---|---|---|---|---|"]
+    for name, f, b in rows:
+        lines.append(f"| {name} | {f:.2f} | {f - own_f:+.2f} | {b:.2f} | {b - own_b:+.2f} |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="graphed layers of the per-layer model (default 32)")
@@ -214,10 +294,15 @@ def main():
     parser.add_argument("--steps", type=int, default=60,
                         help="timed steps per runner; the medians are taken over them (default 60)")
     parser.add_argument("--block", default="16x512x16", help="LAYERSxWIDTHxBATCH of the timed block, or 0 for none")
+    parser.add_argument("--eager-calls", action="store_true", help="print only the eager-call rows")
     args = parser.parse_args()
     paddle.set_device("cpu")
     os.environ.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)  # the pass-through rows time backend=None itself
     passing = pass_through_rows(15)
+    eager_calls = eager_call_lines(max(5, args.steps // 4))
+    if args.eager_calls:
+        print("\n".join(eager_calls))
+        return 0
     stand_in()
     draw = normal(0)
     x, dy = host_tensor(draw(args.batch, args.width)), host_tensor(draw(args.batch, args.width))
@@ -252,6 +337,7 @@ def main():
     print("A wrapper that can only run eagerly (backend=None, no CUDA build), us per call, best of 15 rounds:")
     for name, us in passing:
         print(f"- {name}: {us} us")
+    print("\n".join(eager_calls))
     if args.block != "0":
         n, width, batch = (int(v) for v in args.block.lower().split("x"))
         sized = argparse.Namespace(batch=batch, reps=5 * args.steps, backend="simulate", layers=n, width=width)

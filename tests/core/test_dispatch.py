@@ -62,6 +62,9 @@ class _StandInBody:
     def claim(self, args, kwargs, keys):
         return self.claimed
 
+    def idle(self):
+        return self.claimed is None
+
     def _ran(self, *args, **kwargs):
         raise AssertionError("the dispatcher ran a phase of the body")
 
@@ -117,6 +120,18 @@ class DispatchTest(unittest.TestCase):
         entry = self.replaying(cost)
         decision = self.decide()
         self.assertEqual((decision.action, decision.entry), (Action.REPLAY, entry))
+
+    def test_a_call_of_the_latest_calls_key_reads_the_key_without_making_it(self):
+        from paddlefleet.cudagraph.core.keys import KeyMaker
+
+        entry = self.replaying()
+        with unittest.mock.patch.object(KeyMaker, "key", autospec=True, side_effect=KeyMaker.key) as made:
+            self.assertEqual([self.decide().entry for _ in range(3)], [entry] * 3)
+            self.assertEqual(made.call_count, 0)  # NOTE [ Calls of a key that runs eagerly ]
+            other = dispatch(self.wrapper, (paddle.ones([3, 3]),), {})
+            self.assertEqual((other.action, made.call_count), (Action.WARMUP, 1))
+            self.assertIs(self.decide().entry, entry)  # the latest is the other key now: this key is made
+            self.assertEqual(made.call_count, 2)
 
     def test_a_timed_replay_starts_its_clock_before_the_blocker(self):
         cost = HostCost(measure=True, judge=True)
@@ -228,6 +243,106 @@ class RunnerTest(unittest.TestCase):
             self.assertEqual(wrapper(x), "eager")
         self.assertEqual((entry.host_cost.replay_s, entry.host_cost.eager_s), ([1e-5], [1e-5]))
         self.assertEqual(wrapper.stats()["eager_reasons"], {"the previous call's backward has not run": 1})
+
+
+class EagerKeyTest(unittest.TestCase):
+    """NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py: a key that fell back gets its Decision made
+    once, from the key alone; a call whose key differs in anything takes the full path."""
+
+    def setUp(self):
+        self.layer = paddle.nn.Linear(3, 3)
+        self.body = _StandInBody(warmup_steps=1)
+        self.body.layers = lambda: [self.layer]
+        self.wrapper = Lifecycle(self.body, lambda x: x)
+        self.x = paddle.ones([2, 3])
+        self.entry = self.decide().entry
+        self.entry.fall_back("capture failed")
+
+    def decide(self, *args, **kwargs):
+        return dispatch(self.wrapper, args or (self.x,), kwargs)
+
+    def assert_new_key_warms_up(self, decision):
+        self.assertIs(decision.action, Action.WARMUP)
+        self.assertIsNot(decision.entry, self.entry)
+        self.assertEqual(decision.entry.phase, Phase.WARMUP)
+
+    def test_a_key_that_fell_back_gets_one_decision_made_once_and_its_books_kept(self):
+        other = self.decide(paddle.ones([4, 3])).entry  # another key, called last
+        first, second = self.decide(), self.decide()
+        self.assertIs(first, second)  # made once: no Call, no reason formatted per call
+        self.assertEqual((first.action, first.entry, first.call, first.reason, first.warn),
+                         (Action.EAGER, self.entry, None, "key fell back: capture failed", ()))
+        self.assertEqual((self.entry.last_used, other.last_used, self.wrapper._tick), (4, 2, 4))
+        self.assertIs(list(self.wrapper._entries.values())[-1], self.entry)  # moved last, as any call
+        self.entry.fall_back("verification found a mismatch")  # another reason: another Decision
+        self.assertEqual(self.decide().reason, "key fell back: verification found a mismatch")
+
+    def test_a_call_whose_key_differs_takes_the_full_path(self):
+        cases = {
+            "shape": lambda: self.decide(paddle.ones([2, 4])),
+            "dtype": lambda: self.decide(paddle.ones([2, 3], dtype="float64")),
+            "stop_gradient": lambda: self.decide(_requires_grad(paddle.ones([2, 3]))),
+            "arguments": lambda: self.decide(self.x, self.x),
+        }
+        for what, decide in cases.items():
+            with self.subTest(what):
+                self.assert_new_key_warms_up(decide())
+
+    def test_a_changed_state_takes_the_full_path(self):
+        with paddle.no_grad():
+            self.assert_new_key_warms_up(self.decide())
+        self.layer.eval()
+        self.assert_new_key_warms_up(self.decide())
+        self.layer.train()
+        tracer = paddle.base.framework._dygraph_tracer()
+        level, dtype = tracer._amp_level, tracer._amp_dtype
+        tracer._amp_level, tracer._amp_dtype = paddle.base.core.AmpLevel.O1, "bfloat16"  # what auto_cast sets
+        try:
+            self.assert_new_key_warms_up(self.decide())
+        finally:
+            tracer._amp_level, tracer._amp_dtype = level, dtype
+        self.assertEqual(self.decide().reason, "key fell back: capture failed")
+
+    def test_a_tensor_changed_in_place_takes_the_full_path(self):
+        self.x.stop_gradient = False
+        self.assert_new_key_warms_up(self.decide())
+        y = paddle.ones([2, 3])
+        self.assertIs(self.decide(y).entry, self.entry)
+        y.reshape_([3, 2])
+        self.assert_new_key_warms_up(self.decide(y))
+        z = paddle.ones([2, 3])
+        paddle.assign(paddle.ones([2, 3], dtype="float64"), output=z)  # the same object, another dtype
+        self.assert_new_key_warms_up(self.decide(z))
+
+    def test_keyword_arguments_and_dispatch_key_fn_take_the_full_path(self):
+        body = _StandInBody(dispatch_key_fn=lambda bound: "one")
+        wrapper = Lifecycle(body, lambda x: x)
+        dispatch(wrapper, (self.x,), {}).entry.fall_back("capture failed")
+        decision = dispatch(wrapper, (self.x,), {})
+        self.assertEqual((decision.action, decision.reason), (Action.EAGER, "key fell back: capture failed"))
+        self.assertIsNotNone(decision.call)  # the call as dispatch_key_fn canonicalised it
+        wrapper = Lifecycle(_StandInBody(), lambda x=None: x)
+        dispatch(wrapper, (), {"x": self.x}).entry.fall_back("capture failed")
+        self.assertIsNotNone(dispatch(wrapper, (), {"x": self.x}).call)
+
+    def test_after_reset_the_key_warms_up_again(self):
+        self.decide()
+        self.wrapper.reset()
+        self.assertEqual(self.decide().action, Action.WARMUP)
+
+    def test_the_calls_run_eagerly_counted_with_the_reason(self):
+        ran = []
+        self.body.run = lambda args, kwargs: ran.append((args, kwargs)) or "eager"
+        for _ in range(3):
+            self.assertEqual(self.wrapper(self.x), "eager")
+        self.assertEqual(ran, [((self.x,), {})] * 3)
+        self.assertEqual(self.wrapper.stats()["eager_reasons"], {"key fell back: capture failed": 3})
+        self.assertIn("capture failed", self.wrapper.explain())
+
+
+def _requires_grad(t):
+    t.stop_gradient = False
+    return t
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ class CheapKeyPartsTest(unittest.TestCase):
         self.assertEqual(len(seen), 3, seen)
         self.assertTrue(all(isinstance(s[0], int) for s in seen), seen)
 
+    def test_amp_state_without_a_tracer_or_its_parts(self):
+        from paddlefleet.cudagraph.core import state
+
+        for tracer, expected in ((None, None), (object(), (None, None)),
+                                 (mock.Mock(_amp_level="O1", _amp_dtype="float16"), ("O1", "float16"))):
+            with self.subTest(tracer=tracer), mock.patch.object(state, "_dygraph_tracer", lambda: tracer):
+                self.assertEqual(state.amp_state(), expected)
+
 
 class _Place:
     """A stand-in place: a GPU (device id), the CPU, or another kind (pinned memory)."""

@@ -16,13 +16,16 @@ the reason) where this version's GraphOptions lacks the option.
 """
 
 import collections
+import contextlib
 import dataclasses
 import typing
+import unittest.mock
 import warnings
 
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
+from paddlefleet.cudagraph.errors import CudaGraphError
 from testkit.common import SPEED_OPTIONS, MatMLP, close_error, cuda_skip_reason, option_unsupported
 
 from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, grads_of, normal, release_grads
@@ -225,6 +228,29 @@ class KeyCases(TwinCase):
                 release_grads(g, e)
         stats = self.assertCounters(g.forward, captures=4, recaptures=1, replays=5, eager=4, graphs=2)
         self.assertEqual((stats["evictions"], stats["eager_reasons"]), (2, {"max_graphs reached": 4}))
+
+    def test_a_key_that_fell_back_runs_eagerly_beside_a_replaying_key(self):
+        """Batch 4 warms up, captures and replays; batch 8's capture is refused (a stand-in refusal), so its key
+        falls back; then the two alternate: batch 4 replays, batch 8 runs eagerly, from the front of the call once
+        its key is known (NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py). Every call bitwise
+        against eager, forward and backward."""
+        dims = [16, 24, 8]
+        g, e = self.twins(lambda: MatMLP(dims), 90)
+        self.graphed(g)
+        wrapper, draw = g.forward, normal(15)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for k, bs in enumerate([4] * 3 + [8, 8] + [4, 8] * 4):
+                xn, dyn = draw(bs, dims[0]), draw(bs, dims[-1])
+                refused = k == 4  # batch 8's capture call
+                with unittest.mock.patch.object(wrapper._body, "capture", side_effect=CudaGraphError("refused by the "
+                                                "test")) if refused else contextlib.nullcontext():
+                    self.both(g, e, lambda: ((self.tensor(xn),), ()), dyn, f"call {k} batch {bs}", layers=(g, e))
+                release_grads(g, e)
+        stats = self.assertCounters(g.forward, captures=1, replays=1 + 4, eager=1 + 4, graphs=1)
+        self.assertEqual(stats["eager_reasons"], {"capture failed": 1,
+                                                  "key fell back: CudaGraphError: refused by the test": 4})
+        self.assertIsNotNone(wrapper._known_eager)
 
     def test_calls_whose_outputs_get_no_backward_take_no_new_slot(self):
         """Three training calls, then calls of another key (inputs without grad) whose outputs get no backward

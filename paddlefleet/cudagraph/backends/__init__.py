@@ -27,6 +27,7 @@ __all__ = [
     "in_whole_step",
     "in_rerun_replay",
     "plain_call",
+    "plain_thread",
     "own_grad",
     "whole_step",
     "resolve_backend",
@@ -44,6 +45,13 @@ _SIMULATED = SimulatedBackend()
 _ENVIRON = os.environ
 _ENV_DATA = getattr(_ENVIRON, "_data", None)
 _ENV_KEY = _ENVIRON.encodekey(ENV_BACKEND) if isinstance(_ENV_DATA, dict) and hasattr(_ENVIRON, "encodekey") else None
+
+
+def plain_thread():
+    """True when this thread is inside no capture, whole step or re-running replay (what a call of a key that
+    runs eagerly asks of the backends: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py)."""
+    state = _THREAD
+    return not (state.depth or state.steps or state.rerun_replays)
 
 
 def plain_call():

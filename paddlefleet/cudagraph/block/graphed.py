@@ -124,6 +124,10 @@ class BlockBody(Body):
         """``(entry, plan)`` when the hooks serve this call (the next call of a chain), else None."""
         return self.hooks.claim(self, args, kwargs, keys)
 
+    def idle(self):
+        """True when the hooks claim no call now (no chain is open)."""
+        return self.hooks.idle()
+
     def serve(self, plan, args):
         """The Replayed of a call the hooks claimed, or None (it runs alone)."""
         return self.hooks.serve(plan, args)

@@ -20,6 +20,10 @@ class CallHooks:
         """The Replayed of the call ``claim`` gave ``plan`` for, or None: the call runs alone."""
         return None
 
+    def idle(self):
+        """True when ``claim`` would answer None for any call now, acting on nothing."""
+        return True
+
     def head(self, body, entry, call):
         """The Replayed of a replay of ``entry`` that the hooks ran themselves (the first call of a
         chain), or None: the block replays the call alone. Called for replays through the bridge."""

@@ -19,6 +19,9 @@ class ChainHooks(CallHooks):
         j = None if run is None else run.claim(body, args, kwargs, keys)
         return None if j is None else (run.members[j].entry, (run, j))
 
+    def idle(self):
+        return current_run() is None  # claim() acts only on an open run
+
     def serve(self, plan, args):
         run, j = plan
         return run.hand_out(j, args)

@@ -141,6 +141,10 @@ class Body(Protocol):
         (served only under ``entry``'s key)."""
         return None
 
+    def idle(self) -> bool:
+        """True when ``claim`` would answer None for any call now, acting on nothing (no chain is open)."""
+        return True
+
     def serve(self, plan, args: tuple) -> Optional[Replayed]:
         """The Replayed of a call ``claim`` gave ``plan`` for, or None: the call runs as any other."""
         return None

@@ -4,10 +4,23 @@ import paddle
 
 from ..io.nested import flatten, unflatten
 
-__all__ = ["Call"]
+__all__ = ["Call", "positional_spec"]
 
 # Number of positional tensor arguments -> their spec.
 _POSITIONAL = {}
+
+
+def positional_spec(args, kwargs):
+    """The spec flatten() makes for the common call, f(x, ...) with tensors only, cached; None for any other."""
+    if kwargs:
+        return None
+    for a in args:
+        if not isinstance(a, paddle.Tensor):
+            return None
+    spec = _POSITIONAL.get(len(args))
+    if spec is None:
+        spec = _POSITIONAL[len(args)] = flatten((args, {}))[2]
+    return spec
 
 
 class Call:
@@ -22,14 +35,13 @@ class Call:
 
     __slots__ = ("args", "kwargs", "tensors", "consts", "spec")
 
-    def __init__(self, args, kwargs):
+    def __init__(self, args, kwargs, spec=None):
+        """``spec``: positional_spec(args, kwargs) where the caller has it (not None)."""
         self.args = args
         self.kwargs = kwargs
-        if not kwargs and all(isinstance(a, paddle.Tensor) for a in args):
-            # The common call, f(x, ...) with tensors only: the spec flatten() would make, cached.
-            spec = _POSITIONAL.get(len(args))
-            if spec is None:
-                spec = _POSITIONAL[len(args)] = flatten((args, {}))[2]
+        if spec is None:
+            spec = positional_spec(args, kwargs)
+        if spec is not None:
             self.tensors, self.consts, self.spec = list(args), [], spec
         else:
             self.tensors, self.consts, self.spec = flatten((args, kwargs))

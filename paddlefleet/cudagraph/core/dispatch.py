@@ -17,23 +17,55 @@ user code and no device code and moves no phase of the call's key (the runner do
 Decision's warnings): a test pins a call's Decision with a stand-in body that may not run
 (tests/core/test_dispatch.py). The one exception is a key that gives its place under max_graphs to
 this call's: it is evicted (its graphs released) or dropped here.
+
+NOTE [ Calls of a key that runs eagerly ]
+A key that fell back (its capture failed, eager_if_slower sent it eager, it alone exceeds max_bytes, ...) stays
+in FALLBACK until reset(), and each of its calls runs the function eagerly, counted with its reason: nothing
+but the key decides such a call, so two things make it cost little more than the function's own call:
+* dispatch() takes the key of the common call, f(x, ...) with tensors only and no dispatch_key_fn, from the
+  arguments as passed (the Key a Call's tensors and spec give: positional_spec in core/call.py): where the
+  latest call's entry has that key, read part by part (``_is_key_of``: the same parts KeyMaker.key reads, each
+  compared, no Key made nor hashed; the latest entry is always held under its key), else made and looked up.
+  This serves every phase (a replayed key's calls too). A FALLBACK entry's calls get its Decision, made once
+  per fallback reason; the books are kept as for any call (the wrapper's tick, the entry's last use, the
+  entries' order).
+* That call also arms the front path: ``Lifecycle.__call__`` asks the wrapper's KnownEager (the key that
+  fell back whose call came last) whether the call is one of that key, and if so counts it and runs the
+  function without dispatch(). ``KnownEager.take`` answers yes only where dispatch() would decide the same
+  (each a test in tests/core/test_eager_calls.py): the key is still in FALLBACK with the same reason; no
+  keyless rule; no capture, whole step or re-running replay in this thread, no saved-tensors hooks (the
+  nested reasons), no chain open (``Body.idle``: a chain's claim acts on an open chain), no stale output
+  alive (check_fresh would look); no dispatch_key_fn and no keyword argument; and ``_is_key_of`` the entry's
+  key: no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
+  int, or the very dtype object read before with that int), place key and stop_gradient are the key's, read
+  from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
+  changes them on the same object); and grad mode, the autocast state and the training flag of every tracked
+  Layer as in the entry's key (a capture of another key may have added Layers: the entry's own key is
+  compared, extended). It keeps the same books.
+Any other call (keyword or non-tensor arguments, dispatch_key_fn, another key) takes the full path; a new
+key warms up and captures as before.
 """
 
 import enum
 import logging
 from typing import Any, NamedTuple, Optional
 
-from ..backends import capture_open, in_rerun_replay, in_whole_step, resolve_backend
+import paddle
+
+from ..backends import capture_open, in_rerun_replay, in_whole_step, plain_thread, resolve_backend
 from ..guards import saved_hooks
+from ..guards.host_marks import any_marked
 from ..io import arguments
-from ..io.stale_outputs import check_fresh
+from ..io.static_inputs import place_key
+from ..io.stale_outputs import any_stale, check_fresh
+from . import state
 from . import host_cost
 from .body import Action as Blocker
-from .call import Call
+from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
-__all__ = ["Action", "Decision", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
+__all__ = ["Action", "Decision", "KnownEager", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +113,12 @@ class Decision(NamedTuple):
     plan: Any = None
 
 
+Tensor = paddle.Tensor
+_grad_enabled = paddle.is_grad_enabled
+_amp_state = state.amp_state
 _new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
 _EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
+_FALLBACK = Phase.FALLBACK
 
 
 def keyless_rule(rule):
@@ -120,26 +156,113 @@ def dispatch(wrapper, args, kwargs):
     claimed = body.claim(args, kwargs, wrapper._keys)
     if claimed is not None:  # NOTE [ Chains of graphed calls ] in chains/chain.py
         return _new(Decision, (_CHAINED, claimed[0], None, None, None, (), start, claimed[1]))
-    if body.options.dispatch_key_fn is not None:
-        # One canonical form per call (defaults applied, positional where possible), so that
-        # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
-        bound = wrapper._keys.bound_arguments(args, kwargs)
-        args, kwargs = bound.args, bound.kwargs
-    call = Call(args, kwargs)
-    check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
-    key = wrapper._keys.key(args, kwargs, call.tensors, call.spec)
-    if key is None:
-        return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
-    entry = wrapper._entries.get(key)
+    spec = None if body.options.dispatch_key_fn is not None else positional_spec(args, kwargs)
+    if spec is not None:  # f(x, ...) with tensors only: NOTE [ Calls of a key that runs eagerly ]
+        check_fresh(args)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        entry = wrapper._latest  # a call of the latest call's key: the key read part by part, not made
+        if entry is not None and _is_key_of(entry.key, spec, args, wrapper._keys.layers):
+            key = entry.key
+        else:
+            key = wrapper._keys.key(args, kwargs, args, spec)
+            entry = wrapper._entries.get(key)
+        if entry is not None and entry.phase is _FALLBACK:
+            _used(wrapper, key, entry)
+            decision = _fell_back(entry)
+            known = wrapper._known_eager
+            if known is None or known.entry is not entry:
+                wrapper._known_eager = KnownEager(entry, decision.reason)
+            return decision
+        call = Call(args, kwargs, spec)
+    else:
+        if body.options.dispatch_key_fn is not None:
+            # One canonical form per call (defaults applied, positional where possible), so that
+            # f(x, True) and f(x, flag=True), which dispatch_key_fn sees alike, share a graph.
+            bound = wrapper._keys.bound_arguments(args, kwargs)
+            args, kwargs = bound.args, bound.kwargs
+        call = Call(args, kwargs)
+        check_fresh(call.tensors)  # NOTE [ Stale outputs ] in io/stale_outputs.py
+        key = wrapper._keys.key(args, kwargs, call.tensors, call.spec)
+        if key is None:
+            return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
+        entry = wrapper._entries.get(key)
     if entry is None:
         entry = _new_entry(wrapper, key, call)
         if entry is None:
             return Decision(Action.EAGER, call=call, reason=wrapper._last_refusal)
+    _used(wrapper, key, entry)
+    return _by_phase(wrapper, body, entry, call)
+
+
+def _used(wrapper, key, entry):
+    """Counts a call of ``entry`` (under ``key``): the wrapper's tick, the entry's last use, the entries' order."""
     wrapper._tick += 1
     entry.last_used = wrapper._tick
     if entry is not wrapper._latest:  # the latest entry is already last: every insertion is moved
         wrapper._entries.move_to_end(key)
         wrapper._latest = entry
+
+
+def _fell_back(entry):
+    """The Decision of a call of ``entry``, a key that fell back: made once per reason (NOTE [ Calls of a key
+    that runs eagerly ])."""
+    made = entry.eager_decision
+    if made is None or made[0] is not entry.fallback_reason:
+        made = entry.eager_decision = (entry.fallback_reason, Decision(
+            Action.EAGER, entry, reason=f"key fell back: {entry.fallback_reason}"))
+    return made[1]
+
+
+class KnownEager:
+    """The key that fell back whose call came last through dispatch(), as the front of a call checks it
+    (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with."""
+
+    __slots__ = ("entry", "reason", "fallback_reason")
+
+    def __init__(self, entry, reason):
+        self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
+
+    def take(self, wrapper, args):
+        """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
+        ``wrapper(*args)`` eagerly as a call of this key, without asking the body anything; else False."""
+        entry = self.entry
+        if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
+                or wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
+                or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
+                or not _is_key_of(entry.key, positional_spec(args, None), args, wrapper._keys.layers)):
+            return False
+        _used(wrapper, entry.key, entry)
+        return True
+
+
+_dtype_seen = {}  # a dtype's int -> a dtype object read whose int it was (identity: that int)
+
+
+def _is_key_of(key, spec, args, layers):
+    """True when ``key`` is the key KeyMaker.key makes for the call f(*args) of positional tensors (no keyword
+    argument; ``spec``: its positional_spec, None for any other call), ``layers`` the wrapper's Layers (NOTE
+    [ Calls of a key that runs eagerly ]): read part by part from the tensors and the state, without making the
+    key. False for a key with host parts or of another form."""
+    if key.user or spec is None or key.arguments[0] is not spec or any_marked():
+        return False
+    metas = key.arguments[1]
+    if len(args) != len(metas):
+        return False
+    for t, meta in zip(args, metas):
+        if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
+            return False
+        d = t.dtype
+        if d is not _dtype_seen.get(meta[1]):  # Paddle 3 hands out one object per dtype; Paddle 2.6 one per read
+            if int(d) != meta[1]:
+                return False
+            _dtype_seen[meta[1]] = d
+        if place_key(t.place) != meta[2]:
+            return False
+    grad, amp, training = key.state
+    return _grad_enabled() is grad and _amp_state() == amp and tuple([layer.training for layer in layers]) == training
+
+
+def _by_phase(wrapper, body, entry, call):
+    """The Decision for ``call`` of ``entry`` (a key with its place), by the key's phase."""
     phase = entry.phase
     if phase is Phase.REPLAY:
         # timing: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
@@ -194,25 +317,38 @@ def _new_entry(wrapper, key, call):
         if not wrapper._tick:  # no key held yet: NOTE [ Pass-through wrappers ] in core/pass_through.py
             wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason))
         return None
-    named = wrapper._keys.named_arguments(call.args, call.kwargs)
-    refused = arguments.refusal(named)
+    keys = wrapper._keys
+    # A call of tensors only whose signature's defaults are plain: nothing to refuse, no host array to check,
+    # so the arguments are named only for a label that is read (NOTE [ Places under max_graphs ]).
+    named = None if not call.consts and keys.plain_defaults() else keys.named_arguments(call.args, call.kwargs)
+    refused = None if named is None else arguments.refusal(named)
     if refused is not None:  # NOTE [ Argument objects ] in io/arguments.py
         wrapper._warn_once(("arguments", refused), f"runs eagerly: {refused}.")
         wrapper._last_refusal = refused
         return None
-    host = wrapper._keys.checked(key, call, named)  # raises for a host input too large to key by value
-    entry = GraphEntry(key=key, backend=backend, label=wrapper._keys.label(key, named, host),
+    host = keys.checked(key, call, named)  # raises for a host input too large to key by value
+
+    def label():
+        return keys.label(key, keys.named_arguments(call.args, call.kwargs) if named is None else named, host)
+
+    # The label is made for a key that gets its place, or for the max_graphs warning while it is still to give
+    # (Places.admit warns under a max_graphs above 0).
+    warns = wrapper._options.max_graphs and "max_graphs" not in wrapper._warned
+    entry = GraphEntry(key=key, backend=backend, label=label() if warns else None,
                        eager_if_slower=wrapper._options.eager_if_slower)
-    if not admitted(wrapper, entry):  # its label names what varies: NOTE [ Places under max_graphs ]
+    if not admitted(wrapper, entry, label):  # its label names what varies: NOTE [ Places under max_graphs ]
         wrapper._last_refusal = "max_graphs reached"
         return None
+    if entry.label is None:
+        entry.label = label()
     wrapper._entries[key], wrapper._keyless = entry, None  # a key held: no call passes through again
     return entry
 
 
-def admitted(wrapper, entry):
+def admitted(wrapper, entry, label=None):
     """Whether ``entry`` gets a place under max_graphs; the key that gives it its place is dropped (in
-    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py."""
+    warmup) or evicted (holding graphs): NOTE [ Places under max_graphs ] in core/budgets.py. ``label()``
+    makes the entry's label where it has none yet."""
     ok, victim = wrapper._places.admit(wrapper._entries, entry, wrapper._tick, wrapper._options.max_graphs,
                                        wrapper._warn_once)
     if victim is None:
@@ -224,6 +360,8 @@ def admitted(wrapper, entry):
         del wrapper._entries[victim.key]
         if wrapper._latest is victim:
             wrapper._latest = None
+    if entry.label is None:
+        entry.label = label()
     logger.info("%s(%s): key %s gives its place under max_graphs=%s to key %s, called more often since",
                 wrapper._body.api, wrapper.__name__, victim.label, wrapper._options.max_graphs, entry.label)
     return ok

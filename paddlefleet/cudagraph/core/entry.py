@@ -102,6 +102,7 @@ class GraphEntry:
     eager_if_slower: bool = False
     attr_streak: Any = None  # ((where, attribute), replays then, values seen): NOTE [ Attributes that change on every call ]
     attr_written: Any = None  # (where, attribute) its last refused capture changed: NOTE [ Attributes a capture writes ]
+    eager_decision: Any = None  # (fallback_reason, the Decision of its calls): NOTE [ Calls of a key that runs eagerly ]
 
     def __post_init__(self):
         if self.host_cost is None:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import paddle
 
 from . import state
+from ..io.arguments import refusal
 from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
 from ..options import call_key_fn
@@ -75,6 +76,7 @@ class KeyMaker:
         self._key_fn = key_fn
         self._bound = bound
         self._signature = None
+        self._plain_defaults = None
         self.layers = list(layers)
         self.who = "autocudagraph"  # the wrapper's kind, for messages
 
@@ -100,17 +102,33 @@ class KeyMaker:
         except TypeError:
             return [("args", args), ("kwargs", kwargs)]
 
+    def plain_defaults(self):
+        """True when the defaults of the signature hold no key/value cache and no host array too large to key
+        (io/arguments.py, NOTE [ Numpy arguments ] in io/nested.py): then a call whose leaves are all tensors has
+        nothing to refuse or check among its named arguments. Read once: the signature is."""
+        if self._plain_defaults is None:
+            try:
+                defaults = [(name, p.default) for name, p in self.signature().parameters.items()
+                            if p.default is not inspect.Parameter.empty]
+                check_host_arrays(defaults)
+                self._plain_defaults = refusal(defaults) is None
+            except (TypeError, ValueError, CudaGraphError):  # no signature; a default too large to key
+                self._plain_defaults = False
+        return self._plain_defaults
+
     def checked(self, key, call, named):
-        """The host tensors of a call whose ``key`` is new (``named``: its ``named_arguments``), once
-        they are checked.
+        """The host tensors of a call whose ``key`` is new (``named``: its ``named_arguments``, or None for a
+        call of tensors only with plain_defaults()), once they are checked.
 
         Raises:
             CudaGraphError: for a host input (CPU tensor, numpy array) too large to be keyed by value.
         """
         host = host_mask(call.tensors)
         if host is not None:
+            if named is None:
+                named = self.named_arguments(call.args, call.kwargs)
             check_host_inputs(call.tensors, host, leaf_names(named))
-        if not key.user:  # a dispatch_key_fn key: the user chose the graph
+        if not key.user and named is not None:  # a dispatch_key_fn key: the user chose the graph
             check_host_arrays(named)  # NOTE [ Numpy arguments ] in io/nested.py
         return [t for t, h in zip(call.tensors, host or ()) if h]
 

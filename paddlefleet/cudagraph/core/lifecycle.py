@@ -51,6 +51,7 @@ class Lifecycle(Reports, Views, Runner):
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
         self._keyless = None  # (reason, when, Decision): calls run eagerly for reason, without a key, while when() holds
+        self._known_eager = None  # KnownEager: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
@@ -81,12 +82,17 @@ class Lifecycle(Reports, Views, Runner):
         self._entries.clear()
         self._latest = None
         self._keyless = None
+        self._known_eager = None
         self._places.clear()
         self._warned.clear()
         self.counters = Counters()
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
+        known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
+        if known is not None and not kwargs and known.take(self, args):
+            self.counters.eager(known.reason)
+            return self._body.run(args, kwargs)
         decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
         action = decision.action
         if action is _REPLAY:  # the most frequent decisions straight to their method (no warning to give)

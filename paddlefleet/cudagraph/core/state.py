@@ -21,10 +21,19 @@ def amp_state():
     """The autocast state that changes what a call computes: ``(level, dtype)``, or None when
     Paddle exposes no tracer state. On a CPU build auto_cast is a no-op and this stays O0."""
     tracer = _dygraph_tracer()
+    # Raw (hashable) values: str() of the level enum costs ~15 us per call; the enum itself hashes
+    # and compares slowly (NOTE [ Cheap key parts ] in core/keys.py), so the level is its int. Read
+    # directly (read on every call's key); a tracer without them, or a level that is no int, below.
+    try:
+        return (int(tracer._amp_level), tracer._amp_dtype)
+    except (AttributeError, TypeError, ValueError):
+        return _amp_state_read(tracer)
+
+
+def _amp_state_read(tracer):
+    """amp_state() of ``tracer`` (None: no tracer), each part read where it exists."""
     if tracer is None:
         return None
-    # Raw (hashable) values: str() of the level enum costs ~15 us per call; the enum itself hashes
-    # and compares slowly (NOTE [ Cheap key parts ] in core/keys.py), so the level is its int.
     return (_enum_int(getattr(tracer, "_amp_level", None)), getattr(tracer, "_amp_dtype", None))
 
 
