@@ -283,7 +283,9 @@ _SCRIPT = textwrap.dedent('''
             y = paddle.matmul(x, w)
             y.numpy()
             return paddle.matmul(y, paddle.to_tensor(A))
-        g = autocudagraph(f, backend=backend, warmup_steps=1)
+        # eager_if_slower=False: a fresh process times calls on a GPU, and eager samples before the capture would
+        # keep these four calls from reaching it (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py).
+        g = autocudagraph(f, backend=backend, warmup_steps=1, eager_if_slower=False)
         s = autocudagraph_step(f, optimizers=[], backend=backend, warmup_steps=1)
         x = paddle.to_tensor(np.ones((4, 8), "float32"))
         w = paddle.to_tensor(np.eye(8, dtype="float32"))
@@ -291,6 +293,7 @@ _SCRIPT = textwrap.dedent('''
             for _ in range(4):
                 assert wrapper(x, w).numpy().tobytes() == f(x, w).numpy().tobytes()
             assert wrapper.stats()["captures"] == 0, wrapper.explain()
+            assert wrapper.stats()["eager_reasons"].get("capture failed") == 1, wrapper.stats()["eager_reasons"]
     print("CONTAINED")
 ''')
 
@@ -319,11 +322,11 @@ _BROKEN_SCRIPT = textwrap.dedent('''
         x = paddle.to_tensor(np.ones((4, 8), "float32"))
         w = paddle.to_tensor(np.eye(8, dtype="float32") * 0.5)
         for f in (read, copy):
-            g = autocudagraph(f, backend="cuda", warmup_steps=1)
+            g = autocudagraph(f, backend="cuda", warmup_steps=1, eager_if_slower=False)  # no eager samples: see above
             for _ in range(4):
                 assert g(x, w).numpy().tobytes() == f(x, w).numpy().tobytes()
             assert g.stats()["captures"] == 0, g.explain()
-        ok = autocudagraph(lambda x, w: paddle.matmul(x, w), backend="cuda", warmup_steps=1)
+        ok = autocudagraph(lambda x, w: paddle.matmul(x, w), backend="cuda", warmup_steps=1, eager_if_slower=False)
         for _ in range(4):  # a later capture in the same process still works
             assert ok(x, w).numpy().tobytes() == paddle.matmul(x, w).numpy().tobytes()
         assert ok.stats()["replays"] == 2, ok.explain()
