@@ -48,7 +48,7 @@ import paddle  # noqa: E402
 from benchmark.timing import CONFIGS  # noqa: E402
 from paddlefleet.cudagraph.core import host_cost  # noqa: E402
 from testkit.cli import BACKEND_HELP, require_gpu, sized, sized_help  # noqa: E402
-from testkit.common import MatMLP, build, host_tensor, normal, short, write_generated  # noqa: E402
+from testkit.common import MatMLP, build, host_tensor, normal, run_info, short, write_generated  # noqa: E402
 
 TOOL = "tools/memory_timeline.py"
 DEFAULT_CONFIGS = "xformer24x1024_b32_perlayer,mlp16x512_b16"
@@ -219,7 +219,8 @@ def _mib(v):
 
 def markdown(results, info):
     lines = ["# Memory timeline: where a graphed model's device memory goes", "",
-             f"- {info['when']}; paddle {info['paddle']}; backend {info['backend']}; took {info['elapsed_s']:.1f} s",
+             f"- {info['when']}; paddlefleet at {info.get('commit') or '?'}; paddle {info['paddle']}; backend "
+             f"{info['backend']}; took {info['elapsed_s']:.1f} s",
              f"- warmup steps {info['warmup']}, replay steps {info['steps']}; MiB after each phase (the docstring "
              "of tools/memory_timeline.py says what each phase is); the max columns are reset before each runner "
              "where Paddle can (3.x), else they are the process's peaks so far (2.6)", ""]
@@ -236,20 +237,25 @@ def markdown(results, info):
                           f"{_mib(r['stats']['held_bytes'])} MiB, captures {r['stats']['captures']}, replays "
                           f"{r['stats']['replays']}; memory (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in m.items())]
             lines.append("")
-        peaks = {r["runner"]: peak(r["rows"]) for r in runners}
+        peaks = {r["runner"]: peak(r["rows"], info.get("max_resettable", False)) for r in runners}
         if None not in peaks.values() and peaks.get("paddle eager"):
-            lines += ["peak reserved MiB: " + ", ".join(f"{k} {_mib(v)}" for k, v in peaks.items()) + "; over eager's: " +
+            lines += ["peak reserved MiB (what each runner added over its start): " + ", ".join(f"{k} {_mib(v)}" for k, v in peaks.items()) + "; over eager's: " +
                       ", ".join(f"{k} {v / peaks['paddle eager']:.2f}x" for k, v in peaks.items() if k != "paddle eager"),
                       ""]
     return lines
 
 
-def peak(rows):
-    """The highest reserved bytes a runner's rows saw: its readings, and its max counter where Paddle resets it
-    before each runner (on 2.6 it holds the earlier runners' peaks too), or None."""
-    counter = ("max_memory_reserved",) if hasattr(getattr(paddle.device, "cuda", None), "reset_max_memory_reserved") else ()
+def peak(rows, resettable=None):
+    """What a runner added to the reserved bytes at its highest: the highest its rows saw (its readings, and its
+    max counter where Paddle resets it before each runner, ``resettable``; on 2.6 it holds the earlier runners'
+    peaks too) less its first reading (what earlier runners left reserved), or None."""
+    if resettable is None:
+        resettable = hasattr(getattr(paddle.device, "cuda", None), "reset_max_memory_reserved")
+    counter = ("max_memory_reserved",) if resettable else ()
     seen = [row[k] for row in rows for k in ("memory_reserved",) + counter if row[k] is not None]
-    return max(seen) if seen else None
+    if not seen or rows[0]["memory_reserved"] is None:
+        return None
+    return max(seen) - rows[0]["memory_reserved"]
 
 
 def parse(argv=None):
@@ -297,6 +303,8 @@ def main(argv=None):
                                           "rows": [], "stats": None, "error": short(err)})
                 print(f"{TOOL}: {cfg.name} failed: {short(err)}", file=sys.stderr)
     info = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "paddle": paddle.__version__, "backend": args.backend,
+            "commit": run_info(False, REPO)["commit"],
+            "max_resettable": hasattr(getattr(paddle.device, "cuda", None), "reset_max_memory_reserved"),
             "warmup": args.warmup, "steps": args.steps, "elapsed_s": time.perf_counter() - start}
     lines = markdown(results, info)
     print("\n".join(lines))
