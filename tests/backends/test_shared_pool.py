@@ -8,6 +8,7 @@ from unittest import mock
 import numpy as np
 import paddle
 
+from paddlefleet.cudagraph.block import partial_grad
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
 from paddlefleet.cudagraph.backends.shared_pool import PoolConflictError, SharedPool
@@ -145,6 +146,17 @@ class OnePoolForAllKeysTest(unittest.TestCase):
                       mock.patch.object(simulated.SimulatedBackend, "new_pool", lambda backend: self.pool)):
             patch.start()
             self.addCleanup(patch.stop)
+        before = set(partial_grad._pending)
+        self.addCleanup(self._forget_pending, before)
+
+    @staticmethod
+    def _forget_pending(before):
+        """A backward pass that raised leaves the grad nodes it did not reach held by Paddle's C++ side, never
+        freed (no Python object refers to them): their forwards would look pending to the rest of the process,
+        and the simulated backend refuses paddle.grad while one is (NOTE [ paddle.grad through a graphed call ]
+        in block/partial_grad.py). The cases below make such passes on purpose; what they leave is let go."""
+        for token in set(partial_grad._pending) - before:
+            token.done = True
 
     def layers(self, **options):
         graphed = build(lambda: paddle.nn.Sequential(*[Two() for _ in range(3)]), 0)

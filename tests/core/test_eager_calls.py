@@ -20,6 +20,7 @@ from paddlefleet.cudagraph.core import lifecycle
 from paddlefleet.cudagraph.core.dispatch import keyless_rule
 from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.guards import saved_hooks
+from paddlefleet.cudagraph.guards.host_marks import mark_host
 
 from testkit.harness import paddle_device
 
@@ -103,6 +104,15 @@ class EagerCallsTest(unittest.TestCase):
         self.assertEqual(self.wrapper.stats()["eager_reasons"], {"capture failed": 1, REASON: 6})
         self.assertIn("6 x key fell back", self.wrapper.explain())
         self.assertEqual(self.wrapper.stats()["eager_calls"], 7)
+
+    def test_a_tensor_marked_host_elsewhere_leaves_the_front_path_and_one_passed_here_takes_the_full_path(self):
+        kept = mark_host(paddle.ones([1]))  # alive for the whole test, as a test case's attributes can be
+        self.assert_front()
+        host = mark_host(self.x.clone())  # the same metadata, keyed by value on the simulated backend
+        before = self.dispatched
+        np.testing.assert_array_equal(self.layer(host).numpy(), self.own(host).numpy())
+        self.assertEqual(self.dispatched - before, 1)
+        self.assertTrue(kept is not None)
 
     def test_a_changed_key_goes_through_the_dispatcher_and_warms_up(self):
         self.assert_front()

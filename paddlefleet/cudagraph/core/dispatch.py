@@ -54,7 +54,7 @@ import paddle
 
 from ..backends import capture_open, in_rerun_replay, in_whole_step, plain_thread, resolve_backend
 from ..guards import saved_hooks
-from ..guards.host_marks import any_marked
+from ..guards.host_marks import any_marked, is_marked_host
 from ..io import arguments
 from ..io.static_inputs import place_key
 from ..io.stale_outputs import any_stale, check_fresh
@@ -242,13 +242,16 @@ def _is_key_of(key, spec, args, layers):
     argument; ``spec``: its positional_spec, None for any other call), ``layers`` the wrapper's Layers (NOTE
     [ Calls of a key that runs eagerly ]): read part by part from the tensors and the state, without making the
     key. False for a key with host parts or of another form."""
-    if key.user or spec is None or key.arguments[0] is not spec or any_marked():
+    if key.user or spec is None or key.arguments[0] is not spec:
         return False
     metas = key.arguments[1]
     if len(args) != len(metas):
         return False
+    marked = any_marked()  # a tensor marked host is keyed by value: never this key's part
     for t, meta in zip(args, metas):
         if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
+            return False
+        if marked and is_marked_host(t):
             return False
         d = t.dtype
         if d is not _dtype_seen.get(meta[1]):  # Paddle 3 hands out one object per dtype; Paddle 2.6 one per read
