@@ -2,15 +2,20 @@
 PaddleFormers LLaMA (optional: ``pip install --no-deps -r requirements-real-models.txt``), Paddle's
 vision models, their batches and eager training loops."""
 
+import dataclasses
+import functools
+
 import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 
+from .common import bitwise_failures
 from .differential import Trainee
 
 __all__ = ["state_of", "graph_all", "paddleformers_skip_reason", "TINY_LLAMA", "tiny_llama", "token_batches",
-           "train_lm", "llama_step_twins", "Rows", "vision_model", "stages", "train_vision", "image_batches"]
+           "train_lm", "llama_step_twins", "Rows", "vision_model", "stages", "train_vision", "image_batches",
+           "VisionRun", "vision_run"]
 
 
 def state_of(model):
@@ -162,3 +167,34 @@ def image_batches(n, seed=0, size=32, batch=4):
     xs = [paddle.to_tensor(rs.randn(batch, 3, size, size).astype("float32")) for _ in range(n)]
     ys = [paddle.to_tensor(rs.randint(0, 10, (batch, 1)), dtype="int64") for _ in range(n)]
     return xs, ys
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionRun:
+    """What ``vision_run`` saw: each wrapper's stats() and explain(), and the graphed run against the eager one."""
+
+    stats: tuple
+    explains: tuple
+    compared: int  # leaves compared bit for bit
+    failures: tuple  # bitwise_failures' messages: empty when every leaf matched
+
+
+@functools.lru_cache(maxsize=None)
+def vision_run(name, backend, whole=False, steps=4):
+    """Trains paddle.vision ``name`` graphed (each of its ``stages``, or the whole model; warmup_steps=1) and its
+    eager twin from the same state and seed: ``steps`` Momentum steps (BatchNorm train), then 3 eval calls;
+    compares losses, eval outputs and every parameter and buffer. Cached: the per-stage tests of
+    tests/integration/test_real_models.py and the rows of docs/reports/real_models.md read one run."""
+    paddle.seed(1)
+    eager = vision_model(name)
+    graphed = vision_model(name)
+    graphed.set_state_dict(eager.state_dict())
+    wrapped = [autocudagraph(graphed, backend=backend, warmup_steps=1)] if whole else \
+        graph_all(stages(name, graphed), backend, warmup_steps=1)
+    xs, ys = image_batches(steps)
+    evals = image_batches(3, seed=1)[0]
+    want = train_vision(eager, xs, ys, eval_images=evals)
+    got = train_vision(graphed, xs, ys, eval_images=evals)
+    compared, failures = bitwise_failures(got, want)
+    return VisionRun(tuple(dict(layer.forward.stats()) for layer in wrapped),
+                     tuple(layer.forward.explain() for layer in wrapped), compared, tuple(failures))

@@ -15,8 +15,8 @@ from paddlefleet.cudagraph import autocudagraph
 
 from .common import bitwise_failures
 from .differential import differential_run, state_of as full_state
-from .real_models import (Rows, graph_all, image_batches, llama_step_twins, paddleformers_skip_reason, stages, state_of,
-                          tiny_llama, token_batches, train_lm, train_vision, vision_model)
+from .real_models import (Rows, graph_all, llama_step_twins, paddleformers_skip_reason, tiny_llama, token_batches,
+                          train_lm, vision_run)
 
 __all__ = ["Row", "ROWS", "run_row", "render", "parse_rows", "HEADER"]
 
@@ -119,20 +119,10 @@ def _trainer(mode, accumulation):
 
 
 # ----------------------------------------------------------------------------- vision
-def _vision(name, whole, steps=4):
+def _vision(name, whole):
     def measure():
-        paddle.seed(1)
-        eager = vision_model(name)
-        graphed = vision_model(name)
-        graphed.set_state_dict(eager.state_dict())
-        wrapped = [autocudagraph(graphed, backend=BACKEND, warmup_steps=1)] if whole else \
-            graph_all(stages(name, graphed), BACKEND, warmup_steps=1)
-        xs, ys = image_batches(steps)
-        evals = image_batches(3, seed=1)[0]
-        want = train_vision(eager, xs, ys, eval_images=evals)
-        got = train_vision(graphed, xs, ys, eval_images=evals)
-        failures = bitwise_failures(got, want)[1] + bitwise_failures(state_of(graphed), state_of(eager))[1]
-        return [layer.forward.stats() for layer in wrapped], failures
+        run = vision_run(name, BACKEND, whole)  # 4 steps, as VISION says
+        return list(run.stats), list(run.failures)
 
     return measure
 

@@ -103,17 +103,24 @@ def _regular_install_layout(site_dir):
     return site_dir
 
 
+@functools.lru_cache(maxsize=None)
+def _alone_in_the_source_tree():
+    """PROBE's report in a fresh interpreter started in this source tree, with no PaddleFleet (one run, read by
+    the tests of NamespacePackageTest)."""
+    return _child("alone", "", cwd=REPO)
+
+
 class NamespacePackageTest(unittest.TestCase):
     """The source tree: paddlefleet is a namespace package and the version lives in cudagraph."""
 
     def test_paddlefleet_has_no_init_and_the_version_moved_to_cudagraph(self):
         self.assertFalse(os.path.exists(os.path.join(REPO, "paddlefleet", "__init__.py")))
-        out = _child("alone", "", cwd=REPO)
+        out = _alone_in_the_source_tree()
         self.assertEqual(out["version"], "0.1.0")
         self.assertEqual(out["cudagraph_origin"], os.path.join(REPO, "paddlefleet", "cudagraph", "__init__.py"))
 
     def test_paddleformers_probe_is_false_with_only_us(self):
-        out = _child("alone", "", cwd=REPO)
+        out = _alone_in_the_source_tree()
         self.assertIs(out["probe"], False)
         self.assertTrue(out["has_autocudagraph"])
 

@@ -17,10 +17,10 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 
-from testkit.harness import BackendCase, for_each_backend, twin_layers
+from testkit.harness import RECORD, BackendCase, for_each_backend, twin_layers
 from testkit.real_models import (  # noqa: F401  (tools/real_models_bench.py imports them from here)
     TINY_LLAMA, graph_all, image_batches, paddleformers_skip_reason, stages, state_of, tiny_llama, token_batches,
-    train_lm, train_vision, vision_model,
+    train_lm, train_vision, vision_model, vision_run,
 )
 
 
@@ -214,17 +214,15 @@ class VisionModelTest(BackendCase):
         deterministic_cudnn(self)
 
     def _check(self, name, steps=4):
-        paddle.seed(1)
-        eager, graphed = twin_layers(lambda: vision_model(name))
-        graphed_stages = graph_all(stages(name, graphed), self.backend, warmup_steps=1)
-        xs, ys = image_batches(steps)
-        evals = image_batches(3, seed=1)[0]
-        want = train_vision(eager, xs, ys, eval_images=evals)
-        got = train_vision(graphed, xs, ys, eval_images=evals)
-        self.assertBitwise(got, want)
+        # One run per model, backend and steps: the rows of docs/reports/real_models.md read the same run (4 steps).
+        run = vision_run(name, self.backend, steps=steps)
+        RECORD.compared += run.compared
+        self.assertEqual(run.failures, (), "the graphed training is not bitwise eager's")
         # train: warmup, capture, steps-2 replays; eval (another key): warmup, capture, 1 replay.
-        expect_each(graphed_stages, captures=2, replays=steps - 1, warmup_calls=2, eager_calls=0)
-        return graphed_stages
+        counts = dict(captures=2, replays=steps - 1, warmup_calls=2, eager_calls=0)
+        for stats, explain in zip(run.stats, run.explains):
+            self.assertEqual({k: stats[k] for k in counts}, counts, explain)
+        self.assertEqual(len(run.stats), 17 if name == "mobilenet_v2" else 4)  # every stage was checked
 
     def test_resnet18_stages(self):
         self._check("resnet18")
@@ -233,7 +231,7 @@ class VisionModelTest(BackendCase):
         self._check("resnet50", steps=3)
 
     def test_mobilenet_v2_inverted_residuals(self):
-        self._check("mobilenet_v2", steps=3)
+        self._check("mobilenet_v2")
 
     def test_resnet18_checkpoint_round_trip_then_more_training(self):
         paddle.seed(1)

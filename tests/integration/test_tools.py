@@ -127,13 +127,43 @@ SIZED = {"step_gpu_check.py": "--width", "host_breakdown.py": "--layers", "real_
          "bench.py": "--steps", "memory_timeline.py": "--steps"}
 
 
-def run_tools_at_once(argvs, timeout=300):
-    """Runs several tools as scripts concurrently (each only imports Paddle and exits)."""
+#: Runs each ``[script, *args]`` of the JSON list in argv[1] as ``python script *args`` would (``__main__``, its
+#: argv, its folder first on sys.path), one after the other in this one process, and prints ``[[output, exit
+#: status], ...]`` as JSON. Paddle is imported once instead of once per script (a second each).
+_RUN_SCRIPTS = """
+import contextlib, io, json, os, runpy, sys, traceback
+rest = sys.path[1:]
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, rc = io.StringIO(), 0
+    sys.argv, sys.path[:] = list(argv), [os.path.dirname(argv[0])] + rest
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as stop:
+            if stop.code is None or isinstance(stop.code, int):
+                rc = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+                rc = 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    results.append([out.getvalue(), rc])
+sys.stdout.write("\\nRESULTS " + json.dumps(results))
+"""
+
+
+def run_scripts_in_one_process(argvs, timeout=300):
+    """Runs several scripts under tools/, each as ``python tools/<script>`` would, in one fresh process (each
+    only imports Paddle and exits; every tool of TOOLS also runs as its own process in a smoke test below):
+    ``{argv: (output, exit status)}``."""
     env = {k: v for k, v in os.environ.items() if k != "PADDLEFLEET_CUDAGRAPH_BACKEND"}
-    procs = {argv: subprocess.Popen([sys.executable, os.path.join(REPO, "tools", argv[0]), *argv[1:]], cwd=REPO,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for argv in argvs}
-    return {argv: (p.communicate(timeout=timeout)[0], p.returncode) for argv, p in procs.items()}
+    runs = [[os.path.join(REPO, "tools", argv[0]), *argv[1:]] for argv in argvs]
+    proc = subprocess.run([sys.executable, "-c", _RUN_SCRIPTS, json.dumps(runs)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {argv: tuple(result) for argv, result in zip(argvs, json.loads(proc.stdout.rsplit("\nRESULTS ", 1)[1]))}
 
 
 def test_every_tool_is_listed():
@@ -144,7 +174,7 @@ def test_every_tool_is_listed():
 
 @pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="checks what a tool says on a CPU build of Paddle")
 def test_every_tool_asked_for_the_gpu_on_a_cpu_says_so_and_exits_2():
-    results = run_tools_at_once([(tool,) for tool in TOOLS])
+    results = run_scripts_in_one_process([(tool,) for tool in TOOLS])
     for (tool,), (log, rc) in results.items():
         assert rc == 2, (tool, rc, log[-2000:])
         assert f"tools/{tool}: no GPU here" in log and "use --backend simulate" in log, (tool, log[-2000:])
@@ -154,7 +184,7 @@ def test_every_tool_asked_for_the_gpu_on_a_cpu_says_so_and_exits_2():
 @functools.lru_cache(maxsize=None)
 def help_of_every_script():
     """``{(script, "--help"): (output, exit status)}`` for every script under tools/ (TOOLS among them)."""
-    return run_tools_at_once([(script, "--help") for script in SCRIPTS])
+    return run_scripts_in_one_process([(script, "--help") for script in SCRIPTS])
 
 
 def test_every_tool_shows_its_smoke_defaults_in_help():
