@@ -143,7 +143,8 @@ def main():
         settled("graphed per layer, forward only under no_grad, dropped")
         whole_step()
         settled("autocudagraph_step of forward + backward, reset(), dropped")
-        for reset, options in ((True, {}), (False, {}), (True, {"chain_calls": False}), (False, {"chain_calls": False})):
+        for reset, options in ((True, {}), (False, {}), (True, {"chain_calls": False}), (False, {"chain_calls": False}),
+                               (True, {"clone_param_grads": True}), (True, {"clone_outputs": False})):
             train(True, reset, options)
             settled(f"graphed per layer {options}, {'reset()' if reset else 'no reset()'}, dropped")
 
