@@ -460,24 +460,15 @@ class CallStages:
         return rows, statistics.median(totals) / 1e3
 
 
-def timed(fn, reps, sync):
+def timed(fn, reps, sync, after=None):
+    """Median host us of ``fn()`` alone; ``after()`` (where given) and a device sync run untimed after each call."""
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-        sync()
-    return statistics.median(samples) * 1e6
-
-
-def timed_with(fn, after, reps, sync):
-    """Median host us of ``fn()`` alone, ``after()`` and a device sync run untimed after each call."""
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-        after()
+        if after is not None:
+            after()
         sync()
     return statistics.median(samples) * 1e6
 
@@ -499,7 +490,7 @@ def layer_call_us(args, sync, matmuls, width, label):
         call()
         release()
     sync()
-    total = timed_with(call, release, args.reps, sync)
+    total = timed(call, args.reps, sync, release)
     forward, backward = forward_backward_us(model, x, dy, release, args.reps, sync)
     pieces = []
     for name, who, resolve in Internals(model.forward, x).pieces():
@@ -515,8 +506,8 @@ def layer_call_us(args, sync, matmuls, width, label):
     taken = len(bridge_args.args[0]) if isinstance(bridge_args.args[0], list) else len(bridge_args.args)
     BridgeShape.grads = [host_tensor(draw(width, width)) for _ in params]
     held = lambda: x  # noqa: E731
-    bridge = timed_with(lambda: BridgeShape.apply(held, bridge_args, *bridge_args.args).backward(dy), release,
-                        args.reps, sync)
+    bridge = timed(lambda: BridgeShape.apply(held, bridge_args, *bridge_args.args).backward(dy), args.reps, sync,
+                   release)
     pieces.append({"piece": f"PyLayer bridge: apply with {taken} inputs and its backward node handing "
                             f"{len(params)} grads to autograd (accumulated into p.grad)", "whose": "Paddle",
                    "us": round(bridge, 2)})
