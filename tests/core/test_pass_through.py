@@ -55,15 +55,24 @@ class PassThroughCostTest(PassThroughCase):
         # Measured in a fresh process: the suite's own process holds process-wide patches that earlier
         # tests installed (the simulated backend's traced entry points, the stale-output translation),
         # which slow the Layer's own call and the wrapper's unevenly.
+        # The bound holds with room on a machine running another suite on its other core (1.15x-1.22x
+        # seen on Paddle 2.6, 1.05x-1.18x on 3.x, about 1.1x alone); a wrapper that makes a key per call costs
+        # 1.9x-2.1x. A second core's burst can still slow one side of a round more than the other: the
+        # measurement is taken up to three times, and the best must hold.
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {k: v for k, v in os.environ.items() if k != ENV_BACKEND}
-        done = subprocess.run([sys.executable, "-c", "import tests.core.test_pass_through as t; t.measure()"],
-                              cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
-        own_us, wrapped_us, reasons = done.stdout.strip().splitlines()[-1].split(" ", 2)
-        ratio = float(wrapped_us) / float(own_us)
-        self.assertLess(ratio, 1.3, f"wrapped {wrapped_us} us against the Layer's own {own_us} us")
-        self.assertEqual(reasons, repr({NO_BACKEND: 1 + 50 + 15 * 300}))
+        seen = []
+        for _ in range(3):
+            done = subprocess.run([sys.executable, "-c", "import tests.core.test_pass_through as t; t.measure()"],
+                                  cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+            self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+            own_us, wrapped_us, reasons = done.stdout.strip().splitlines()[-1].split(" ", 2)
+            self.assertEqual(reasons, repr({NO_BACKEND: 1 + 50 + 15 * 300}))
+            seen.append(f"wrapped {wrapped_us} us against the Layer's own {own_us} us")
+            if float(wrapped_us) / float(own_us) < 1.25:
+                break
+        else:
+            self.fail("; ".join(seen))
 
 
 def measure():

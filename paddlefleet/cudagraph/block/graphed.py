@@ -73,9 +73,13 @@ class BlockBody(Body):
         a backward)."""
         if count:
             note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
-        if self._owner_ref is None:
+        ref = self._owner_ref
+        if ref is None:
             return self.fn(*args, **kwargs)
-        return self.fn(self.owner(), *args, **kwargs)
+        owner = ref()
+        if owner is None:
+            owner = self.owner()  # raises: the Layer was garbage-collected
+        return self.fn(owner, *args, **kwargs) if kwargs else self.fn(owner, *args)
 
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);

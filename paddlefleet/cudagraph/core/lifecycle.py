@@ -89,6 +89,12 @@ class Lifecycle(Reports, Views, Runner):
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
+        keyless = self._keyless  # NOTE [ Pass-through wrappers ] in core/pass_through.py: no key, no Decision
+        if keyless is not None and keyless[1]():
+            counters = self.counters  # Counters.eager, inlined: a pass-through call costs every frame it makes
+            counters.eager_calls += 1
+            counters.eager_reasons[keyless[0]] += 1
+            return self._body.run(args, kwargs)
         known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         if known is not None and not kwargs and known.take(self, args):
             self.counters.eager(known.reason)
