@@ -51,6 +51,7 @@ from ..errors import CaptureError, CudaGraphError, ReplayTraceError
 from ..grads.backward_body import backward_body
 from ..grads.buffer_sets import GradSets
 from ..io.host_tensors import host_mask, is_marked_host, mark_host
+from ..core.grad_nodes import grad_node
 from ..core.layers import CAPTURE_LOCK, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
@@ -326,7 +327,7 @@ class _BlockCapture:
         """Raises CaptureError when the outputs depend on leaves that need grad but would not get
         it: neither call arguments nor parameters of the Layers the call uses."""
         outputs = [o for o, d in zip(live["outputs"], graphs.out_differentiable) if d]
-        known = {leaf.grad_fn.node_ptr() for leaf in leaves if getattr(leaf, "grad_fn", None) is not None}
+        known = {node.node_ptr() for node in map(grad_node, leaves) if node is not None}
         unknown = set(accumulation_nodes(outputs)) - known
         if unknown:
             names = name_unknown_leaves(self.fn, unknown)

@@ -4,9 +4,9 @@ NOTE [ paddle.grad through a graphed call ]
 ``paddle.grad(outputs, inputs)`` runs a partial backward: Paddle cuts every edge of a grad node
 with several input slots that leads to no requested input, marking that slot stop-gradient for
 this run, and a PyLayer's backward must then return None there (a tensor there makes Paddle
-raise inside its backward engine). Which edges are cut depends on the whole graph, and reading
-a grad node (``grad_fn``, ``next_functions``) to find out keeps it and its saved tensors alive
-for good (measured on 2.6.2 and 3.3.1). So:
+raise inside its backward engine). Which edges are cut depends on the whole graph, which a call
+would have to walk node by node on every backward to find out (and a grad node read through
+``grad_fn`` directly stays alive for good: NOTE [ Reading grad nodes ] in core/grad_nodes.py). So:
 
 * where Paddle keeps one grad edge per tensor of a list argument (3.x; probed once: one_slot()),
   the bridges take all their tensors as ONE list argument, a single slot, with a tensor that

@@ -5,6 +5,7 @@ import threading
 
 import paddle
 
+from .grad_nodes import grad_node
 
 __all__ = [
     "CAPTURE_LOCK",
@@ -69,7 +70,7 @@ class ParamSet:
 def accumulation_nodes(outputs):
     """node_ptr -> node of every leaf accumulation node reachable from ``outputs``."""
     found, seen = {}, set()
-    stack = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
+    stack = [grad_node(o) for o in outputs]  # NOTE [ Reading grad nodes ] in core/grad_nodes.py
     while stack:
         node = stack.pop()
         if node is None:
@@ -102,7 +103,7 @@ def name_unknown_leaves(fn, unknown_ptrs):
                 candidates[f"{name}.{pname}"] = p
     names = []
     for name, t in candidates.items():
-        node = getattr(t, "grad_fn", None)
+        node = grad_node(t)
         if node is not None and node.node_ptr() in unknown_ptrs:
             names.append(name)
     missing = len(unknown_ptrs) - len(names)

@@ -66,6 +66,7 @@ import weakref
 import numpy as np
 import paddle
 
+from ..core.grad_nodes import grad_node
 from ..core.layers import accumulation_nodes
 from ..errors import CaptureError, CudaGraphError
 from .handles import alias, copy
@@ -131,7 +132,7 @@ def split_params(params, inputs=()):
     [ Shared parameters leave the graph ])."""
     upstream = accumulation_nodes([t for t in inputs if not t.stop_gradient])
     for p in params:
-        node = getattr(p, "grad_fn", None)
+        node = grad_node(p)
         if node is not None and node.node_ptr() in upstream:
             _mark_shared(p)
     for p in params:

@@ -35,6 +35,7 @@ import paddle
 
 from paddle import _C_ops
 
+from ..core.grad_nodes import grad_node
 from ..io.static_inputs import nbytes
 
 __all__ = ["GROUP_MAX_BYTES", "Stacking", "probe", "plan_groups", "stack_grads", "stacks_as_grads_arrive", "unstack"]
@@ -120,11 +121,11 @@ def _edges(outputs, leaves, candidates):
     into the accumulation nodes of ``leaves[i]`` for ``i`` in ``candidates``."""
     wanted = {}
     for i in candidates:
-        node = getattr(leaves[i], "grad_fn", None)
+        node = grad_node(leaves[i])
         if node is not None:
             wanted[node.node_ptr()] = i
     edges, seen = {}, set()
-    todo = [o.grad_fn for o in outputs if getattr(o, "grad_fn", None) is not None]
+    todo = [node for node in map(grad_node, outputs) if node is not None]
     while todo:
         node = todo.pop()
         if node.node_ptr() in seen:
