@@ -24,6 +24,7 @@ same object, its count one more than the second reference explains). Reading a s
 import ctypes
 import sys
 
+import numpy as np
 import paddle
 
 __all__ = ["extra_references", "grad_node"]
@@ -34,18 +35,24 @@ _EXTRA = []  # [references a grad_fn read adds], measured once
 
 def extra_references():
     """How many references one ``Tensor.grad_fn`` read adds that its caller does not own (0 or 1), measured
-    on a probe's node the first time it is asked; the probe's own extra references are given back."""
+    the first time it is asked on a probe leaf's node (its accumulation node: no kernel runs, so a capture
+    in progress or a host without CPU kernels is no problem); the probe's own extra references are given
+    back. A probe that fails measures 0: nothing is ever given back then."""
     if not _EXTRA:
-        w = paddle.to_tensor([1.0], place=paddle.CPUPlace(), stop_gradient=False)
-        y = w * w
-        first = y.grad_fn
-        before = sys.getrefcount(first)
-        second = y.grad_fn  # the same object: one reference ours, and whatever the getter keeps
-        extra = sys.getrefcount(first) - before - 1
-        _EXTRA.append(extra if extra == 1 else 0)
-        for _ in range(2 * _EXTRA[0]):
-            _DECREF(first)
-        del first, second
+        extra = 0
+        try:
+            leaf = paddle.to_tensor(np.zeros([1], "float32"), place=paddle.CPUPlace(), stop_gradient=False)
+            first = leaf.grad_fn
+            before = sys.getrefcount(first)
+            second = leaf.grad_fn  # the same object: one reference ours, and whatever the getter keeps
+            if second is first and sys.getrefcount(first) - before - 1 == 1:
+                extra = 1
+                _DECREF(first)
+                _DECREF(first)
+            del first, second
+        except Exception:  # a Paddle without grad nodes on leaves: nothing measured, nothing given back
+            extra = 0
+        _EXTRA.append(extra)
     return _EXTRA[0]
 
 
