@@ -12,7 +12,7 @@ import unittest
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph
-from paddlefleet.cudagraph.core.grad_nodes import extra_references, grad_node
+from paddlefleet.cudagraph.core.grad_nodes import grad_node
 
 from testkit.common import MatMLP, normal
 from testkit.harness import MatmulOnlyCase, for_each_backend, paddle_device
@@ -40,7 +40,6 @@ class ReadTest(unittest.TestCase):
             self.assertIs(again, node)
             del again
         self.assertEqual(sys.getrefcount(node), before)
-        self.assertIn(extra_references(), (0, 1))
 
     def test_a_stop_gradient_tensor_and_a_leaf_read_the_same_way(self):
         for t in (paddle.ones([2]), paddle.to_tensor([1.0], stop_gradient=False)):

@@ -14,54 +14,31 @@ stacks), so every dropped graphed model kept that much. ``next_functions`` and t
 add no such reference.
 
 The package reads grad nodes only through ``grad_node(t)``, which gives the extra references back where
-this Paddle adds them. Nothing is given back that was not measured to be extra: once per process, two
-reads of a probe's node must have added exactly one each (``extra_references()``; a Paddle that adds
-none is left alone), and every read is measured again the same way (two reads of the tensor's node, the
-same object, its count one more than the second reference explains). Reading a stop-gradient tensor's
-``grad_fn`` makes Paddle give it an accumulation node, read the same way.
+this Paddle adds them, and nothing that was not measured to be extra: every read is made twice, and
+only where both reads return the same object and its count grew by one more than the second reference
+explains are the two reads' extra references given back (a Paddle that adds none is left alone). The
+measure is taken on the node itself, not once on a probe: a probe tensor multiplied on the CPU failed
+every capture on the GPU host (its CPU kernels need an MKL it lacks), and a read may come inside a
+capture. The nodes read are ones a capture just made, or parameters' accumulation nodes: no other
+thread takes or drops references to them between the two reads.
+Reading a stop-gradient tensor's ``grad_fn`` makes Paddle give it an accumulation node, read the same
+way.
 """
 
 import ctypes
 import sys
 
-import numpy as np
-import paddle
-
-__all__ = ["extra_references", "grad_node"]
+__all__ = ["grad_node"]
 
 _DECREF = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_DecRef", ctypes.pythonapi))
-_EXTRA = []  # [references a grad_fn read adds], measured once
-
-
-def extra_references():
-    """How many references one ``Tensor.grad_fn`` read adds that its caller does not own (0 or 1), measured
-    the first time it is asked on a probe leaf's node (its accumulation node: no kernel runs, so a capture
-    in progress or a host without CPU kernels is no problem); the probe's own extra references are given
-    back. A probe that fails measures 0: nothing is ever given back then."""
-    if not _EXTRA:
-        extra = 0
-        try:
-            leaf = paddle.to_tensor(np.zeros([1], "float32"), place=paddle.CPUPlace(), stop_gradient=False)
-            first = leaf.grad_fn
-            before = sys.getrefcount(first)
-            second = leaf.grad_fn  # the same object: one reference ours, and whatever the getter keeps
-            if second is first and sys.getrefcount(first) - before - 1 == 1:
-                extra = 1
-                _DECREF(first)
-                _DECREF(first)
-            del first, second
-        except Exception:  # a Paddle without grad nodes on leaves: nothing measured, nothing given back
-            extra = 0
-        _EXTRA.append(extra)
-    return _EXTRA[0]
 
 
 def grad_node(tensor):
     """``tensor.grad_fn`` (None for a tensor without one), read without keeping the node alive past the
     caller's own reference (NOTE [ Reading grad nodes ])."""
     node = getattr(tensor, "grad_fn", None)
-    if node is None or not (_EXTRA[0] if _EXTRA else extra_references()):
-        return node
+    if node is None:
+        return None
     before = sys.getrefcount(node)
     again = getattr(tensor, "grad_fn", None)
     if again is node and sys.getrefcount(node) - before - 1 == 1:
