@@ -3,17 +3,19 @@ open the same CaptureSession, its record is what the graphs keep, and a simulate
 reads other values falls back through one check (core/body.replay_read_other_values) whose
 wording each body gives."""
 
+import gc
 import unittest
 from unittest import mock
 
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
+from paddlefleet.cudagraph import autocudagraph, autocudagraph_step, is_capturing
 from paddlefleet.cudagraph.core.body import Action, replay_read_other_values
 from paddlefleet.cudagraph.guards.host_reads import OpTrace
 from paddlefleet.cudagraph.guards.session import CaptureRecord, CaptureSession
-from testkit.harness import BackendCase, for_each_backend
+from testkit.common import normal
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend
 
 
 class _Sessions:
@@ -80,6 +82,57 @@ class SessionTest(BackendCase):
         self.assertEqual(step.stats()["captures"], 1, step.explain())
         self.assertEqual(len(seen.sessions), 1)
         self.assertIsInstance(seen.sessions[0].record["trace"], OpTrace)
+
+
+@for_each_backend
+class CollectorTest(MatmulOnlyCase):
+    """A capture session keeps Python's cyclic collector paused from its guards' install to their removal, and
+    leaves it as it found it (guards/session.py, collector_paused)."""
+
+    def setUp(self):
+        super().setUp()
+        was_enabled = gc.isenabled()
+        gc.enable()
+        self.addCleanup(gc.enable if was_enabled else gc.disable)
+
+    def runs(self, read_host=False):
+        seen = []
+        draw = normal(1)
+        w = self.tensor(draw(8, 8), grad=True)
+
+        @autocudagraph(warmup_steps=1, backend=self.backend, eager_if_slower=False, chain_calls=False)
+        def block(x, w):
+            seen.append((is_capturing(), gc.isenabled()))
+            y = paddle.matmul(x, w)
+            if read_host:
+                y.numpy()  # refused during a capture: the capture fails, the key runs eagerly
+            return y
+
+        for _ in range(3):
+            block(self.tensor(draw(4, 8), grad=True), w).backward(self.tensor(draw(4, 8)))
+        return block, seen
+
+    def test_paused_while_the_capture_runs_the_function_on_outside(self):
+        block, seen = self.runs()
+        self.assertEqual(block.stats()["captures"], 1, block.explain())
+        # The warmup call, then the capture's run; a simulated replay runs the function again, with it on (a
+        # GPU replay runs no Python).
+        self.assertEqual(seen[:2], [(False, True), (True, False)])
+        self.assertTrue(all(enabled for _, enabled in seen[2:]), seen)
+        self.assertTrue(gc.isenabled())
+
+    def test_on_again_after_a_failed_capture(self):
+        block, seen = self.runs(read_host=True)
+        self.assertEqual(block.stats()["captures"], 0, block.explain())
+        self.assertIn("Tensor.numpy() was called during capture", block.explain())
+        self.assertEqual(seen[:2], [(False, True), (True, False)])
+        self.assertTrue(gc.isenabled())
+
+    def test_left_off_where_the_caller_turned_it_off(self):
+        gc.disable()
+        block, _ = self.runs()
+        self.assertEqual(block.stats()["captures"], 1, block.explain())
+        self.assertFalse(gc.isenabled())
 
 
 class _Backend:
