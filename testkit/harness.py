@@ -59,6 +59,13 @@ def storageless_numpy_is_empty():
     return t.numpy().size == 0
 
 
+def on_device(test, name):
+    """Sets Paddle's current device to ``name`` for the rest of ``test`` (a TestCase), put back at its cleanup."""
+    device = paddle_device(name)
+    device.__enter__()
+    test.addCleanup(device.__exit__, None, None, None)
+
+
 class BackendCase(unittest.TestCase):
     """Base for tests that run on every backend: sets the device and offers helpers."""
 
@@ -202,6 +209,7 @@ __all__ = [
     "numpy_random_after_paddle_kills_the_process",
     "params_of",
     "storageless_numpy_is_empty",
+    "on_device",
     "paddle_device",
     "release_grads",
     "twin_layers",

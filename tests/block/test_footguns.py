@@ -22,7 +22,7 @@ from testkit.harness import (
     clone_leaf,
     for_each_backend,
     grads_of,
-    paddle_device,
+    on_device,
     twin_layers,
 )
 from tests.core.test_patterns import hierarchy
@@ -693,9 +693,7 @@ class RecordingCaptureTest(unittest.TestCase):
 
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         model, ref = twin_layers(RecomputedDropout)
         autocudagraph(model, backend="simulate", warmup_steps=0)
         x = paddle.randn([4, 8])
@@ -724,9 +722,7 @@ class RecordingCaptureTest(unittest.TestCase):
         from paddlefleet.cudagraph.guards import rng
         from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
 
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         x = paddle.randn([4, 8])
         with mock.patch.object(SimulatedBackend, "capture_executes", not recording), \
                 mock.patch.object(rng, "generator_state_indices", lambda: state_indices), \
@@ -815,9 +811,7 @@ class SimulatedReplayTest(unittest.TestCase):
 
         from paddlefleet.cudagraph.guards import value_shapes
 
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         model, ref = twin_layers(Select)
         autocudagraph(model, backend="simulate", warmup_steps=0)
         # Elements kept per call: BatchNorm1D's first call sets its _data_format, so the first capture

@@ -22,7 +22,7 @@ from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.guards.host_marks import mark_host
 
-from testkit.harness import paddle_device
+from testkit.harness import on_device
 
 REASON = "key fell back: CudaGraphError: refused here"
 
@@ -45,9 +45,7 @@ def failing_capture(wrapper):
 
 class EagerCallsTest(unittest.TestCase):
     def setUp(self):
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         paddle.seed(0)
         self.own, layer = AnyDtype(4, 4), AnyDtype(4, 4)
         layer.set_state_dict(self.own.state_dict())

@@ -17,7 +17,7 @@ from paddlefleet.cudagraph import CudaGraphError, InputMismatchError, autocudagr
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, paddle_device, params_of, twin_layers
+from testkit.harness import BackendCase, clone_leaf, for_each_backend, grads_of, on_device, params_of, twin_layers
 
 
 def mm(x, w):
@@ -744,9 +744,7 @@ class TestRecomputeUnderRecordingCapture(unittest.TestCase):
     (the refusal with dropout is tests/block/test_footguns.py's)."""
 
     def setUp(self):
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         paddle.seed(11)
 
     def _run(self, dropout):
@@ -821,9 +819,7 @@ class TestCudaReplayKeepsTheCallersGeneratorState(unittest.TestCase):
 
 class TestBackendChoice(unittest.TestCase):
     def setUp(self):
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
 
     def test_backend_none_on_cpu_runs_eagerly_untouched(self):
         if os.environ.get(ENV_BACKEND):

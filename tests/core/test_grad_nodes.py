@@ -15,7 +15,7 @@ from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.core.grad_nodes import grad_node
 
 from testkit.common import MatMLP, normal
-from testkit.harness import MatmulOnlyCase, for_each_backend, paddle_device
+from testkit.harness import MatmulOnlyCase, for_each_backend, on_device
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "paddlefleet" / "cudagraph"
 
@@ -26,9 +26,7 @@ def allocated():
 
 class ReadTest(unittest.TestCase):
     def setUp(self):
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
 
     def test_a_read_adds_no_reference_the_reader_does_not_own(self):
         w = paddle.to_tensor([[1.0, 2.0]], stop_gradient=False)

@@ -19,7 +19,7 @@ from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
-from testkit.harness import paddle_device
+from testkit.harness import on_device
 
 NO_BACKEND = "no GPU tensors or no CUDA build (backend=None runs eagerly)"
 
@@ -42,9 +42,7 @@ class PassThroughCase(unittest.TestCase):
     def setUp(self):
         if cuda_backend.cuda_available():
             self.skipTest("this Paddle has CUDA graphs: a call's tensors decide its backend")
-        device = paddle_device("cpu")
-        device.__enter__()
-        self.addCleanup(device.__exit__, None, None, None)
+        on_device(self, "cpu")
         patcher = mock.patch.dict(os.environ, {ENV_BACKEND: ""})  # unset for the test, restored after
         patcher.start()
         self.addCleanup(patcher.stop)
