@@ -62,7 +62,9 @@ class ReadTest(unittest.TestCase):
         for _ in range(3):
             once()
         gc.collect()
-        self.assertEqual(allocated() - base, 0, "bytes the grad nodes read kept allocated")
+        # Three walks that kept their nodes would keep three weights (786,432 bytes); less than one weight is
+        # the rest of the process's own coming and going (frees of earlier tests' garbage read as negative).
+        self.assertLess(allocated() - base, 256 * 256 * 4, "bytes the grad nodes read kept allocated")
 
 
 class PackageReadsTest(unittest.TestCase):
@@ -113,7 +115,9 @@ class DroppedModelTest(MatmulOnlyCase):
         base = self.allocated()
         for _ in range(2):
             self.train(reset)
-        self.assertEqual(self.allocated() - base, 0, "bytes two dropped models kept allocated")
+        # Two dropped models that kept their capture's nodes would keep eight weights (524,288 bytes on the CPU);
+        # less than one weight is the rest of the process's own coming and going.
+        self.assertLess(self.allocated() - base, 128 * 128 * 4, "bytes two dropped models kept allocated")
 
     def test_dropped_as_trained(self):
         self.assert_gives_back(reset=False)
