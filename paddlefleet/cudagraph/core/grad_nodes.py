@@ -8,8 +8,8 @@ therefore never freed, nor anything its edges reach: the nodes below it and ever
 for the backward (a matmul's weight, say). Only a ``backward()`` that frees the saved tensors as it
 runs gives their memory back; ``paddle.grad``, or a graph nobody runs backward through, leaves them
 allocated for the rest of the process (measured on the CPU, both Paddles: a dropped model of four
-graphed 256-wide layers kept one weight's size per layer, 1.03 MiB, and 16.1 MiB on an H200 for four
-1024-wide layers). A capture reads the nodes of its outputs (unknown leaves, shared parameters, grad
+graphed 256-wide layers kept one weight's size per layer, 1.03 MiB a model; on an H200, 16.1 MiB for
+four 1024-wide layers). A capture reads the nodes of its outputs (unknown leaves, shared parameters, grad
 stacks), so every dropped graphed model kept that much. ``next_functions`` and the node's own methods
 add no such reference.
 
@@ -19,8 +19,10 @@ only where both reads return the same object and its count grew by one more than
 explains are the two reads' extra references given back (a Paddle that adds none is left alone). The
 measure is taken on the node itself, not once on a probe: a probe tensor multiplied on the CPU failed
 every capture on the GPU host (its CPU kernels need an MKL it lacks), and a read may come inside a
-capture. The nodes read are ones a capture just made, or parameters' accumulation nodes: no other
-thread takes or drops references to them between the two reads.
+capture. Another thread that reads the same node between the two reads adds two references under
+this Paddle (nothing is given back then, the node is kept as before); it could pass for the extra one
+only under a Paddle that adds none, and the nodes read are a capture's own or its parameters', read
+while it holds the capture lock.
 Reading a stop-gradient tensor's ``grad_fn`` makes Paddle give it an accumulation node, read the same
 way.
 """

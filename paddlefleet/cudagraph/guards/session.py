@@ -43,9 +43,9 @@ def collector_paused():
     anyway (NOTE [ Garbage collection around capture ] in backends/cuda.py), and the guards replace some
     2,000 of Paddle's op entry points with wrappers made for this capture and freed at its end. Made with
     the collector on, those allocations set off collections of the process's young objects (and, each
-    tenth, older ones): about 8 ms a guard against 2-3 with it paused, measured on the CPU; made and freed while it
-    is paused, they leave its counts where they were. The simulated backend's capture runs the function
-    with the collector off as a GPU's does."""
+    tenth, older ones): about 8 ms a guard against 2-3 with it paused, measured on the CPU. Made and freed
+    while it is paused, they leave its counts where they were. The simulated backend's capture runs the
+    function with the collector off, as a GPU's does."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
