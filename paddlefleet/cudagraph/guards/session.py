@@ -14,7 +14,8 @@ GPU between begin and end of the stream capture): ``Backend.guard`` gives each b
 What a backend's capture does differently is the backend's (``Backend.replays_python``): a
 capture that runs the function copies its in-place writes and traces its ops, a recording one
 does neither. The checks run once, after the graph's capture: a rebound slot, a changed Layer
-attribute, then a draw; a capture that fails puts the attributes it wrote back.
+attribute, then a draw; a capture that fails puts the attributes it wrote back. Python's cyclic
+collector is paused from the guards' install to their removal (``collector_paused``).
 
 The record (``CaptureRecord``) is built once per capture, by the function's runs inside it:
 ``outputs`` and ``spec`` of the latest run (a simulated backward differentiates the latest
