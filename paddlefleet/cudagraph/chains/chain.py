@@ -98,7 +98,6 @@ def _member(body, entry, flags_):
     return Member(body, entry, entry.graphs.all[0], flags_) if member_now(body, entry) else None
 
 
-
 def start_chain(body, entry, call):
     """Starts a chain at this replay of ``entry`` (the head) when confirmed links lead on from
     it; returns the head's Replayed, or None (the call replays alone)."""
@@ -180,5 +179,3 @@ def root_consumer_crashes():
             except (SystemError, RuntimeError, OSError):
                 _ROOT_CONSUMER.append(True)
     return _ROOT_CONSUMER[0]
-
-

@@ -89,18 +89,16 @@ class Runner:
         if d.blocked is not None:  # what the warmup traced changed: the key warms up again
             entry.to_warmup()
         entry.warmed_up(call.tensors)
+        return self._warmup_call(entry, call)
+
+    def _warmup_call(self, entry, call):
+        """One warmup call of ``entry``'s key (it has warmed_up), counted and timed as an eager sample."""
         self.counters.warmup_calls += 1
-        start = host_cost.clock()
-        result = self._body.warmup(entry, call)
-        entry.host_cost.add_eager(host_cost.clock() - start)
-        return result
+        return _eager_sample(entry, self._body.warmup, entry, call)
 
     def _timed_eager(self, d, args, kwargs):
         """An eager sample of a key still warming up (NOTE [ Graphed calls that cannot pay ])."""
-        start = host_cost.clock()
-        result = self._eager(d.call, d.reason)
-        d.entry.host_cost.add_eager(host_cost.clock() - start)
-        return result
+        return _eager_sample(d.entry, self._eager, d.call, d.reason)
 
     def _fall_back(self, d, args, kwargs):
         d.entry.fall_back(d.reason)
@@ -117,11 +115,7 @@ class Runner:
         except Exception as err:  # contained: this key runs eagerly from now on
             _raise_own_error(self.counters, entry, err)  # NOTE [ The function's own exceptions ]
             if _written_first(entry, err, call):  # NOTE [ Attributes a capture writes ] in guards/attr_writes.py
-                self.counters.warmup_calls += 1
-                start = host_cost.clock()
-                result = self._body.warmup(entry, call)
-                entry.host_cost.add_eager(host_cost.clock() - start)
-                return result
+                return self._warmup_call(entry, call)
             reason = f"{type(err).__name__}: {err}"
             where = user_location(err.__traceback__)
             if where is not None:
@@ -207,6 +201,15 @@ class Runner:
         self.counters.input_copies += copied
         self.counters.input_copies_skipped += skipped
         return result
+
+
+def _eager_sample(entry, run, *args):
+    """``run(*args)``, its host time kept as one of ``entry``'s eager calls (NOTE [ Graphed calls that cannot
+    pay ] in core/host_cost.py)."""
+    start = host_cost.clock()
+    result = run(*args)
+    entry.host_cost.add_eager(host_cost.clock() - start)
+    return result
 
 
 def _bytes_grown(runner, entry):
