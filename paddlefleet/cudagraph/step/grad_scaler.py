@@ -44,7 +44,6 @@ unscaled (possibly clipped) values where Paddle's CPU kernel leaves zeros; it ne
 
 import collections
 import enum
-import operator
 import weakref
 
 import numpy as np
@@ -57,23 +56,13 @@ __all__ = ["GraphGradScaler", "live_scalers"]
 _LIVE = weakref.WeakSet()
 
 
-#: Paddle's GradScaler getters, each returning one setting: (name, attribute).
-_GETTERS = (("is_enable", "_enable"), ("is_use_dynamic_loss_scaling", "_use_dynamic_loss_scaling"),
-            ("get_init_loss_scaling", "_init_loss_scaling"), ("get_incr_ratio", "_incr_ratio"),
-            ("get_decr_ratio", "_decr_ratio"), ("get_incr_every_n_steps", "_incr_every_n_steps"),
-            ("get_decr_every_n_nan_or_inf", "_decr_every_n_nan_or_inf"))
-
-
 def _getter(attribute):
-    get = operator.attrgetter(attribute)
-    return lambda self: get(self)
+    """A method returning the attribute ``attribute`` (one of Paddle's GradScaler getters)."""
 
+    def get(self):
+        return getattr(self, attribute)
 
-class _Getters:
-    """The base of GraphGradScaler: the getters of _GETTERS (one method each, made in the class's
-    own namespace)."""
-
-    vars().update({name: _getter(attribute) for name, attribute in _GETTERS})
+    return get
 
 
 def live_scalers():
@@ -87,7 +76,7 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
-class GraphGradScaler(_Getters):
+class GraphGradScaler:
     """A drop-in for ``paddle.amp.GradScaler`` that a whole-step graph can capture
     (NOTE [ Loss scaling without host syncs ]).
 
@@ -265,3 +254,12 @@ class GraphGradScaler(_Getters):
         self._incr_every_n_steps = state_dict["incr_every_n_steps"]
         self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
         self._use_dynamic_loss_scaling = state_dict["use_dynamic_loss_scaling"]
+
+    # Paddle's GradScaler getters, each returning one setting.
+    is_enable = _getter("_enable")
+    is_use_dynamic_loss_scaling = _getter("_use_dynamic_loss_scaling")
+    get_init_loss_scaling = _getter("_init_loss_scaling")
+    get_incr_ratio = _getter("_incr_ratio")
+    get_decr_ratio = _getter("_decr_ratio")
+    get_incr_every_n_steps = _getter("_incr_every_n_steps")
+    get_decr_every_n_nan_or_inf = _getter("_decr_every_n_nan_or_inf")
