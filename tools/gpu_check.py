@@ -8,7 +8,8 @@ CPU smoke test of the same script (the same cases on the simulated backend)::
 
     python tools/gpu_check.py --backend simulate --out /tmp/gpu_check.md
 
-It runs the suite's cases marked ``gpu_safe`` (tests/integration/test_gpu_safe.py: matmul-only, every result
+It runs the suite's cases marked ``gpu_safe``, from every test module that defines a ``MatmulOnlyCase``
+(found by ``gpu_safe_modules``; among them tests/integration/test_gpu_safe.py: matmul-only, every result
 bitwise against eager, phases pinned with the wrapper's counters; tests/block/test_capture_failures.py: every
 reason a capture is refused or fails - host reads, host-to-device copies, syncs, the function's own
 exception - in a block and in a whole step, each equal to eager with no capture left open, and a fresh
@@ -19,7 +20,9 @@ whole step; tests/backends/test_refusals.py: rows of the refusal table whose
 GPU behaviour matters - a stream wait refused, ``int(paddle.shape(x)[0])`` captured, ``p.grad = t`` captured as an
 in-place copy; tests/step/test_step_dataflow.py: a closure tensor that is no Parameter frozen after a whole
 step's capture; tests/grads/test_grad_stacks.py: stacked parameter grads under every hand-out policy, and the
-pool bytes of a key whose four 1 MiB grads share one stack, in the case's notes) with
+pool bytes of a key whose four 1 MiB grads share one stack, in the case's notes; tests/core/test_grad_nodes.py:
+a dropped graphed model gives its memory back; tests/core/test_capture_session.py: the collector paused
+during a capture) with
 PADDLEFLEET_CUDAGRAPH_BACKEND set to the backend, in a child pytest process that reports each case
 as it ends (conftest's ``--results-jsonl``). If the child dies (a CUDA error inside a capture can
 abort the process), the case that was running is recorded as an error and the rest run in a new
@@ -34,6 +37,7 @@ the cuda backend where there is no GPU.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,12 +51,23 @@ from testkit.cli import BACKEND_HELP, require_gpu  # noqa: E402
 from testkit.common import check_smoke_path, cuda_skip_reason, device, host_tensor  # noqa: E402
 from testkit.common import info_lines, run_info, short, write_generated  # noqa: E402
 
-CASES = ["tests/integration/test_gpu_safe.py", "tests/block/test_per_layer_speed.py",
-         "tests/block/test_capture_failures.py", "tests/step/test_step_capture_failures.py",
-         "tests/chains/test_chains.py", "tests/chains/test_chain_keys.py",
-         "tests/chains/test_outside_consumers.py", "tests/block/test_frozen_values.py",
-         "tests/backends/test_refusals.py", "tests/step/test_step_dataflow.py",
-         "tests/block/test_bridge_inputs.py", "tests/grads/test_grad_stacks.py"]  # modules holding the gpu_safe cases
+
+
+def gpu_safe_modules(root=REPO):
+    """The test modules that define matmul-only cases (a ``MatmulOnlyCase`` subclass: conftest marks
+    them ``gpu_safe``), found by their text so that a new module is never left out of the GPU run."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(root, "tests")):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(files):
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as fh:
+                    if re.search(r"class \w+\([^)]*MatmulOnlyCase", fh.read()):
+                        found.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return found
+
+
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
@@ -64,7 +79,7 @@ def run_child(backend, results, keyword, done, timeout):
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **{ENV_BACKEND: backend})
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu_safe", f"--rootdir={REPO}",
-           f"--results-jsonl={results}", *CASES]
+           f"--results-jsonl={results}", *gpu_safe_modules()]
     if keyword:
         cmd += ["-k", keyword]
     for nodeid in sorted(done):
@@ -199,7 +214,7 @@ def main():
     head = [f"# {title}", ""] + info_lines(run_info(cuda, REPO))
     if cuda:
         head += gpu_facts()
-    head += [f"- cases: `pytest -m gpu_safe {' '.join(CASES)}` with {ENV_BACKEND}={args.backend} "
+    head += [f"- cases: `pytest -m gpu_safe {' '.join(gpu_safe_modules())}` with {ENV_BACKEND}={args.backend} "
              "(matmul-only suite cases, NOTE [ Kernel-less GPUs ] in testkit/common.py)", ""]
     print("\n".join(head), flush=True)
     rows, notes = run_cases(args.backend, args.cases, args.timeout)
