@@ -42,6 +42,22 @@ def test_gpu_check_runs_the_gpu_safe_cases_and_reports_them(tmp_path):
         assert re.search(rf"{case}.*\| \*\*PASSED\*\* \|", text), (case, text[-3000:])
 
 
+def test_gpu_check_runs_every_module_with_gpu_safe_cases():
+    """Every test module pytest collects gpu_safe cases from (conftest marks subclasses of MatmulOnlyCase) is
+    one gpu_check runs: read from pytest's own collection, not from the tool's search of the sources."""
+    env = {k: v for k, v in os.environ.items() if k != "PADDLEFLEET_CUDAGRAPH_BACKEND"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu_safe", "-p",
+                           "no:cacheprovider", "tests"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    marked = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    assert "tests/core/test_grad_nodes.py" in marked and "tests/chains/test_chains.py" in marked, proc.stdout[-3000:]
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(os.path.join(REPO, "tools"))
+    assert marked <= set(gpu_check.gpu_safe_modules()), sorted(marked - set(gpu_check.gpu_safe_modules()))
+
+
 @functools.lru_cache(maxsize=None)
 def bench_smoke():
     """One smoke run of bench.py over the two configs the tests below check: (exit status, log, rows, report text)."""
