@@ -12,7 +12,7 @@ pass-through rows time a Linear(4, 4) eagerly and wrapped with ``backend=None``,
 without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The eager-call
 rows (eager_call_rows(); ``--eager-calls`` prints only them) time the same Layer through wrappers on the
 simulated backend whose key runs eagerly (its capture failed; eager_if_slower sent it eager while another
-key stays graphed; every key slower; every key over max_graphs), interleaved with the Layer's own call,
+key stays graphed; every key slower; max_graphs=0), interleaved with the Layer's own call,
 forward alone and forward + backward. The
 ``layer_call_us`` tables are tools/host_breakdown.py's (one graphed Layer called alone, forward +
 backward, every piece with its share) for the ``--block`` Layer and a 6 x 1024 one, on the stand-in
@@ -251,7 +251,7 @@ def eager_call_rows(reps):
     cases = [("its capture failed, another key graphed", "capture failed", other),
              ("eager_if_slower sent it eager, another key graphed", "eager_if_slower", other),
              ("eager_if_slower sent every key eager", "eager_if_slower", None),
-             ("every key over max_graphs (max_graphs=0)", "max_graphs", None)]
+             ("max_graphs=0 (no key may hold graphs)", "max_graphs", None)]
     layers = [own] + [_eager_keyed(case, x, o) for _, case, o in cases]
     params = [layer.parameters() for layer in layers]
     fwd = [[] for _ in layers]

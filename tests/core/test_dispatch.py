@@ -2,18 +2,22 @@
 core/dispatch.py): a stand-in body that fails when any phase of it runs, entries moved by hand to the
 phase a case needs, and the blocker's answer or a chain's claim scripted."""
 
+import dataclasses
 import unittest
 import unittest.mock
+import warnings
 
 import paddle
 
-from paddlefleet.cudagraph.core import host_cost
+from paddlefleet.cudagraph.backends import whole_step
+from paddlefleet.cudagraph.core import dispatch as dispatch_module, host_cost
 from paddlefleet.cudagraph.core.body import Action as Blocker, Blocked
-from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, Action, dispatch, keyless_rule
+from paddlefleet.cudagraph.core.dispatch import ENDLESS, IN_FLIGHT, WHOLE_STEP, Action, dispatch, keyless_rule
 from paddlefleet.cudagraph.core.entry import ATTR_RECAPTURES, Phase
 from paddlefleet.cudagraph.core.host_cost import HostCost
 from paddlefleet.cudagraph.core.lifecycle import Lifecycle
 from paddlefleet.cudagraph.core.memory import Footprint
+from paddlefleet.cudagraph.core.pass_through import NO_PLACES
 from paddlefleet.cudagraph.options import GraphOptions
 
 
@@ -218,11 +222,50 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual(decision.call.tensors, [self.x])
 
     def test_no_place_under_max_graphs(self):
-        body = _StandInBody(max_graphs=0)
+        body = _StandInBody(max_graphs=1)
         wrapper = Lifecycle(body, lambda x: x)
-        decision = dispatch(wrapper, (self.x,), {})
+        self.assertIsNotNone(dispatch(wrapper, (self.x,), {}).entry)
+        decision = dispatch(wrapper, (paddle.ones([5, 3]),), {})
         self.assertEqual((decision.action, decision.reason, decision.entry), (Action.EAGER, "max_graphs reached", None))
-        self.assertEqual(len(wrapper.entries()), 0)
+        self.assertEqual(len(wrapper.entries()), 1)
+
+    def test_a_key_refused_again_makes_no_entry_and_still_takes_a_place_once_it_may(self):
+        """NOTE [ Places under max_graphs ]: a refused key called again while every place is taken is refused
+        without an entry made (its call remembered all the same); once it may displace a key, it gets its place."""
+        wrapper = Lifecycle(_StandInBody(max_graphs=1), lambda x: x)
+        y = paddle.ones([5, 3])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            held = dispatch(wrapper, (self.x,), {}).entry
+            self.assertIsNone(dispatch(wrapper, (y,), {}).entry)  # refused, warned
+        self.assertEqual(len([w for w in caught if "max_graphs=1" in str(w.message)]), 1)
+        made = []
+        real = dispatch_module._new_entry
+        with unittest.mock.patch.object(dispatch_module, "_new_entry", lambda *a: made.append(a) or real(*a)):
+            dispatch(wrapper, (self.x,), {})  # the held key is called again: y may not displace it
+            decision = dispatch(wrapper, (y,), {})
+            self.assertEqual((decision.action, decision.reason, decision.entry, made),
+                             (Action.EAGER, "max_graphs reached", None, []))
+            decision = dispatch(wrapper, (y,), {})  # twice while the held key, in warmup, was not called
+            self.assertEqual(len(made), 1)
+        self.assertIsNotNone(decision.entry)
+        self.assertEqual(list(wrapper._entries), [decision.entry.key])  # the held key (in warmup) was dropped
+        self.assertNotIn(held.key, wrapper._entries)
+
+    def test_max_graphs_0_runs_every_call_without_a_key(self):
+        """No key can ever get a place: the calls take the keyless rule (no key made, no entry), and a call inside
+        something else still gets that reason from the dispatcher."""
+        wrapper = Lifecycle(_StandInBody(max_graphs=0), lambda x: x)
+        for _ in range(2):
+            decision = dispatch(wrapper, (self.x,), {})
+            self.assertEqual((decision.action, decision.reason, decision.entry, decision.call),
+                             (Action.EAGER, NO_PLACES, None, None))
+            self.assertEqual(len(wrapper.entries()), 0)
+            wrapper.reset()  # the rule comes back with the options
+        with whole_step():
+            self.assertEqual(dispatch(wrapper, (self.x,), {}).reason, WHOLE_STEP)
+        wrapper._options = dataclasses.replace(wrapper.options, max_graphs=2)
+        self.assertIsNotNone(dispatch(wrapper, (self.x,), {}).entry)
 
 
 class RunnerTest(unittest.TestCase):

@@ -26,6 +26,9 @@ __all__ = ["Places", "enforce_max_bytes", "varying_parts"]
 # used no more than the one it replaces. A displaced key in warmup is dropped; one holding graphs
 # releases them and keeps its counts (``evictions``), captured again without warmup once it gets a
 # place back. WAITING refused keys are remembered, the least recently refused dropped first.
+# A key refused before that finds every place still taken and no key to displace is refused again
+# without an entry made for it (``refused_again``, asked by the dispatcher before a new key's entry):
+# the same books are kept (its call remembered), at the cost of the key alone.
 
 #: Refused keys whose latest calls are remembered (NOTE [ Places under max_graphs ]).
 WAITING = 64
@@ -56,8 +59,22 @@ class Places:
         while len(self._waiting) > WAITING:
             self._waiting.popitem(last=False)
         if max_graphs:
-            warn_once("max_graphs", _full_message(max_graphs, live, entry))
+            warn_once("max_graphs", lambda: _full_message(max_graphs, live, entry))
         return False, None
+
+    def refused_again(self, entries, key, tick, max_graphs):
+        """True, with the call remembered as ``admit`` remembers a refused one, when ``key`` (no entry) was refused
+        before and ``admit`` would refuse it again now: every place taken, no key to displace. False: the key is
+        not waiting, or may get a place (``admit`` decides, with its entry)."""
+        ticks = self._waiting.get(key)
+        if ticks is None:
+            return False
+        live = [e for e in entries.values() if e.phase is Phase.WARMUP or e.phase is Phase.REPLAY]
+        if len(live) < max_graphs or _displaced(live, ticks) is not None:
+            return False
+        self._waiting[key] = (ticks + (tick,))[-2:]
+        self._waiting.move_to_end(key)
+        return True
 
 
 def _displaced(live, ticks):

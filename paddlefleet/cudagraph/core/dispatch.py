@@ -76,6 +76,9 @@ IN_FLIGHT = (
     "called again with the same key before the backward of the previous call ran; this call runs eagerly so the "
     "graph's saved activations are not overwritten. Run backward between calls, or give such calls their own key.")
 
+#: Why a call whose key finds every place under max_graphs taken runs eagerly (NOTE [ Places under max_graphs ]).
+MAX_GRAPHS = "max_graphs reached"
+
 ENDLESS = (
     "key {label} runs eagerly from now on: {reason}. Keep a value that changes on every call out of the "
     "Layer's attributes (count calls outside the model, or in a tensor buffer updated in place, which a graph "
@@ -186,6 +189,10 @@ def dispatch(wrapper, args, kwargs):
             return Decision(Action.EAGER, call=call, reason="dispatch_key_fn returned None")
         entry = wrapper._entries.get(key)
     if entry is None:
+        if "max_graphs" in wrapper._warned and wrapper._places.refused_again(
+                wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs):  # NOTE [ Places under max_graphs ]
+            wrapper._last_refusal = MAX_GRAPHS
+            return Decision(Action.EAGER, call=call, reason=MAX_GRAPHS)
         entry = _new_entry(wrapper, key, call)
         if entry is None:
             return Decision(Action.EAGER, call=call, reason=wrapper._last_refusal)
@@ -284,7 +291,7 @@ def _by_phase(wrapper, body, entry, call):
     if phase is Phase.RECAPTURE:
         if admitted(wrapper, entry):
             return Decision(Action.RECAPTURE, entry, call)
-        return Decision(Action.EAGER, entry, call, "max_graphs reached")
+        return Decision(Action.EAGER, entry, call, MAX_GRAPHS)
     return Decision(Action.EAGER, entry, call, f"key fell back: {entry.fallback_reason}")
 
 
@@ -340,7 +347,7 @@ def _new_entry(wrapper, key, call):
     entry = GraphEntry(key=key, backend=backend, label=label() if warns else None,
                        eager_if_slower=wrapper._options.eager_if_slower)
     if not admitted(wrapper, entry, label):  # its label names what varies: NOTE [ Places under max_graphs ]
-        wrapper._last_refusal = "max_graphs reached"
+        wrapper._last_refusal = MAX_GRAPHS
         return None
     if entry.label is None:
         entry.label = label()

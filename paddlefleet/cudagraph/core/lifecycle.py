@@ -20,7 +20,7 @@ from .dispatch import Action, dispatch, keyless_rule
 from .keys import BoundSignature, KeyMaker
 from .explain import Reports
 from .stats import Counters
-from .pass_through import all_slower
+from .pass_through import all_slower, no_places
 from .runner import Runner
 from .views import Views
 
@@ -50,7 +50,8 @@ class Lifecycle(Reports, Views, Runner):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
-        self._keyless = None  # (reason, when, Decision): calls run eagerly for reason, without a key, while when() holds
+        # (reason, when, Decision): calls run eagerly for reason, without a key, while when() holds
+        self._keyless = keyless_rule(no_places(body.options))
         self._known_eager = None  # KnownEager: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
@@ -73,6 +74,8 @@ class Lifecycle(Reports, Views, Runner):
     @_options.setter
     def _options(self, options):
         self._body.options = options
+        if not self._entries:
+            self._keyless = keyless_rule(no_places(options))
 
     def reset(self):
         """Drops every graph, pool and static buffer, and zeroes the counters (a slot whose backward
@@ -81,7 +84,7 @@ class Lifecycle(Reports, Views, Runner):
             entry.release()
         self._entries.clear()
         self._latest = None
-        self._keyless = None
+        self._keyless = keyless_rule(no_places(self._options))
         self._known_eager = None
         self._places.clear()
         self._warned.clear()
@@ -118,9 +121,12 @@ class Lifecycle(Reports, Views, Runner):
         return self._body.run(call.args, call.kwargs)
 
     def _warn_once(self, topic, message):
+        """Warns ``message`` (a string, or a callable making it: made only when warned) once per ``topic``."""
         if topic in self._warned:
             return
         self._warned.add(topic)
+        if callable(message):
+            message = message()
         warnings.warn(f"{self._body.api}({self.__name__}): {message}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _evicted(self, victim, budget):

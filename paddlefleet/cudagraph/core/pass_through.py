@@ -1,11 +1,11 @@
 """Wrappers that can only run eagerly pass calls straight through (NOTE [ Pass-through wrappers ]); a
-wrapper whose every key runs eagerly as slower does the same (core/host_cost.py)."""
+wrapper whose every key runs eagerly as slower (core/host_cost.py) and one with max_graphs=0 do the same."""
 
 from ..backends import backend_env_set, cuda_available, plain_call
 from ..guards import saved_hooks
 from ..io.stale_outputs import any_stale
 
-__all__ = ["all_slower", "passes_through"]
+__all__ = ["NO_PLACES", "all_slower", "no_places", "passes_through"]
 
 
 # NOTE [ Pass-through wrappers ]
@@ -30,6 +30,17 @@ def _untouched():
 
 def _always():
     return True
+
+
+#: The reason of every call of a wrapper with max_graphs=0.
+NO_PLACES = "max_graphs=0: no key may hold graphs, every call runs eagerly"
+
+
+def no_places(options):
+    """The keyless rule of a wrapper whose ``options`` give no key a place (max_graphs=0): its calls run eagerly
+    without a key while _untouched() holds (a call inside a whole step or a capture, or given a stale output, still
+    goes through the dispatcher, which gives its own reason or error), or None."""
+    return (NO_PLACES, _untouched) if options.max_graphs == 0 else None
 
 
 def all_slower(reason):
