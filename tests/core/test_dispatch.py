@@ -3,6 +3,7 @@ core/dispatch.py): a stand-in body that fails when any phase of it runs, entries
 phase a case needs, and the blocker's answer or a chain's claim scripted."""
 
 import dataclasses
+import os
 import unittest
 import unittest.mock
 import warnings
@@ -18,7 +19,7 @@ from paddlefleet.cudagraph.core.host_cost import HostCost
 from paddlefleet.cudagraph.core.lifecycle import Lifecycle
 from paddlefleet.cudagraph.core.memory import Footprint
 from paddlefleet.cudagraph.core.pass_through import NO_PLACES
-from paddlefleet.cudagraph.options import GraphOptions
+from paddlefleet.cudagraph.options import ENV_BACKEND, GraphOptions
 
 
 class _Graphs:
@@ -264,6 +265,8 @@ class DispatchTest(unittest.TestCase):
             wrapper.reset()  # the rule comes back with the options
         with whole_step():
             self.assertEqual(dispatch(wrapper, (self.x,), {}).reason, WHOLE_STEP)
+        with unittest.mock.patch.dict(os.environ, {ENV_BACKEND: "simulate"}):  # no backend can give a key a place
+            self.assertEqual(dispatch(wrapper, (self.x,), {}).reason, NO_PLACES)
         wrapper._options = dataclasses.replace(wrapper.options, max_graphs=2)
         self.assertIsNotNone(dispatch(wrapper, (self.x,), {}).entry)
 

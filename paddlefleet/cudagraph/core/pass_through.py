@@ -1,7 +1,7 @@
 """Wrappers that can only run eagerly pass calls straight through (NOTE [ Pass-through wrappers ]); a
 wrapper whose every key runs eagerly as slower (core/host_cost.py) and one with max_graphs=0 do the same."""
 
-from ..backends import backend_env_set, cuda_available, plain_call
+from ..backends import backend_env_set, cuda_available, plain_call, plain_thread
 from ..guards import saved_hooks
 from ..io.stale_outputs import any_stale
 
@@ -32,15 +32,21 @@ def _always():
     return True
 
 
+def _unnested():
+    """True when a call of a wrapper with max_graphs=0 may skip the key: what _untouched() asks but the
+    environment (with no place for any key, no backend the environment names could graph a call)."""
+    return plain_thread() and not saved_hooks.active() and not any_stale()
+
+
 #: The reason of every call of a wrapper with max_graphs=0.
 NO_PLACES = "max_graphs=0: no key may hold graphs, every call runs eagerly"
 
 
 def no_places(options):
     """The keyless rule of a wrapper whose ``options`` give no key a place (max_graphs=0): its calls run eagerly
-    without a key while _untouched() holds (a call inside a whole step or a capture, or given a stale output, still
+    without a key while _unnested() holds (a call inside a whole step or a capture, or given a stale output, still
     goes through the dispatcher, which gives its own reason or error), or None."""
-    return (NO_PLACES, _untouched) if options.max_graphs == 0 else None
+    return (NO_PLACES, _unnested) if options.max_graphs == 0 else None
 
 
 def all_slower(reason):
