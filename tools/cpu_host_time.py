@@ -12,7 +12,8 @@ pass-through rows time a Linear(4, 4) eagerly and wrapped with ``backend=None``,
 without CUDA graphs passes through (NOTE [ Pass-through wrappers ] in core/lifecycle.py). The eager-call
 rows (eager_call_rows(); ``--eager-calls`` prints only them) time the same Layer through wrappers on the
 simulated backend whose key runs eagerly (its capture failed; eager_if_slower sent it eager while another
-key stays graphed; every key slower; max_graphs=0), interleaved with the Layer's own call,
+key stays graphed; every key slower; max_graphs=0; a key refused under max_graphs=1 while another replays
+between its calls), interleaved with the Layer's own call,
 forward alone and forward + backward. The
 ``layer_call_us`` tables are tools/host_breakdown.py's (one graphed Layer called alone, forward +
 backward, every piece with its share) for the ``--block`` Layer and a 6 x 1024 one, on the stand-in
@@ -275,6 +276,40 @@ def eager_call_rows(reps):
     return rows
 
 
+def refused_call_us(reps):
+    """``(own us, refused us, reason)``: the forward of a Linear(4, 4) whose key is refused under max_graphs=1 while
+    another key holds the place and replays between its calls (so the refused key never displaces it: NOTE [ Places
+    under max_graphs ]), against the Layer's own call after the same replay; medians of ``reps`` rounds of 200 calls,
+    thread CPU time of the timed call alone."""
+    import warnings
+
+    paddle.seed(0)
+    own = paddle.nn.Linear(4, 4)
+    layer = autocudagraph(paddle.nn.Linear(4, 4), backend="simulate", warmup_steps=1, max_graphs=1)
+    held, x = paddle.randn([3, 4]), paddle.randn([2, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the max_graphs warning
+        for _ in range(3):  # warmup, capture, replay
+            layer(held)
+        layer(x)
+
+    def timed(call):
+        total = 0.0
+        for _ in range(200):
+            layer(held)
+            start = clock()
+            call(x)
+            total += clock() - start
+        return total / 200 * 1e6
+
+    own_us, refused_us = [], []
+    for _ in range(reps):  # interleaved
+        own_us.append(timed(own))
+        refused_us.append(timed(layer))
+    reasons = layer.forward.stats()["eager_reasons"]
+    return statistics.median(own_us), statistics.median(refused_us), max(reasons, key=reasons.get)
+
+
 def eager_call_lines(reps):
     rows = eager_call_rows(reps)
     own_f, own_b = rows[0][1], rows[0][2]
@@ -283,6 +318,9 @@ def eager_call_lines(reps):
              "|---|---|---|---|---|"]
     for name, f, b in rows:
         lines.append(f"| {name} | {f:.2f} | {f - own_f:+.2f} | {b:.2f} | {b - own_b:+.2f} |")
+    own, refused, reason = refused_call_us(reps)
+    lines.append(f"- a key refused under max_graphs=1 ({reason}), another key replaying between its calls: forward "
+                 f"{refused:.2f} us against the Layer's own {own:.2f} after the same replay ({refused - own:+.2f})")
     return lines
 
 

@@ -388,3 +388,6 @@ def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
     assert rc == 0, log[-3000:]
     assert "us per layer call" in log and "whole-step graph" in log and "host us per forward call" in log, log[-2000:]
     assert "graphed block of 3x8x2" in log and "grad hand-out" in log and "n/a" not in log, log[-2000:]
+    # Each eager-call row runs for the reason it names (a row whose wrapper graphed instead would time a replay).
+    assert "(max_graphs=0: no key may hold graphs" in log and "every key of this wrapper was slower" in log, log[-2000:]
+    assert "a key refused under max_graphs=1 (max_graphs reached)" in log, log[-2000:]
