@@ -18,6 +18,7 @@ from paddlefleet.cudagraph.chains.entry import CHAINS
 from paddlefleet.cudagraph.core import dispatch as dispatch_module
 from paddlefleet.cudagraph.core import lifecycle
 from paddlefleet.cudagraph.core.dispatch import keyless_rule
+from paddlefleet.cudagraph.core.pass_through import NO_PLACES
 from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.guards.host_marks import mark_host
@@ -257,6 +258,53 @@ class RefusedUnderMaxGraphsTest(unittest.TestCase):
         with self.assertWarnsRegex(RuntimeWarning, "argument 'cache' is a Cache"):
             g(paddle.ones([2, 2]))
 
+
+
+class MaxGraphsZeroTest(unittest.TestCase):
+    """max_graphs=0: no key may hold graphs, so every call runs the function directly, without a key (NOTE
+    [ Pass-through wrappers ] in core/pass_through.py), bitwise eager's, counted with that reason."""
+
+    def test_a_layer_trains_as_eagerly_and_makes_no_key(self):
+        on_device(self, "cpu")
+        paddle.seed(0)
+        own, layer = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+        layer.set_state_dict(own.state_dict())
+        autocudagraph(layer, backend="simulate", max_graphs=0)
+        with mock.patch.object(layer.forward._keys, "key", side_effect=AssertionError("a key was made")):
+            for shape in ([2, 4], [2, 4], [3, 4]):
+                x = paddle.randn(shape)
+                got, want = layer(x), own(x)
+                got.sum().backward(), want.sum().backward()
+                np.testing.assert_array_equal(got.numpy(), want.numpy())
+                for p, q in zip(layer.parameters(), own.parameters()):
+                    np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+        stats = layer.forward.stats()
+        self.assertEqual((stats["eager_reasons"], stats["keys"]), ({NO_PLACES: 3}, 0))
+        self.assertIn(NO_PLACES, layer.forward.explain())
+
+    def test_a_whole_step_with_max_graphs_0_runs_eagerly_every_time(self):
+        from paddlefleet.cudagraph import autocudagraph_step
+
+        on_device(self, "cpu")
+        paddle.seed(0)
+        model, twin = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+        twin.set_state_dict(model.state_dict())
+
+        def step_of(m):
+            def step(x):
+                loss = m(x).sum()
+                loss.backward()
+                return loss
+            return step
+
+        graphed = autocudagraph_step(step_of(model), optimizers=[], backend="simulate", max_graphs=0)
+        eager = step_of(twin)
+        for _ in range(3):  # grads accumulate over the calls, as eagerly
+            x = paddle.randn([2, 4])
+            np.testing.assert_array_equal(graphed(x).numpy(), eager(x).numpy())
+        self.assertEqual(graphed.stats()["eager_reasons"], {NO_PLACES: 3})
+        for p, q in zip(model.parameters(), twin.parameters()):
+            np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
 
 if __name__ == "__main__":
     unittest.main()
