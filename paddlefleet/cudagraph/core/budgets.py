@@ -47,17 +47,16 @@ class Places:
         """Whether ``entry`` (a new key, or one without graphs that captures again) may warm up or capture
         now, at the wrapper's call count ``tick``; may displace another key (returned second: the entry
         that gave its place, or None). A refused key's call is remembered."""
-        live = [e for e in entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY)]
+        live = _live(entries, entry)
         if len(live) < max_graphs:
             self._waiting.pop(entry.key, None)
             return True, None
-        ticks = self._waiting.pop(entry.key, ())
+        ticks = self._waiting.get(entry.key, ())
         victim = _displaced(live, ticks)
         if victim is not None:
+            self._waiting.pop(entry.key)
             return True, victim
-        self._waiting[entry.key] = (tuple(ticks) + (tick,))[-2:]
-        while len(self._waiting) > WAITING:
-            self._waiting.popitem(last=False)
+        self._refused(entry.key, ticks, tick)
         if max_graphs:
             warn_once("max_graphs", lambda: _full_message(max_graphs, live, entry))
         return False, None
@@ -69,12 +68,24 @@ class Places:
         ticks = self._waiting.get(key)
         if ticks is None:
             return False
-        live = [e for e in entries.values() if e.phase is Phase.WARMUP or e.phase is Phase.REPLAY]
+        live = _live(entries)
         if len(live) < max_graphs or _displaced(live, ticks) is not None:
             return False
-        self._waiting[key] = (ticks + (tick,))[-2:]
-        self._waiting.move_to_end(key)
+        self._refused(key, ticks, tick)
         return True
+
+    def _refused(self, key, ticks, tick):
+        """Remembers a refused call of ``key`` at ``tick`` (``ticks``: its calls remembered before), as the latest
+        refused key; the least recently refused keys beyond WAITING are forgotten."""
+        self._waiting.pop(key, None)
+        self._waiting[key] = (tuple(ticks) + (tick,))[-2:]
+        while len(self._waiting) > WAITING:
+            self._waiting.popitem(last=False)
+
+
+def _live(entries, entry=None):
+    """The entries, but ``entry``, that hold a place: warming up or holding graphs."""
+    return [e for e in entries.values() if e is not entry and e.phase in (Phase.WARMUP, Phase.REPLAY)]
 
 
 def _displaced(live, ticks):
