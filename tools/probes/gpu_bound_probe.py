@@ -20,24 +20,15 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
 import numpy  # noqa: E402
 import paddle  # noqa: E402
 
+from benchmark.paddle_runs import Blocks  # noqa: E402
+from benchmark.timing import Config  # noqa: E402
 from paddlefleet.cudagraph import autocudagraph  # noqa: E402
-from testkit.common import MatMLP, build, device, host_tensor, normal  # noqa: E402
-
-
-class Blocks(paddle.nn.Layer):
-    def __init__(self, dims, blocks):
-        super().__init__()
-        self.blocks = paddle.nn.LayerList([MatMLP(dims) for _ in range(blocks)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+from testkit.common import build, device, host_tensor, normal  # noqa: E402
 
 
 def sync():
@@ -47,8 +38,8 @@ def sync():
 def make(args, options):
     """The model, its blocks graphed with ``options`` (None: eager). ``options["only"]``: the indices of the blocks
     graphed (the others stay plain Layers); ``eager_if_slower`` is False unless ``options`` says otherwise."""
-    dims = [args.width] * (args.layers // args.blocks + 1)
-    model = build(lambda: Blocks(dims, args.blocks), 1)
+    cfg = Config("probe", args.layers, args.width, args.batch, blocks=args.blocks)  # the benchmark's blocks
+    model = build(lambda: Blocks(cfg), 1)
     if options is not None:
         options = dict(options)
         only = options.pop("only", range(args.blocks))
