@@ -109,10 +109,12 @@ def _checks():
     if not cuda:
         shared_text = "n/a (a CPU build has no CUDA graphs)"
     elif shared:
-        shared_text = ("yes: a key's forward and backward graphs share one memory pool where its backward hands out "
-                       "copies (clone_param_grads=True, or accumulate_in_graph=True); otherwise, and between keys "
-                       "(captured lazily, replayed in any order), each graph keeps its own, since a later replay could "
-                       "overwrite what another graph still holds")
+        shared_text = ("yes: the forward graphs of keys (a model graphed layer by layer) share one memory pool per "
+                       "GPU, checked before every forward replay: a key whose replay would overwrite what a forward "
+                       "captured after it still holds (micro-batches in flight, a key captured again) is captured "
+                       "again into a pool of its own; a key's forward and backward graphs share one pool where its "
+                       "backward hands out copies (clone_param_grads=True, or accumulate_in_graph=True); backward "
+                       "graphs, further slots (max_inflight) and keys with clone_outputs=False keep their own")
     else:
         shared_text = "no: each graph gets its own memory pool (Paddle < 3.1; correct, uses more memory)"
     rows.append(("pool sharing", err or shared_text, None))

@@ -11,7 +11,8 @@ import paddle
 
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
 from paddlefleet.cudagraph.backends import cuda_driver
-from paddlefleet.cudagraph.backends import is_own_error, own_error
+from paddlefleet.cudagraph.backends import is_own_error, own_error, shared_pool
+from paddlefleet.cudagraph.backends.shared_pool import PoolConflictError
 from paddlefleet.cudagraph.errors import CaptureError
 
 from tests.block.test_capture_failures import HOST, Boom
@@ -167,3 +168,49 @@ class CurrentStreamTest(unittest.TestCase):
         with mock.patch.object(paddle.device, "current_stream", None), \
                 mock.patch.object(paddle.device.cuda, "current_stream", mock.Mock(return_value=stream)):
             self.assertEqual(cuda_backend._stream_handle(object()), 99)
+
+
+class ForwardPoolOnCudaTest(unittest.TestCase):
+    """NOTE [ Keys sharing a forward pool ] in backends/shared_pool.py on the real backend, against a stand-in of a
+    Paddle that names pools at capture (3.1 and newer; the GPU host's Paddle 2.6.2 cannot run it): every forward
+    of a device captures with one pool id, and a replay the rule blocks is refused before it reaches the device."""
+
+    def test_forwards_share_one_pool_id_per_device_and_a_blocked_replay_is_refused(self):
+        fake, made, replays = _FakeCuda(), [], []
+        ids = iter(range(7, 100))
+        fake.core.gen_new_memory_pool_id = staticmethod(lambda: next(ids))
+        fake.core.begin_capture_with_pool_id = staticmethod(lambda place, mode, pool_id: None)
+
+        class Graph(fake.graphs.CUDAGraph):
+            def __init__(self, place=None, mode=None, pool_id=None):
+                made.append(pool_id)
+
+            def replay(self):
+                replays.append(self)
+
+        fake.graphs.CUDAGraph = Graph
+        with contextlib.ExitStack() as stack:
+            for patch in fake.patches():
+                stack.enter_context(patch)
+            shared_pool.forget_forward_pools()
+            stack.callback(shared_pool.forget_forward_pools)
+            backend = cuda_backend.CudaBackend(place="gpu:0")
+            pool = backend.forward_pool()
+            self.assertIs(cuda_backend.CudaBackend(place="gpu:0").forward_pool(), pool, "one pool per device")
+            self.assertIsNot(cuda_backend.CudaBackend(place="gpu:1").forward_pool(), pool)
+            self.assertEqual(pool.handle, 7)
+            first, second = backend.new_graph(pool), backend.new_graph(pool)
+            for graph in (first, second):
+                graph.capture(lambda: [])
+            self.assertEqual(made, [7, 7])
+            self.assertEqual(pool.graphs, [first, second])
+            self.assertEqual(backend.new_pool(), 9, "a key's own pool is another id (8: gpu:1's forward pool)")
+            second.live = lambda: True  # its forward waits for its backward
+            second.replay()
+            with self.assertRaisesRegex(PoolConflictError, "captured after it into the same memory pool"):
+                first.replay()
+            self.assertEqual(len(replays), 1, "the refused replay never reached the device")
+            second.live = lambda: False
+            first.replay()
+            second.reset()
+            self.assertEqual(pool.graphs, [first])

@@ -2,6 +2,7 @@
 graphs for orders that are safe and orders that are not, and through the simulated backend's model of shared
 pools (``SimulatedBackend.pool_model``): the pool a key's graphs get, and a sharing the rule refuses."""
 
+import gc
 import unittest
 from unittest import mock
 
@@ -11,6 +12,7 @@ import paddle
 from paddlefleet.cudagraph.block import partial_grad
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
+from paddlefleet.cudagraph.backends import shared_pool
 from paddlefleet.cudagraph.backends.shared_pool import PoolConflictError, SharedPool
 from paddlefleet.cudagraph.block import capture as block_capture
 from testkit.common import build, host_tensor, normal
@@ -128,6 +130,7 @@ class ModelledPoolsTest(unittest.TestCase):
         graphed = build(Two, 0)
         autocudagraph(graphed, backend="simulate", warmup_steps=0)
         with mock.patch.object(block_capture, "_shares_pool", lambda backward, opts: True), \
+                mock.patch.object(simulated.SimulatedBackend, "forward_pool", lambda backend: None), \
                 self.assertRaises(PoolConflictError) as refused:
             accumulate(graphed)
         self.assertIn("replaying the forward graph of key (x: float32[4, 8] grad) would overwrite what the "
@@ -143,7 +146,8 @@ class OnePoolForAllKeysTest(unittest.TestCase):
     def setUp(self):
         self.pool = SharedPool()
         for patch in (mock.patch.object(simulated.SimulatedBackend, "pool_model", True),
-                      mock.patch.object(simulated.SimulatedBackend, "new_pool", lambda backend: self.pool)):
+                      mock.patch.object(simulated.SimulatedBackend, "new_pool", lambda backend: self.pool),
+                      mock.patch.object(simulated.SimulatedBackend, "forward_pool", lambda backend: None)):
             patch.start()
             self.addCleanup(patch.stop)
         before = set(partial_grad._pending)
@@ -190,6 +194,175 @@ class OnePoolForAllKeysTest(unittest.TestCase):
                 y.backward(host_tensor(draw(4, 8)))
         self.assertIn("PoolConflictError: autocudagraph: replaying the backward graph of key (x: float32[4, 8] grad) "
                       "would overwrite what the forward graph of key", str(refused.exception))
+
+class IncrementalCheckTest(unittest.TestCase):
+    """NOTE [ Keys sharing a forward pool ]: ``blocked``, which looks only at graphs replayed since last seen dead,
+    says what ``conflict``, which asks every later graph, says, over random orders of replays and backwards."""
+
+    def test_blocked_agrees_with_the_walk_of_every_later_graph(self):
+        rng = np.random.default_rng(0)
+        for trial in range(200):
+            pool = SharedPool()
+            graphs = [StandIn(pool, f"f{i}") for i in range(int(rng.integers(1, 7)))]
+            for g in graphs:
+                g.holding = False
+            for _ in range(40):
+                g = graphs[int(rng.integers(len(graphs)))]
+                if rng.random() < 0.5 and not g.holding:  # a forward call
+                    want = pool.conflict(g)
+                    self.assertEqual(pool.blocked(g) is None, want is None, f"trial {trial}")
+                    if want is None:
+                        pool.replayed(g)
+                        g.holding = True
+                elif g.holding:  # its backward ran, or its outputs were dropped
+                    g.holding = False
+                if rng.random() < 0.05:  # a key captured again lands at the end of the pool
+                    pool.leave(g)
+                    pool.join(g)
+                    g.holding = False
+
+    def test_a_graph_dropped_without_reset_leaves_the_pool(self):
+        pool = SharedPool()
+        first, second = StandIn(pool, "f1"), StandIn(pool, "f2")
+        second.holding = True
+        pool.replayed(second)
+        self.assertIsNotNone(pool.blocked(first))
+        del second
+        gc.collect()  # its live() refers to itself
+        self.assertEqual(pool.graphs, [first])
+        self.assertIsNone(pool.blocked(first))
+
+
+class Pair(paddle.nn.Layer):
+    """Two graphed Layers whose calls a test orders."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Two(), Two()
+
+
+def forward_pool_of(layer):
+    return layer.forward.entry().graphs.all[0].shared_pool
+
+
+class ForwardPoolTest(unittest.TestCase):
+    """NOTE [ Keys sharing a forward pool ] in backends/shared_pool.py, through the simulated backend's pool model:
+    the forwards of keys share one pool; a replay the rule would refuse is never made (the key is captured again
+    into a pool of its own), and every result stays eager's."""
+
+    def setUp(self):
+        patch = mock.patch.object(simulated.SimulatedBackend, "pool_model", True)
+        patch.start()
+        self.addCleanup(patch.stop)
+        shared_pool.forget_forward_pools()
+        self.addCleanup(shared_pool.forget_forward_pools)
+
+    def layers(self, **options):
+        make = lambda: paddle.nn.Sequential(*[Two() for _ in range(3)])  # noqa: E731
+        graphed, eager = build(make, 0), build(make, 0)
+        for layer in graphed:
+            autocudagraph(layer, backend="simulate", warmup_steps=0, **options)
+        return graphed, eager
+
+    def test_layers_share_one_forward_pool_in_call_order(self):
+        graphed, eager = self.layers()
+        np.testing.assert_equal(accumulate(graphed, micro=1), accumulate(eager, micro=1))
+        np.testing.assert_equal(accumulate(graphed, micro=2, seed=6), accumulate(eager, micro=2, seed=6))
+        pool = forward_pool_of(graphed[0])
+        self.assertIsNotNone(pool)
+        fwds = [layer.forward.entry().graphs.all[0].fwd_graph for layer in graphed]
+        self.assertEqual(pool.graphs, fwds, "the three forwards, in call order, and nothing else")
+        for layer in graphed:
+            stats = layer.forward.stats()
+            self.assertEqual((stats["recaptures"], stats["eager_calls"]), (0, 0), layer.forward.explain())
+            self.assertIs(forward_pool_of(layer), pool)
+            backward = layer.forward.entry().graphs.all[0].backward
+            self.assertTrue(all(g._pool is not pool for g in backward.graphs()), "backward graphs keep their own")
+        self.assertIn("pool: its forward graph shares one memory pool with 2 other keys' forward graphs",
+                      graphed[1].forward.explain())
+
+    def run_pair(self, model, orders, seed=3):
+        """Per step, calls ``model.a`` and ``model.b`` in the order given, then one backward of both."""
+        draw = normal(seed)
+        log = []
+        for order in orders:
+            xs = {name: host_tensor(draw(4, 8), stop_gradient=False) for name in "ab"}
+            ys = {name: getattr(model, name)(xs[name]) for name in order}
+            paddle.autograd.backward([ys["a"], ys["b"]], [host_tensor(draw(4, 8)), host_tensor(draw(4, 8))])
+            log += [ys["a"].numpy(), ys["b"].numpy(), xs["a"].grad.numpy(), xs["b"].grad.numpy()]
+            log += [p.grad.numpy() for p in model.parameters()]
+            for p in model.parameters():
+                p.clear_gradient(False)
+        return log
+
+    def pair(self):
+        graphed, eager = build(Pair, 1), build(Pair, 1)
+        for layer in (graphed.a, graphed.b):
+            autocudagraph(layer, backend="simulate", warmup_steps=0)
+        return graphed, eager
+
+    def test_a_key_called_out_of_its_capture_order_is_captured_again_into_its_own_pool(self):
+        graphed, eager = self.pair()
+        orders = ["ab", "ba", "ab", "ba", "ba"]  # a captured first; then b waits for its backward when a is called
+        np.testing.assert_equal(self.run_pair(graphed, orders), self.run_pair(eager, orders))
+        a, b = graphed.a.forward, graphed.b.forward
+        self.assertEqual((a.stats()["recaptures"], b.stats()["recaptures"]), (1, 0))
+        self.assertEqual(a.stats()["eager_calls"] + b.stats()["eager_calls"], 0)
+        self.assertIsNone(forward_pool_of(graphed.a), "a key captured again keeps a pool of its own")
+        self.assertEqual(forward_pool_of(graphed.b).graphs, [b.entry().graphs.all[0].fwd_graph])
+        self.assertIn("captured again: replaying the forward graph of key (x: float32[4, 8] grad) would overwrite "
+                      "what the forward graph of key (x: float32[4, 8] grad), captured after it into the same memory "
+                      "pool, still holds", a.explain())
+
+    def test_the_check_is_what_keeps_that_order_safe(self):
+        # Without the check before the replay, the pool model refuses the replay that would overwrite b's
+        # saved activations: the case above is one a GPU would get wrong.
+        graphed, _ = self.pair()
+        with mock.patch.object(SharedPool, "blocked", lambda pool, graph: None), \
+                self.assertRaises(PoolConflictError) as refused:
+            self.run_pair(graphed, ["ab", "ba"])
+        self.assertIn("replaying the forward graph of key (x: float32[4, 8] grad) would overwrite what the forward "
+                      "graph of key", str(refused.exception))
+
+    def test_a_forward_whose_outputs_were_dropped_holds_nothing(self):
+        graphed, eager = self.pair()
+        np.testing.assert_equal(self.run_pair(graphed, ["ab"]), self.run_pair(eager, ["ab"]))
+        for model in (graphed, eager):
+            model.b(host_tensor(normal(9)(4, 8), stop_gradient=False))  # evaluated and dropped, no backward
+        np.testing.assert_equal(self.run_pair(graphed, ["ab", "ab"], seed=5), self.run_pair(eager, ["ab", "ab"], seed=5))
+        self.assertEqual(graphed.a.forward.stats()["recaptures"], 0, graphed.a.forward.explain())
+
+    def test_keys_whose_data_outlive_the_call_keep_their_own_pools(self):
+        for options in ({"clone_outputs": False}, {"clone_param_grads": True}):
+            with self.subTest(**options):
+                shared_pool.forget_forward_pools()
+                graphed, eager = self.layers(**options)
+                np.testing.assert_equal(accumulate(graphed, micro=1), accumulate(eager, micro=1))
+                for layer in graphed:
+                    self.assertIsNone(forward_pool_of(layer))
+
+    def test_a_further_slot_keeps_its_own_pool(self):
+        graphed, eager = self.layers(max_inflight=2)
+        for model in (graphed, eager):
+            draw = normal(8)
+            xs = [host_tensor(draw(4, 8), stop_gradient=False) for _ in range(2)]
+            ys = [model(x) for x in xs]  # two micro-batches in flight: a second slot per key
+            for y in ys:
+                y.backward(host_tensor(draw(4, 8)))
+        for g, e in zip(graphed.parameters(), eager.parameters()):
+            np.testing.assert_equal(g.grad.numpy(), e.grad.numpy())
+        slots = graphed[0].forward.entry().graphs.all
+        self.assertEqual(len(slots), 2)
+        self.assertIsNotNone(slots[0].shared_pool)
+        self.assertIsNone(slots[1].shared_pool)
+
+    def test_chained_layers_share_the_pool(self):
+        graphed, eager = self.layers()
+        np.testing.assert_equal(accumulate(graphed, steps=6, micro=2), accumulate(eager, steps=6, micro=2))
+        self.assertGreater(sum(layer.forward.stats()["chained_calls"] for layer in graphed), 0)
+        self.assertEqual(sum(layer.forward.stats()["recaptures"] for layer in graphed), 0)
+        self.assertEqual(len(forward_pool_of(graphed[0]).graphs), 3)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -92,9 +92,12 @@ class TestDoctorPoolSharing(unittest.TestCase):
 
     def test_shared_pools_are_named_with_when_they_apply(self):
         text = self.gpu_report(True)
-        self.assertIn("pool sharing: yes: a key's forward and backward graphs share one memory pool where its "
-                      "backward hands out copies (clone_param_grads=True, or accumulate_in_graph=True)", text)
-        self.assertIn("between keys (captured lazily, replayed in any order), each graph keeps its own", text)
+        self.assertIn("pool sharing: yes: the forward graphs of keys (a model graphed layer by layer) share one "
+                      "memory pool per GPU, checked before every forward replay", text)
+        self.assertIn("a key's forward and backward graphs share one pool where its backward hands out copies "
+                      "(clone_param_grads=True, or accumulate_in_graph=True)", text)
+        self.assertIn("backward graphs, further slots (max_inflight) and keys with clone_outputs=False keep their own",
+                      text)
 
     def test_private_pools_on_paddle_without_pool_ids(self):
         self.assertIn("pool sharing: no: each graph gets its own memory pool (Paddle < 3.1", self.gpu_report(False))

@@ -257,6 +257,11 @@ class Backend:
         """Returns a pool handle to share between the graphs of one key (or None)."""
         raise NotImplementedError
 
+    def forward_pool(self):
+        """The pool the forward graphs of keys share (NOTE [ Keys sharing a forward pool ] in
+        backends/shared_pool.py): a SharedPool, or None where each key keeps its own."""
+        return None
+
     def new_graph(self, pool):
         """Returns an empty Graph that will allocate from ``pool``."""
         raise NotImplementedError

@@ -4,7 +4,9 @@ This is the only module that imports ``paddle.device.cuda.graphs``. It detects w
 installed Paddle can do instead of comparing version strings:
 
 * ``core.CUDAGraph.begin_capture_with_pool_id`` (Paddle >= 3.1): graphs can be captured into one
-  memory pool; a key's forward and backward share one where that is safe (NOTE [ One pool per key ]).
+  memory pool; the forwards of keys share one per device (NOTE [ Keys sharing a forward pool ] in
+  shared_pool.py), and a key's forward and backward share one where that is safe (NOTE [ One pool
+  per key ]).
 * without it (Paddle 2.6): every capture gets a private pool.
 
 NOTE [ One pool per key ]
@@ -24,13 +26,13 @@ temporary space, and the earlier graph's next replay then overwrites it: silentl
 example when two micro-batches of different keys are in flight or a key of another shape replays
 between a forward and its backward. Within one key the same holds: its backward is captured after
 its forward, so a forward replay may overwrite the backward's static grads, which ``p.grad``
-aliases across micro-batches (grads accumulated over them). So keys never share a pool, and a
-key's forward and backward share one only where the backward's buffers are dead after every
+aliases across micro-batches (grads accumulated over them). So no two keys share a pool for all
+their graphs, and a key's forward and backward share one only where the backward's buffers are dead after every
 backward (grads handed out as copies, clone_param_grads=True, or accumulated in the graph);
-otherwise, and for a second grad buffer set, every graph gets its own (block/capture.py). Sharing
-across keys would need every key's graphs captured together, in call order, before any replays:
-not what autocudagraph's per-key warmup does. What graphs hold is measured instead (NOTE [ Graph
-pool bytes ] in core/entry.py).
+otherwise, and for a second grad buffer set, every graph gets its own (block/capture.py). Across
+keys only forward graphs share, under a check before every forward replay that keeps the rule in
+whatever order calls come (NOTE [ Keys sharing a forward pool ] in shared_pool.py); backward graphs
+never do. What graphs hold is measured (NOTE [ Graph pool bytes ] in core/entry.py).
 """
 
 import gc
@@ -44,6 +46,7 @@ from . import cuda_driver
 from .base import NOT_CAPTURED, Backend, Graph, capture_guard, capturing
 from ..guards.host_guard import gpu_is_host
 from .pool_memory import CaptureMeter, reserved
+from .shared_pool import PoolConflictError, SharedPool, forward_pool
 
 __all__ = ["CudaBackend", "cuda_available", "pool_sharing_supported"]
 
@@ -205,8 +208,10 @@ class _CudaGraph(Graph):
 
     def _capture(self, body):
         graphs, _ = _core_graph_class()
-        if self._pool is not None:
-            graph = graphs.CUDAGraph(place=self._place, mode="thread_local", pool_id=self._pool)
+        pool = self._pool
+        if pool is not None:
+            pool_id = pool.handle if isinstance(pool, SharedPool) else pool
+            graph = graphs.CUDAGraph(place=self._place, mode="thread_local", pool_id=pool_id)
         else:
             graph = graphs.CUDAGraph(place=self._place, mode="thread_local")
         stream = _stream_handle(self._place)
@@ -226,11 +231,21 @@ class _CudaGraph(Graph):
             broken = _end_failed_capture(graph, stream, ended=True)
             raise CaptureError(_device_failure(err, broken)) from err
         self._graph = graph
+        if isinstance(pool, SharedPool):
+            pool.join(self)
         return result
 
     def replay(self):
         if self._graph is None:
             raise CaptureError(NOT_CAPTURED)
+        pool = self._pool
+        if isinstance(pool, SharedPool):
+            # NOTE [ Keys sharing a forward pool ] in shared_pool.py: the dispatcher captured such a key
+            # again into its own pool; a replay that gets here anyway would corrupt another key's data.
+            conflict = pool.blocked(self)
+            if conflict is not None:
+                raise PoolConflictError(f"autocudagraph: {conflict}. This replay is refused.")
+            pool.replayed(self)
         if self._generator is None:
             self._graph.replay()
             return
@@ -252,6 +267,8 @@ class _CudaGraph(Graph):
         if self._graph is not None:
             self._graph.reset()
             self._graph = None
+            if isinstance(self._pool, SharedPool):
+                self._pool.leave(self)
 
 
 class CudaBackend(Backend):
@@ -271,11 +288,19 @@ class CudaBackend(Backend):
         _, core_graph = _core_graph_class()
         return core_graph.gen_new_memory_pool_id()
 
-    def new_graph(self, pool):
+    def forward_pool(self):
+        if not self.shares_pools:
+            return None
+        return forward_pool(str(self._resolved_place()), self.new_pool)
+
+    def _resolved_place(self):
         place = self._place
         if place is None:
             place = paddle.CUDAPlace(paddle.distributed.ParallelEnv().device_id)
-        return _CudaGraph(place, pool, self.guard)
+        return place
+
+    def new_graph(self, pool):
+        return _CudaGraph(self._resolved_place(), pool, self.guard)
 
     def is_host(self, tensor):
         return gpu_is_host(tensor)
@@ -289,7 +314,8 @@ class CudaBackend(Backend):
         return int(paddle.device.cuda.memory_reserved(self._place))
 
     def describe(self):
-        sharing = "a key's forward and backward share one pool where its grads are copies" if self.shares_pools else (
+        sharing = ("the forwards of keys share one pool; a key's forward and backward share one where its grads "
+                   "are copies") if self.shares_pools else (
             "private pool per graph (no begin_capture_with_pool_id)"
         )
         return f"cuda ({sharing})"

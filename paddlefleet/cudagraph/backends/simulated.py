@@ -37,7 +37,7 @@ from ..guards.host_guard import host_guard
 from ..guards.host_marks import is_marked_host, mark_host
 from ..guards.python_output import python_output
 from .pool_memory import results_bytes
-from .shared_pool import PoolConflictError, SharedPool
+from .shared_pool import PoolConflictError, SharedPool, forward_pool
 from ..guards.value_shapes import check_replay_shapes
 
 __all__ = ["SimulatedBackend", "refuse_host_sync"]
@@ -154,9 +154,12 @@ class _SimulatedGraph(Graph):
     def replay(self):
         if self._body is None:
             raise CaptureError(NOT_CAPTURED)
-        conflict = self._pool.conflict(self) if self._pool is not None else None
-        if conflict is not None:  # NOTE [ Sharing a pool safely ] in shared_pool.py
-            raise PoolConflictError(f"autocudagraph: {conflict}. This sharing is refused.")
+        pool = self._pool
+        if pool is not None:  # NOTE [ Sharing a pool safely ] in shared_pool.py: every later graph asked
+            conflict = pool.conflict(self)
+            if conflict is not None:
+                raise PoolConflictError(f"autocudagraph: {conflict}. This sharing is refused.")
+            pool.replayed(self)
         # A CUDA graph replays the kernels of the capture-time branch of any Python code, so
         # the body re-runs in the capture context (is_capturing() True, hooks entered), and
         # reads of host tensors return what they returned at capture.
@@ -198,6 +201,9 @@ class SimulatedBackend(Backend):
 
     def new_pool(self):
         return SharedPool() if self.pool_model else None
+
+    def forward_pool(self):
+        return forward_pool("simulate") if self.pool_model else None
 
     def new_graph(self, pool):
         return _SimulatedGraph(self.pool_model, pool, self.guard)

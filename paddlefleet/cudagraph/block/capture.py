@@ -97,6 +97,7 @@ class CaptureRequest:
     warn_once: Callable[[Any, str], None]
     label: str
     writes: Optional[InPlaceWrites] = None
+    share_pool: bool = True
 
 
 def capture_block(request):
@@ -156,9 +157,13 @@ class _BlockCapture:
         self.last_inputs = request.last_inputs or ()
         self.by_grad = by_grad
         self.label = request.label
+        self.share_pool = request.share_pool
 
     def run(self):
-        graphs = BlockGraphs(backend=self.backend, pool=self.backend.new_pool(), clone_outputs=self.opts.clone_outputs)
+        shared = self._forward_pool()
+        pool = shared if shared is not None else self.backend.new_pool()
+        graphs = BlockGraphs(backend=self.backend, pool=pool, clone_outputs=self.opts.clone_outputs)
+        graphs.shared_pool = shared
         try:
             self._capture(graphs)
             _forward_liveness(graphs, self.label)  # NOTE [ Sharing a pool safely ] in backends/shared_pool.py
@@ -168,6 +173,14 @@ class _BlockCapture:
             graphs.release()
             raise
         return graphs
+
+    def _forward_pool(self):
+        """The pool the forward graphs of keys share, where this key's forward may join it (NOTE [ Keys
+        sharing a forward pool ] in backends/shared_pool.py), else None."""
+        opts = self.opts
+        if not self.share_pool or not opts.clone_outputs or opts.clone_param_grads is True or opts.accumulate_in_graph:
+            return None
+        return self.backend.forward_pool()
 
     # ------------------------------------------------------------------ static inputs
     def _static_inputs(self):
@@ -310,7 +323,8 @@ class _BlockCapture:
 
     def _capture_backward(self, graphs, body, live):
         bwd = graphs.backward
-        bwd.graph = self.backend.new_graph(graphs.pool if _shares_pool(bwd, self.opts) else self.backend.new_pool())
+        own = graphs.shared_pool is not None or not _shares_pool(bwd, self.opts)
+        bwd.graph = self.backend.new_graph(self.backend.new_pool() if own else graphs.pool)
         if self.backend.replays_python:  # NOTE [ Values a simulated replay reads ] in block/replay_fallback.py
             body = traced_backward(body, live)
         # NOTE [ Random draws seen from generator state ], NOTE [ Recompute under CUDA graphs ] in guards/rng.py.

@@ -87,9 +87,12 @@ class BlockBody(Body):
         first = capture_block(self._request(entry, call, named, last_inputs, warn_once))
         return Slots(first, self.options.max_inflight)
 
-    def _request(self, entry, call, named, last_inputs, warn_once):
+    def _request(self, entry, call, named, last_inputs, warn_once, first_slot=True):
+        # Only a key's first capture of its first slot may join the pool other keys' forwards share: a key
+        # captured again (a moved parameter, or a replay that pool would block) is out of its capture order
+        # (NOTE [ Keys sharing a forward pool ] in backends/shared_pool.py).
         return CaptureRequest(self.fn, self.owner(), self.options, entry.backend, call, named, last_inputs,
-                              warn_once, entry.label)
+                              warn_once, entry.label, share_pool=first_slot and not entry.recaptures)
 
     def add_slot(self, entry, call, named, last_inputs, warn_once):
         """Captures a new slot of ``entry``'s key from ``call`` (NOTE [ Slots ]); returns None, or
@@ -98,7 +101,8 @@ class BlockBody(Body):
         slots = entry.graphs
         rng = state.rng_snapshot()  # a recording capture advances the generators (NOTE [ RNG across capture ])
         try:
-            graphs = capture_block(self._request(entry, call, named, last_inputs, warn_once))
+            # A further slot keeps its own pool: its forwards are in flight with the other slots' by design.
+            graphs = capture_block(self._request(entry, call, named, last_inputs, warn_once, first_slot=False))
         except Exception as err:  # contained: the key keeps its slots, calls past them run eagerly
             slots.refuse(f"capture of a new slot failed: {type(err).__name__}: {err}")
             warn_once(("slot", id(entry)), f"key {entry.label}: {slots.refused}. Calls that find every slot of "

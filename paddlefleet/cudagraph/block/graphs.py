@@ -71,6 +71,8 @@ class BlockGraphs(Graphs):
 
     Attributes:
         backend, pool, fwd_graph: the forward graph.
+        shared_pool: the SharedPool the forward graph joined with other keys' forwards, or None (NOTE
+            [ Keys sharing a forward pool ] in backends/shared_pool.py).
         backward: BackwardGraphs, or None when the capture recorded no backward (no grad mode, or
             nothing needs grad).
         static_inputs: StaticInputs of the call's tensors; in_spec: the call's structure.
@@ -90,6 +92,7 @@ class BlockGraphs(Graphs):
 
     backend: Any
     pool: Any = None
+    shared_pool: Any = None
     fwd_graph: Any = None
     backward: Optional[BackwardGraphs] = None
     static_inputs: Any = None
@@ -186,7 +189,7 @@ class BlockGraphs(Graphs):
             self.backward.release()
         if self.fwd_graph is not None:
             self.fwd_graph.reset()
-        self.fwd_graph = self.pool = self.live = None
+        self.fwd_graph = self.pool = self.shared_pool = self.live = None
         self.static_inputs = None
         self.static_outputs = []
         self.inflight = None

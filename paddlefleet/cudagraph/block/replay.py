@@ -6,7 +6,9 @@ A graph reads fixed addresses. Before a replay: the parameters the capture saw m
 the same tensors at the same addresses with the same stop_gradient, and an adopted input must
 be passed again (NOTE [ Adopted inputs ] in io/static_inputs.py) — otherwise the key is captured
 again. A call gets a slot whose previous forward's backward has run (NOTE [ Slots ] in
-block/slots.py; NOTE [ One forward in flight ] in block/bridge.py). With dispatch_key_fn the key no longer
+block/slots.py; NOTE [ One forward in flight ] in block/bridge.py), and whose forward, where it shares
+a pool with other keys' forwards, overwrites nothing they still hold (NOTE [ Keys sharing a forward
+pool ] in backends/shared_pool.py; otherwise the call runs eagerly). With dispatch_key_fn the key no longer
 proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
 structure are checked (InputMismatchError).
 
@@ -72,6 +74,11 @@ def replay_blocker(graphs, call, check_inputs):
                 f"accumulate_in_graph=True: {moved}, so the key is captured again with a new accumulator (if it "
                 "happens again, the key runs eagerly). Zero grads in place (optimizer.clear_grad()) or free them "
                 "(clear_grad(set_to_zero=False)) instead of rebinding them."))
+    shared = graphs.shared_pool
+    if shared is not None:
+        conflict = shared.blocked(graphs.fwd_graph)
+        if conflict is not None:  # NOTE [ Keys sharing a forward pool ] in backends/shared_pool.py
+            return Blocked(Action.RECAPTURE, f"{conflict}: the key is captured again into a pool of its own")
     return None  # a pending backward: BlockBody.blocker's Slots.select() took a slot without one
 
 

@@ -163,6 +163,16 @@ class Slots:
             text = hand_out_text(first.grad_plan.policy, copies, rescues, len(self.plans()), len(self.all))
         return text
 
+    def pool_words(self):
+        """explain()'s words on the pool the key's forward shares with other keys' (NOTE [ Keys sharing a
+        forward pool ] in backends/shared_pool.py), or ""."""
+        shared = self.all[0].shared_pool
+        if shared is None:
+            return ""
+        others = len(shared.graphs) - 1
+        return (f"its forward graph shares one memory pool with {others} other key{'' if others == 1 else 's'}' "
+                "forward graphs, checked before every replay")
+
     def release(self):
         """Frees every slot whose backward is not pending (NOTE [ Slots ])."""
         for graphs in self.all:

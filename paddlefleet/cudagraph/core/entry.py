@@ -91,6 +91,7 @@ class GraphEntry:
     warmup_calls: int = 0
     captures: int = 0
     recaptures: int = 0
+    recapture_reason: str = ""  # why its graphs were last released to be captured again
     replays: int = 0
     input_copies: int = 0
     input_copies_skipped: int = 0

@@ -39,7 +39,9 @@ def describe_entries(entries):
       None for other keys) and ``holds``, the same in words;
     * ``capture_ms``; ``host_us``: ``{"eager", "graphed", "chained"}`` host microseconds per forward call
       (lower quartiles, None where not measured) and ``host_cost``, the same in words;
-    * ``grads``, ``chain``: explain()'s words about the key's grads and its chain ("" for none).
+    * ``grads``, ``chain``, ``pool``: explain()'s words about the key's grads, its chain and the memory pool its
+      forward shares with other keys' ("" for none); ``recapture_reason``: why its graphs were last
+      captured again ("" for never).
     """
     rows = []
     for entry in entries:
@@ -73,6 +75,8 @@ def describe_entries(entries):
                 "grads": graphs.describe() if graphs is not None else "",
                 "slot_bytes": list(graphs.slot_bytes()) if hasattr(graphs, "slot_bytes") else [],
                 "chain": chain.describe(graphs is not None) if chain is not None else "",
+                "pool": graphs.pool_words() if hasattr(graphs, "pool_words") else "",
+                "recapture_reason": entry.recapture_reason,
             }
         )
     return rows
@@ -173,9 +177,11 @@ def _key_lines(row, label, said):
     if row["no_backward"]:
         lines.append(f"    no backward: {row['no_backward']} call(s) since its latest backward returned outputs that "
                      "needed grad and were freed without a backward (evaluation? call it under paddle.no_grad())")
-    for name in ("grads", "chain"):
+    for name in ("grads", "chain", "pool"):
         if row[name]:
             lines.append(f"    {name}: {row[name]}")
+    if row["recapture_reason"]:
+        lines.append(f"    captured again: {row['recapture_reason']}")
     if row["host_cost"]:
         lines.append(f"    host time: {row['host_cost']}")
     return lines

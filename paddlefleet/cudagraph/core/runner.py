@@ -139,6 +139,7 @@ class Runner:
         entry = d.entry
         if d.blocked is not None:  # a replay the body blocked: the key's graphs go first
             entry.to_recapture()
+            entry.recapture_reason = d.reason
             logger.info("%s(%s): re-capturing: %s", self._body.api, self.__name__, d.reason)
         entry.recaptures += 1
         self.counters.recaptures += 1
