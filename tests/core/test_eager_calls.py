@@ -243,6 +243,37 @@ class RefusedUnderMaxGraphsTest(unittest.TestCase):
         self.assertEqual(f.stats()["eager_reasons"], {"max_graphs reached": 5})
         self.assertEqual([row["label"] for row in f.report()][-1], "(t: float32[3, 3])")
 
+    def test_a_key_refused_again_is_refused_from_the_front_with_the_books_dispatch_keeps(self):
+        """NOTE [ Calls of a key that runs eagerly ]: KnownRefused decides what dispatch() decides, call by call, and
+        keeps the same books (the places' remembered calls, the wrapper's tick, the entries, the counts)."""
+
+        def run(front):
+            f = autocudagraph(lambda t: t * 2.0, backend="simulate", warmup_steps=1, max_graphs=1)
+            a, b, c = paddle.ones([2, 3]), paddle.ones([3, 3]), paddle.ones([4, 3])
+            dispatched, books = [], []
+            real = lifecycle.dispatch
+            with contextlib.ExitStack() as stack, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stack.enter_context(mock.patch.object(
+                    lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
+                if not front:
+                    stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
+                # b refused while a replays between its calls; c refused too; then b twice in a row takes a's place
+                for t in [a, a, b] + [a, b] * 4 + [c, b, a, b, b, b, a, c, a]:
+                    np.testing.assert_array_equal(f(t).numpy(), (t * 2.0).numpy())
+                    stats = f.stats()
+                    books.append(([stats[k] for k in ("eager_calls", "eager_reasons", "replays", "captures",
+                                                      "warmup_calls", "evictions")],
+                                  list(f._places._waiting.items()), f._tick, [e.label for e in f._entries.values()]))
+            return books, dispatched
+
+        front, dispatched = run(True)
+        full, every = run(False)
+        self.assertEqual(front, full)
+        self.assertEqual(len(every), 20)
+        self.assertEqual(len(dispatched), 20 - 6, "six calls of b refused from the front")
+        self.assertEqual(front[-1][0][1], {"max_graphs reached": 11})
+
     def test_arguments_that_are_not_all_tensors_are_still_checked(self):
         class Cache:
             def update(self):

@@ -44,6 +44,11 @@ but the key decides such a call, so two things make it cost little more than the
   compared, extended). It keeps the same books.
 Any other call (keyword or non-tensor arguments, dispatch_key_fn, another key) takes the full path; a new
 key warms up and captures as before.
+A key refused under max_graphs that dispatch() refused again (no entry made: NOTE [ Places under max_graphs ]
+in core/budgets.py) arms the same front path with ``KnownRefused``: its later calls are refused from the front
+while dispatch() would refuse them the same way, under the same conditions as above plus the key still without
+an entry and ``Places.refused_again`` (every place taken, no key it may displace yet; the call remembered as
+dispatch() remembers it). A call that may displace a key goes through dispatch() and gets its place there.
 """
 
 import enum
@@ -65,7 +70,7 @@ from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
-__all__ = ["Action", "Decision", "KnownEager", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
+__all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +197,10 @@ def dispatch(wrapper, args, kwargs):
         if "max_graphs" in wrapper._warned and wrapper._places.refused_again(
                 wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs):  # NOTE [ Places under max_graphs ]
             wrapper._last_refusal = MAX_GRAPHS
+            if spec is not None:  # NOTE [ Calls of a key that runs eagerly ]: the front path
+                known = wrapper._known_eager
+                if not isinstance(known, KnownRefused) or known.key != key:
+                    wrapper._known_eager = KnownRefused(key)
             return Decision(Action.EAGER, call=call, reason=MAX_GRAPHS)
         entry = _new_entry(wrapper, key, call)
         if entry is None:
@@ -238,6 +247,30 @@ class KnownEager:
                 or not _is_key_of(entry.key, positional_spec(args, None), args, wrapper._keys.layers)):
             return False
         _used(wrapper, entry.key, entry)
+        return True
+
+
+class KnownRefused:
+    """The key refused under max_graphs, without an entry, whose call came last through dispatch(), as the front
+    of a call checks it (NOTE [ Calls of a key that runs eagerly ])."""
+
+    __slots__ = ("key",)
+    reason = MAX_GRAPHS
+
+    def __init__(self, key):
+        self.key = key
+
+    def take(self, wrapper, args):
+        """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would refuse the call
+        ``wrapper(*args)`` as a call of this key; else False."""
+        key = self.key
+        if (wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
+                or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
+                or not _is_key_of(key, positional_spec(args, None), args, wrapper._keys.layers)
+                or key in wrapper._entries
+                or not wrapper._places.refused_again(wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs)):
+            return False
+        wrapper._last_refusal = MAX_GRAPHS
         return True
 
 
