@@ -124,7 +124,8 @@ def main():
                         help="comma-separated LAYERSxWIDTHxBATCH (default: the benchmark's one-block MLPs)")
     args = parser.parse_args()
     if not (paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0):
-        sys.exit("grad_stack_memory_probe: needs a GPU (CUDA graphs and their pools)")
+        print("grad_stack_memory_probe: no GPU here: it measures CUDA graph pools", file=sys.stderr)
+        sys.exit(2)
     paddle.set_device("gpu")
     print(f"paddle {paddle.__version__}; device memory reserved by each capture, after the cache was released")
     for config in args.configs.split(","):
