@@ -70,7 +70,8 @@ from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .pass_through import passes_through
 
-__all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule", "nested_reason"]
+__all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule",
+           "nested_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,8 @@ class KnownRefused:
         if (wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
                 or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
                 or not _is_key_of(key, positional_spec(args, None), args, wrapper._keys.layers)
-                or key in wrapper._entries
-                or not wrapper._places.refused_again(wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs)):
+                or key in wrapper._entries or not wrapper._places.refused_again(
+                    wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs)):
             return False
         wrapper._last_refusal = MAX_GRAPHS
         return True
