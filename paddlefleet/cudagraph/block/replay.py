@@ -8,9 +8,9 @@ be passed again (NOTE [ Adopted inputs ] in io/static_inputs.py) — otherwise t
 again. A call gets a slot whose previous forward's backward has run (NOTE [ Slots ] in
 block/slots.py; NOTE [ One forward in flight ] in block/bridge.py), and whose forward, where it shares
 a pool with other keys' forwards, overwrites nothing they still hold (NOTE [ Keys sharing a forward
-pool ] in backends/shared_pool.py; otherwise the call runs eagerly). With dispatch_key_fn the key no longer
-proves that the call fits the static buffers, so shapes, dtypes, stop_gradient and the argument
-structure are checked (InputMismatchError).
+pool ] in backends/shared_pool.py; otherwise the key is captured again into a pool of its own). With
+dispatch_key_fn the key no longer proves that the call fits the static buffers, so shapes, dtypes,
+stop_gradient and the argument structure are checked (InputMismatchError).
 
 NOTE [ Replay work decided at capture ]
 A replayed call pays the host time of everything it does, so what is the same for every replay
