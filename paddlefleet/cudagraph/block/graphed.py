@@ -68,6 +68,24 @@ class BlockBody(Body):
         owner = self.owner()
         return [owner] if isinstance(owner, paddle.nn.Layer) else []
 
+    def eager_runner(self):
+        """``run(args, kwargs)`` with its lookups done once: a wrapper whose calls pass straight through costs
+        about the function's own call (NOTE [ Pass-through wrappers ] in core/pass_through.py)."""
+        fn, ref, calls = self.fn, self._owner_ref, note_call.calls
+        if ref is None:
+            def run(args, kwargs):
+                calls[0] += 1  # note_call()
+                return fn(*args, **kwargs)
+            return run
+
+        def run_bound(args, kwargs):
+            calls[0] += 1  # note_call()
+            owner = ref()
+            if owner is None:
+                owner = self.owner()  # raises: the Layer was garbage-collected
+            return fn(owner, *args, **kwargs) if kwargs else fn(owner, *args)
+        return run_bound
+
     def run(self, args, kwargs, count=True):
         """The function itself, eagerly; ``count=False``: not a call of the block (a recompute in
         a backward)."""

@@ -120,6 +120,11 @@ class Body(Protocol):
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The call, eagerly (fallback and calls without a key)."""
 
+    def eager_runner(self) -> Callable[[tuple, dict], Any]:
+        """A function doing what ``run`` does, for the wrapper's calls that run eagerly without a Decision
+        (a pass-through or keyless rule, a key known to run eagerly): a body may lay out its work once."""
+        return self.run
+
     def warmup(self, entry, call) -> Any:
         """One eager warmup call of ``entry``'s key."""
         return self.run(call.args, call.kwargs)

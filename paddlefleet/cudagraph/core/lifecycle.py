@@ -45,6 +45,7 @@ class Lifecycle(Reports, Views, Runner):
     def __init__(self, body, fn):
         install_process_patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py: the first wrapper
         self._body = body
+        self._run_eager = body.eager_runner()  # body.run, laid out once: the calls that run eagerly without a Decision
         self._entries = collections.OrderedDict()
         self._warned = set()
         self._last_refusal = None
@@ -97,11 +98,11 @@ class Lifecycle(Reports, Views, Runner):
             counters = self.counters  # Counters.eager, inlined: a pass-through call costs every frame it makes
             counters.eager_calls += 1
             counters.eager_reasons[keyless[0]] += 1
-            return self._body.run(args, kwargs)
+            return self._run_eager(args, kwargs)
         known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         if known is not None and not kwargs and known.take(self, args):
             self.counters.eager(known.reason)
-            return self._body.run(args, kwargs)
+            return self._run_eager(args, kwargs)
         decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
         action = decision.action
         if action is _REPLAY:  # the most frequent decisions straight to their method (no warning to give)

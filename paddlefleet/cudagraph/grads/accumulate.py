@@ -179,6 +179,9 @@ def note_call():
     _CALLS[0] += 1
 
 
+note_call.calls = _CALLS  # the counter itself, for a caller that counts without a call (BlockBody.eager_runner)
+
+
 def _eager_use_hook(acc, p, i):
     """A gradient hook for ``p`` (index ``i`` in acc): autograd runs it only for grads from outside
     acc's graph (or from an inner backward of the graph's own body, see own_backward()). The grad is
