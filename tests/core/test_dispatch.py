@@ -256,6 +256,58 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual(list(wrapper._entries), [decision.entry.key])  # the held key (in warmup) was dropped
         self.assertNotIn(held.key, wrapper._entries)
 
+    def test_refused_again_answers_what_admit_would_over_random_books(self):
+        """NOTE [ Places under max_graphs ]: ``refused_again`` (one pass over the entries, asked at the front of every
+        call of a refused key) refuses exactly where ``admit`` would (no free place, no key to displace) and keeps
+        the same books; 500 random sets of entries (phases, graphs with or without a pending backward, last calls)
+        and remembered ticks."""
+        import collections
+        import random
+        from paddlefleet.cudagraph.core import budgets
+
+        class _Held:
+            def __init__(self, pending):
+                self.pending = pending
+
+            def backward_pending(self):
+                return self.pending
+
+        class _Entry:
+            def __init__(self, key, phase, graphs, last_used):
+                self.key, self.phase, self.graphs, self.last_used = key, phase, graphs, last_used
+
+            @property
+            def has_graphs(self):
+                return self.graphs is not None
+
+            def backward_pending(self):
+                return self.graphs is not None and self.graphs.backward_pending()
+
+        draw = random.Random(0)
+        answers = collections.Counter()
+        for _ in range(500):
+            entries = collections.OrderedDict()
+            for k in range(draw.randint(0, 4)):
+                phase = draw.choice([Phase.WARMUP, Phase.REPLAY, Phase.REPLAY, Phase.FALLBACK, Phase.RECAPTURE])
+                graphs = _Held(draw.random() < 0.3) if phase is Phase.REPLAY or draw.random() < 0.2 else None
+                entries[k] = _Entry(k, phase, graphs, draw.randint(0, 20))
+            max_graphs, tick = draw.randint(1, 3), 30
+            ticks = tuple(sorted(draw.sample(range(0, 25), draw.choice([1, 2]))))
+            places, expected = budgets.Places(), budgets.Places()
+            for other in range(draw.randint(0, 2)):  # other refused keys, remembered before and after
+                places._waiting[("other", other)] = expected._waiting[("other", other)] = (other,)
+            places._waiting["k"] = expected._waiting["k"] = ticks
+            places._waiting[("after",)] = expected._waiting[("after",)] = (3,)
+            live = budgets._live(entries)
+            refuses = not (len(live) < max_graphs or budgets._displaced(live, ticks) is not None)
+            if refuses:
+                expected._refused("k", ticks, tick)
+            self.assertEqual(places.refused_again(entries, "k", tick, max_graphs), refuses)
+            self.assertEqual(list(places._waiting.items()), list(expected._waiting.items()))
+            self.assertFalse(places.refused_again(entries, "unknown", tick, max_graphs))
+            answers[refuses] += 1
+        self.assertGreater(min(answers[True], answers[False]), 50, answers)
+
     def test_max_graphs_0_runs_every_call_without_a_key(self):
         """No key can ever get a place: the calls take the keyless rule (no key made, no entry), and a call inside
         something else still gets that reason from the dispatcher."""

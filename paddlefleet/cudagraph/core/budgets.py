@@ -33,6 +33,8 @@ __all__ = ["Places", "enforce_max_bytes", "varying_parts"]
 #: Refused keys whose latest calls are remembered (NOTE [ Places under max_graphs ]).
 WAITING = 64
 
+_WARMUP, _REPLAY = Phase.WARMUP, Phase.REPLAY
+
 
 class Places:
     """The ``max_graphs`` places of one wrapper's keys (NOTE [ Places under max_graphs ])."""
@@ -65,13 +67,28 @@ class Places:
         """True, with the call remembered as ``admit`` remembers a refused one, when ``key`` (no entry) was refused
         before and ``admit`` would refuse it again now: every place taken, no key to displace. False: the key is
         not waiting, or may get a place (``admit`` decides, with its entry)."""
-        ticks = self._waiting.get(key)
+        waiting = self._waiting
+        ticks = waiting.get(key)
         if ticks is None:
             return False
-        live = _live(entries)
-        if len(live) < max_graphs or _displaced(live, ticks) is not None:
+        # _live and _displaced in one pass, no list made: the front of every such call asks (NOTE [ Calls of a key
+        # that runs eagerly ] in core/dispatch.py). ``ticks`` is never empty here (_refused stores the call).
+        last, before = ticks[-1], (ticks[-2] if len(ticks) > 1 else None)
+        live = 0
+        for e in entries.values():
+            phase = e.phase
+            if phase is not _WARMUP and phase is not _REPLAY:
+                continue
+            live += 1
+            if e.graphs is None:
+                if e.last_used <= last:  # a key in warmup it displaces
+                    return False
+            elif before is not None and e.last_used <= before and not e.backward_pending():
+                return False
+        if live < max_graphs:
             return False
-        self._refused(key, ticks, tick)
+        waiting.move_to_end(key)  # _refused, for a key already waiting: latest refused last, its two latest calls
+        waiting[key] = (last, tick)
         return True
 
     def _refused(self, key, ticks, tick):
