@@ -19,7 +19,8 @@ function changes on every call (refused at capture, as on simulate), a parameter
 whole step; tests/backends/test_refusals.py: rows of the refusal table whose
 GPU behaviour matters - a stream wait refused, ``int(paddle.shape(x)[0])`` captured, ``p.grad = t`` captured as an
 in-place copy; tests/step/test_step_dataflow.py: a closure tensor that is no Parameter frozen after a whole
-step's capture; tests/grads/test_grad_stacks.py: stacked parameter grads under every hand-out policy, and the
+step's capture; tests/grads/test_grad_stacks.py: stacked parameter grads under every hand-out policy, the views
+a backward hands out reused by the next while untouched and made again once freed, and the
 pool bytes of a key whose four 1 MiB grads share one stack, in the case's notes; tests/core/test_grad_nodes.py:
 a dropped graphed model gives its memory back; tests/core/test_capture_session.py: the collector paused
 during a capture) with

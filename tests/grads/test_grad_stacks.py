@@ -193,6 +193,48 @@ class StackedGradsBitwiseTest(MatmulOnlyCase):
         self.assertIsNone(graphed.ws[2].grad if factory is OneUnused else None)
 
 
+class StackAndSingle(paddle.nn.Layer):
+    """Three same-shape weights (one stack of grads) and one of its own shape (a single grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = paddle.nn.ParameterList([self.create_parameter([W, W]) for _ in range(3)])
+        self.out = self.create_parameter([W, 4])
+
+    def forward(self, x):
+        for w in self.ws:
+            x = paddle.matmul(x, w)
+        return paddle.matmul(x, self.out)
+
+
+@for_each_backend
+class ReusedViewsTest(MatmulOnlyCase):
+    """NOTE [ Reused aliases ] in grads/hand_out_plan.py, with only matmuls, copies and cuBLAS adds: grads accumulated
+    over backwards (the first backward's views become p.grad, the later ones' are added into it from the second
+    buffer set), freed once midway (the views p.grad had adopted are emptied). Every backward's grads bitwise eager's;
+    the views are made where a fresh one is needed and reused otherwise."""
+
+    def test_views_reused_while_untouched_and_made_again_once_freed(self):
+        graphed, eager = self.twins(StackAndSingle, 0)
+        self.graphed(graphed, warmup_steps=0)
+        draw = normal(5)
+        for step in range(8):
+            x, dy = self.tensor(draw(B, W)), self.tensor(draw(B, 4))
+            for model in (graphed, eager):
+                model(x).backward(dy)
+                if step == 4:
+                    for p in model.parameters():
+                        p.clear_gradient(False)
+            self.assertBitwise([p.grad for p in graphed.parameters()], [p.grad for p in eager.parameters()],
+                               f"step {step}")
+        plans = graphed.forward.entry().graphs.current.plans()
+        made, reused = sum(p.views_made for p in plans), sum(p.views_reused for p in plans)
+        # A stack and a single grad per backward (16 hand-outs): made by the first backward (adopted as p.grad), by
+        # the second (the second set), and after the free by the backward p.grad adopts again; reused otherwise.
+        self.assertEqual((made, reused), (2 + 2 + 2, 16 - 6), plans)
+        self.assertCounters(graphed.forward, captures=1, replays=7, eager=0)
+
+
 @for_each_backend
 class EmbeddingStackTest(MatmulOnlyCase):
     kernels = "all"  # the embedding's and the add's kernels

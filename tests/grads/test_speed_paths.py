@@ -11,11 +11,13 @@
 The counters (``grad_copies``) pin that no needless copy is made.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import unittest
+import unittest.mock
 import warnings
 
 import numpy as np
@@ -181,6 +183,113 @@ class AutoPolicyTest(BackendCase):
         self.assertEqual((stats["captures"], stats["replays"], stats["grad_copies"]), (1, 11, 0))
         for p in graphed.parameters():
             self.assertIsNone(p.grad)
+
+
+class Mixed(paddle.nn.Layer):
+    """Two same-shape weights (one stack of grads) and one of its own shape (a single grad), matmuls only."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = paddle.nn.ParameterList([self.create_parameter([8, 8]) for _ in range(2)])
+        self.out = self.create_parameter([8, 4])
+
+    def forward(self, x):
+        for w in self.ws:
+            x = paddle.matmul(x, w)
+        return paddle.matmul(x, self.out)
+
+
+def touch_grads(model, step):
+    """What a training loop may do to the grads autograd adopted, one thing per step (the same to eager's)."""
+    params = list(model.parameters())
+    if step % 4 == 1:
+        for p in params:
+            paddle.assign(p.grad * 0.5, output=p.grad)  # in place: Paddle counts it
+    elif step % 4 == 2:
+        params[0].clear_gradient(False)  # frees the storage of every handle to that grad
+        params[2].clear_gradient(False)
+    elif step % 4 == 3:
+        g = params[1].grad  # reshaped in place and back again: the same metadata, counted twice
+        paddle.assign(g.reshape([64]), output=g)
+        paddle.assign(g.reshape([8, 8]), output=g)
+
+
+def reshape_after_step(model, step):
+    """After the optimizer read them, a grad left reshaped in place (its storage kept): the next backward's grad
+    replaces it as p.grad (eager: the zeroed grad is assigned over; freed: it is gone)."""
+    if step % 4 == 3:
+        g = list(model.parameters())[1].grad
+        paddle.assign(g.reshape([64]), output=g)
+
+
+@for_each_backend
+class ReusedAliasTest(BackendCase):
+    """NOTE [ Reused aliases ] in grads/hand_out_plan.py: the views a backward hands out are handed out again
+    while each is unchanged, and made again where anything touched them; bitwise eager's either way."""
+
+    def run_both(self, steps, touch, set_to_zero, graphed_under=contextlib.nullcontext):
+        """Eager's log and the graphed twin's (its loop run under ``graphed_under()``), and the graphed key's plans."""
+        eager, graphed = twin_layers(Mixed)
+        self.graphed(graphed, warmup_steps=0)
+        logs = []
+        for model in (eager, graphed):
+            opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+            with graphed_under() if model is graphed else contextlib.nullcontext():
+                logs.append(self.steps(model, opt, steps, touch, set_to_zero))
+        plans = graphed.forward.entry().graphs.current.plans()
+        return logs, plans
+
+    @staticmethod
+    def steps(model, opt, steps, touch, set_to_zero):
+        """Steps of two micro-batches each, SGD; the grads and the parameters after every step."""
+        log = []
+        for step, x in enumerate(batches(steps)):
+            for micro in range(2):
+                mse(model(x * (micro + 1.0))).backward()
+            if touch:
+                touch_grads(model, step)
+            log.append(grads_of(model))
+            opt.step()
+            if touch:
+                reshape_after_step(model, step)
+            opt.clear_grad(set_to_zero=set_to_zero)
+            log.append(params_of(model))
+        return log
+
+    @parameterized.expand([("zero", True), ("free", False)])
+    def test_untouched_grads_reuse_the_views_of_the_last_backward(self, _, set_to_zero):
+        (want, got), plans = self.run_both(6, False, set_to_zero)
+        self.assertBitwise(got, want)
+        made, reused = sum(p.views_made for p in plans), sum(p.views_reused for p in plans)
+        self.assertEqual(made + reused, 2 * 6 * 2, "a stack and a single grad per backward, 12 backwards")
+        if set_to_zero:  # zeroed grads keep their storage: after the first step, every view reused
+            self.assertLessEqual(made, 3 * 2, "one stack and one single grad, per buffer set, one more accumulated")
+        else:  # a freed p.grad empties the view it adopted (made again); the second micro-batch's views are reused
+            self.assertGreaterEqual(reused, 2 * 5, (made, reused))
+
+    @parameterized.expand([("zero", True), ("free", False)])
+    def test_touched_grads_get_views_made_again(self, _, set_to_zero):
+        (want, got), plans = self.run_both(8, True, set_to_zero)
+        self.assertBitwise(got, want)
+        made = sum(p.views_made for p in plans)
+        self.assertGreaterEqual(made, 8, "every step touched some grad: views made again")
+
+    @parameterized.expand([("no_check", lambda kept: True, False),
+                           ("address_only", lambda kept: all(v.data_ptr() == p for v, p in zip(*kept[:2])), True)])
+    def test_without_the_check_a_touched_view_is_handed_out_as_it_was(self, _, unchanged, set_to_zero):
+        """Each part of the check keeps some touched grad right: with none (a freed grad's emptied view handed out)
+        or with the address alone (a grad reshaped in place handed out in its new shape), the run fails."""
+        from paddlefleet.cudagraph.grads import hand_out_plan
+
+        def unchecked():
+            return unittest.mock.patch.object(hand_out_plan, "_unchanged", unchanged)
+
+        try:
+            (want, got), _ = self.run_both(8, True, set_to_zero, graphed_under=unchecked)
+        except Exception:  # noqa: BLE001 - the graphed loop's (eager's ran before, unpatched): a wrong grad handed out
+            return
+        with self.assertRaises(AssertionError):
+            self.assertBitwise(got, want)
 
 
 @for_each_backend

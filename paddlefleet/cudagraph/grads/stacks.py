@@ -28,7 +28,8 @@ hold one tensor (a node with a list slot fails in Paddle once any post hook is r
 it), and only where the hook sees as many outputs as the node has edges (an embedding's index
 slot has none); a grad the hook did not place (a reentrant recompute added to it) is copied
 afterwards, as before. Elsewhere, and on Paddle without node post hooks (2.6), grads are copied
-after paddle.grad. The hand-out (one ``unbind`` per stack) is the same either way.
+after paddle.grad. The hand-out (one ``unbind`` per stack, its views reused while untouched: NOTE [ Reused
+aliases ] in grads/hand_out_plan.py) is the same either way.
 """
 
 import paddle
