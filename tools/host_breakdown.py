@@ -27,7 +27,7 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``_entries`` (the chain hooks keep an entry weakly), ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``,
 ``GraphedCallable.body().blocker`` and ``.hooks`` (``head``, ``replayed``), ``entry.graphs`` (BlockGraphs:
 ``params.moved``, ``bridge.args``, ``grad_feeds``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
-``hand_out``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
+``hand_out`` and its kept views ``_views`` / ``_singles_views``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
 ``dispatch.nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
 view of the StepBody: ``blocker``, ``_between``,
@@ -159,6 +159,18 @@ class Internals:
         return self._entry().graphs.current.backward.grad_plan.adopted
 
     def hand_out_grads(self):
+        """The grad hand-out as a backward after freed grads pays it: the views made again (NOTE [ Reused aliases ]
+        in grads/hand_out_plan.py; the kept views forgotten, as a freed p.grad's emptied view is)."""
+        plan = self._entry().graphs.current.backward.grad_plan
+
+        def hand_out():
+            plan._views = [None] * len(plan._views)
+            plan._singles_views = [None] * len(plan._singles_views)
+            return plan.hand_out()
+        return hand_out
+
+    def hand_out_reused(self):
+        """The grad hand-out with the last backward's views reused (grads zeroed or accumulated, not freed)."""
         return self._entry().graphs.current.backward.grad_plan.hand_out
 
     def hand_out_outputs(self):
@@ -226,7 +238,10 @@ class Internals:
             ("grad-output copy into its static buffer (one copy per output)", "ours (1 device copy)",
              self.grad_output_copy),
             ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
-            ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks)", "ours", self.hand_out_grads),
+            ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks; views made, as after freed grads)", "ours",
+             self.hand_out_grads),
+            ("  the same, the last backward's views reused (grads zeroed or accumulated, not freed)", "ours",
+             self.hand_out_reused),
             ("forward graph replay()", "Paddle", self.forward_replay),
             ("backward graph replay()", "Paddle", self.backward_replay),
         ]
