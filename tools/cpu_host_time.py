@@ -76,7 +76,10 @@ def cpu_us(fn):
     return (clock() - start) * 1e6
 
 
-def per_layer_step(args, x, dy, graph):
+def per_layer_step(args, x, dy, graph, zero=False):
+    """A step of ``args.layers`` layers, each graphed on its own (``graph``) or eager; its grads freed after the
+    backward, or zeroed (``zero``: ``clear_gradient(True)``, where a graphed layer reuses the views it handed out
+    the backward before, NOTE [ Reused aliases ] in grads/hand_out_plan.py)."""
     layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), 0)
     if graph:
         for layer in layers:
@@ -89,7 +92,7 @@ def per_layer_step(args, x, dy, graph):
             h = layer(h)
         h.backward(dy)
         for p in params:
-            p.clear_gradient(False)
+            p.clear_gradient(zero)
 
     return step, layers
 
@@ -347,11 +350,16 @@ def main():
     graphed, layers = per_layer_step(args, x, dy, graph=True)
     startup = sum(cpu_us(graphed) for _ in range(3)) / 1e3
     eager, _ = per_layer_step(args, x, dy, graph=False)
-    g, e = [], []
+    zeroed = [per_layer_step(args, x, dy, graph=graph, zero=True)[0] for graph in (True, False)]
+    for run in zeroed:
+        run()
+    g, e, gz, ez = [], [], [], []
     for _ in range(args.steps):  # interleaved
         g.append(cpu_us(graphed))
         e.append(cpu_us(eager))
-    g, e = statistics.median(g), statistics.median(e)
+        gz.append(cpu_us(zeroed[0]))
+        ez.append(cpu_us(zeroed[1]))
+    g, e, gz, ez = (statistics.median(v) for v in (g, e, gz, ez))
     collect = cpu_us(gc.collect) / 1e3
     step = whole_step(args, x, dy)
     w = statistics.median(cpu_us(lambda: step(x, dy)) for _ in range(5 * args.steps))
@@ -361,6 +369,8 @@ def main():
     print(f"CPU host time (thread CPU time, stand-in graph; not a GPU timing), {n} layers x {args.width}, batch {args.batch}")
     print(f"- per-layer step, {n} graphed layers: {g:.0f} us ({g / n:.1f} us per layer call, forward + backward); "
           f"eager {e:.0f} us ({e / n:.1f} us per layer)")
+    print(f"- the same with grads zeroed (clear_gradient(True)) instead of freed: graphed {gz:.0f} us ({gz / n:.1f} us "
+          f"per layer call: the views of the backward before reused); eager {ez:.0f} us ({ez / n:.1f} us per layer)")
     print(f"- start-up of {n} graphed layers (first 3 steps): {startup:.0f} ms; one gc.collect() in this process: "
           f"{collect:.0f} ms")
     print(f"- whole-step graph (autocudagraph_step), one call: {w:.1f} us")
