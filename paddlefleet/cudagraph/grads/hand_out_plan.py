@@ -60,8 +60,8 @@ class GradPlan:
     ``reshape_`` and ``paddle.assign(..., output=)`` among them, on a counter the views of a stack
     share; ``clear_gradient(True)`` zeroes without counting and changes no metadata). Otherwise
     the views are made again. The values need no check: the replay that precedes every hand-out
-    writes the storage, and a view another parameter's ``p.grad`` still lives in is never handed out
-    over it (the buffer set a replay writes holds no adopted grad: NOTE [ Two grad buffer sets ]).
+    writes the storage, and no view is handed out while a ``p.grad`` lives in its storage (the buffer
+    set a replay writes holds no adopted grad: NOTE [ Two grad buffer sets ]).
     A reused view's object is the one autograd may have adopted before as some ``p.grad`` and
     re-pointed since (clear_gradient(True), then the next backward's grad): handles a user kept see
     the same storage either way, as with a fresh view.
