@@ -248,6 +248,16 @@ def test_every_tool_and_probe_answers_help_with_every_option_described():
         assert options_without_help(log) == [], (script, options_without_help(log), log)
 
 
+def test_reused_views_probe_smoke_reuses_views_and_stays_bitwise():
+    rc, log = run_tool("probes/reused_views_probe.py", "--smoke", timeout=300)
+    assert rc == 0, log[-3000:]
+    rows = re.findall(r"^\| (views reused|views made every backward) \| [\d.]+ \([\d.]+\) \| (\d+) \| (\d+) \| (\w+) \|$",
+                      log, re.M)
+    assert len(rows) == 4 and all(ok == "yes" for *_, ok in rows), log[-3000:]
+    for name, made, reused, _ in rows:  # the reused run makes each layer's views once per buffer set, then reuses them
+        assert (int(reused) > int(made)) if name == "views reused" else int(reused) == 0, (name, made, reused)
+
+
 def test_step_gpu_check_smoke_defaults_are_small():
     rc, log = run_tool("step_gpu_check.py", "--backend", "simulate", timeout=120)
     assert rc == 0, log[-3000:]
