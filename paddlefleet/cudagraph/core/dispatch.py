@@ -24,8 +24,9 @@ in FALLBACK until reset(), and each of its calls runs the function eagerly, coun
 but the key decides such a call, so two things make it cost little more than the function's own call:
 * dispatch() takes the key of the common call, f(x, ...) with tensors only and no dispatch_key_fn, from the
   arguments as passed (the Key a Call's tensors and spec give: positional_spec in core/call.py): where the
-  latest call's entry has that key, read part by part (``_is_key_of``: the same parts KeyMaker.key reads, each
-  compared, no Key made nor hashed; the latest entry is always held under its key), else made and looked up.
+  latest call's entry has that key, read part by part (``KeyMaker.is_key_of`` in core/keys.py: the same parts
+  KeyMaker.key reads, each compared, no Key made nor hashed; the latest entry is always held under its key),
+  else made and looked up.
   This serves every phase (a replayed key's calls too). A FALLBACK entry's calls get its Decision, made once
   per fallback reason; the books are kept as for any call (the wrapper's tick, the entry's last use, the
   entries' order).
@@ -35,8 +36,8 @@ but the key decides such a call, so two things make it cost little more than the
   (each a test in tests/core/test_eager_calls.py): the key is still in FALLBACK with the same reason; no
   keyless rule; no capture, whole step or re-running replay in this thread, no saved-tensors hooks (the
   nested reasons), no chain open (``Body.idle``: a chain's claim acts on an open chain), no stale output
-  alive (check_fresh would look); no dispatch_key_fn and no keyword argument; and ``_is_key_of`` the entry's
-  key: no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
+  alive (check_fresh would look); no dispatch_key_fn and no keyword argument; and ``KeyMaker.is_key_of`` the
+  entry's key: no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
   int, or the very dtype object read before with that int), place key and stop_gradient are the key's, read
   from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
   changes them on the same object); and grad mode, the autocast state and the training flag of every tracked
@@ -59,9 +60,7 @@ import paddle
 
 from ..backends import capture_open, in_rerun_replay, in_whole_step, plain_thread, resolve_backend
 from ..guards import saved_hooks
-from ..guards.host_marks import any_marked, is_marked_host
 from ..io import arguments
-from ..io.static_inputs import place_key
 from ..io.stale_outputs import any_stale, check_fresh
 from . import state
 from . import host_cost
@@ -123,8 +122,6 @@ class Decision(NamedTuple):
 
 
 Tensor = paddle.Tensor
-_grad_enabled = paddle.is_grad_enabled
-_amp_state = state.amp_state
 _new = tuple.__new__  # a Decision made positionally, on the calls of every replay: half the cost of Decision(...)
 _EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
 _FALLBACK = Phase.FALLBACK
@@ -169,7 +166,7 @@ def dispatch(wrapper, args, kwargs):
     if spec is not None:  # f(x, ...) with tensors only: NOTE [ Calls of a key that runs eagerly ]
         check_fresh(args)  # NOTE [ Stale outputs ] in io/stale_outputs.py
         entry = wrapper._latest  # a call of the latest call's key: the key read part by part, not made
-        if entry is not None and _is_key_of(entry.key, spec, args, wrapper._keys.layers):
+        if entry is not None and wrapper._keys.is_key_of(entry.key, spec, args):
             key = entry.key
         else:
             key = wrapper._keys.key(args, kwargs, args, spec)
@@ -245,7 +242,7 @@ class KnownEager:
         if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
                 or wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
                 or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
-                or not _is_key_of(entry.key, positional_spec(args, None), args, wrapper._keys.layers)):
+                or not wrapper._keys.is_key_of(entry.key, positional_spec(args, None), args)):
             return False
         _used(wrapper, entry.key, entry)
         return True
@@ -267,42 +264,12 @@ class KnownRefused:
         key = self.key
         if (wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
                 or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
-                or not _is_key_of(key, positional_spec(args, None), args, wrapper._keys.layers)
+                or not wrapper._keys.is_key_of(key, positional_spec(args, None), args)
                 or key in wrapper._entries or not wrapper._places.refused_again(
                     wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs)):
             return False
         wrapper._last_refusal = MAX_GRAPHS
         return True
-
-
-_dtype_seen = {}  # a dtype's int -> a dtype object read whose int it was (identity: that int)
-
-
-def _is_key_of(key, spec, args, layers):
-    """True when ``key`` is the key KeyMaker.key makes for the call f(*args) of positional tensors (no keyword
-    argument; ``spec``: its positional_spec, None for any other call), ``layers`` the wrapper's Layers (NOTE
-    [ Calls of a key that runs eagerly ]): read part by part from the tensors and the state, without making the
-    key. False for a key with host parts or of another form."""
-    if key.user or spec is None or key.arguments[0] is not spec:
-        return False
-    metas = key.arguments[1]
-    if len(args) != len(metas):
-        return False
-    marked = any_marked()  # a tensor marked host is keyed by value: never this key's part
-    for t, meta in zip(args, metas):
-        if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
-            return False
-        if marked and is_marked_host(t):
-            return False
-        d = t.dtype
-        if d is not _dtype_seen.get(meta[1]):  # Paddle 3 hands out one object per dtype; Paddle 2.6 one per read
-            if int(d) != meta[1]:
-                return False
-            _dtype_seen[meta[1]] = d
-        if place_key(t.place) != meta[2]:
-            return False
-    grad, amp, training = key.state
-    return _grad_enabled() is grad and _amp_state() == amp and tuple([layer.training for layer in layers]) == training
 
 
 def _by_phase(wrapper, body, entry, call):

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import paddle
 
 from . import state
+from ..guards.host_marks import any_marked, is_marked_host
 from ..io.arguments import refusal
 from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
 from ..errors import CudaGraphError
@@ -58,6 +59,8 @@ class Key(NamedTuple):
 
 _new = tuple.__new__
 _grad_enabled = paddle.is_grad_enabled
+_amp_state = state.amp_state
+_dtype_seen = {}  # a dtype's int -> a dtype object read whose int it was (identity: that int)
 _TRAINING = operator.attrgetter("training")
 
 
@@ -167,6 +170,33 @@ class KeyMaker:
                 "Return a tuple, string or number (or None to run the call eagerly)."
             ) from None
         return Key(True, user_key, self.state_key())
+
+    def is_key_of(self, key, spec, args):
+        """True when ``key`` is the key ``key()`` makes for the call f(*args) of positional tensors (no keyword
+        argument; ``spec``: its positional_spec, None for any other call; NOTE [ Calls of a key that runs eagerly ]
+        in core/dispatch.py): read part by part from the tensors and the state, without making the key. False for
+        a key with host parts or of another form."""
+        if key.user or spec is None or key.arguments[0] is not spec:
+            return False
+        metas = key.arguments[1]
+        if len(args) != len(metas):
+            return False
+        marked = any_marked()  # a tensor marked host is keyed by value: never this key's part
+        for t, meta in zip(args, metas):
+            if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
+                return False
+            if marked and is_marked_host(t):
+                return False
+            d = t.dtype
+            if d is not _dtype_seen.get(meta[1]):  # Paddle 3 hands out one object per dtype; Paddle 2.6 one per read
+                if int(d) != meta[1]:
+                    return False
+                _dtype_seen[meta[1]] = d
+            if place_key(t.place) != meta[2]:
+                return False
+        grad, amp, training = key.state
+        return (_grad_enabled() is grad and _amp_state() == amp
+                and tuple([layer.training for layer in self.layers]) == training)
 
     def track(self, layers):
         """Adds Layers found during a capture to those whose training flag keys every call;
