@@ -1,8 +1,8 @@
 """A later call of a chain is served only under the key it would get itself (NOTE [ Chains of graphed
 calls ] in chains/chain.py): non-tensor arguments compared by value as the key compares them, never by
 object identity alone. A config dict passed to every Layer and changed in place between two calls of one
-chain, or a numpy buffer refilled between them, selects the graph of the new value (or a new capture),
-as a call alone would.
+chain, a numpy buffer refilled between them, or a tensor argument that starts to need grad between them,
+selects the graph of the new value (or a new capture), as a call alone would.
 
 Matmul-only (gpu_safe): tools/gpu_check.py runs these on a GPU, bitwise against eager.
 """
@@ -12,7 +12,9 @@ import paddle
 
 from testkit.harness import MatmulOnlyCase, for_each_backend
 
-from .test_chains import WIDTH, ChainCase, chained
+from testkit.common import normal
+
+from .test_chains import WIDTH, ChainCase, chained, masked_stack
 
 STEPS = 12
 
@@ -93,3 +95,25 @@ class ChainKeyCases(ChainCase, MatmulOnlyCase):
 
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches(STEPS))], factory=selecting_stack)
         self.assertEqual(chained(model), [0] + [STEPS - 4] * 3)
+
+    def test_a_tensor_argument_that_starts_to_need_grad_between_chained_calls(self):
+        """The same tensor object passed to every Layer, its stop_gradient flipped between two calls of one
+        chain (a key part read from the tensor: KeyMaker.is_key_of): the later calls get keys of their own."""
+        values, held = normal(7)(WIDTH, WIDTH), {}
+
+        def step(model, test, x, dy, k):
+            mask = held.setdefault(id(model), self.tensor(values))
+            mask.stop_gradient = True
+            h = model[1](model[0](x, mask), mask)
+            if k >= 5 and k % 2:
+                mask.stop_gradient = False
+            h = model[3](model[2](h, mask), mask)
+            h.backward(dy)
+            got = test.results(model, x, h, extra=[None if mask.grad is None else mask.grad.numpy()])
+            mask.clear_gradient(False)
+            return got
+
+        model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches(STEPS))], factory=masked_stack)
+        self.assertEqual(chained(model), [0, 8, 1, 4])
+        for layer in model[2:]:
+            self.assertEqual(layer.forward.stats()["captures"], 2, layer.forward.explain())

@@ -6,7 +6,7 @@ whether a call is a link from the latest replay; ``mismatch``: why a call cannot
 next call.
 """
 
-from ..core.call import Call
+from ..core.call import Call, positional_spec
 from ..core.entry import Phase
 from ..block.replay import replay_blocker
 from .record import record
@@ -84,11 +84,14 @@ def mismatch(run, j, args, kwargs, keys):
     prev = run.outputs[j - 1]
     if not args or args[0] is not prev or prev.stop_gradient:
         return "its first argument is not the previous call's output"
-    call = Call(args, kwargs)
+    spec = positional_spec(args, kwargs)
+    call = Call(args, kwargs, spec)
     if not _same(call.tensors[1:], run.extras):
         return "its other tensor arguments are not the first call's"
     member = run.members[j]
-    if keys.key(args, kwargs, call.tensors, call.spec) != member.entry.key:
+    key = member.entry.key  # read part by part where it can be, else made (the same answer)
+    if not keys.is_key_of(key, spec, args) and (
+            keys.key(args, kwargs, call.tensors, call.spec) != key):
         return "the key it would get is not its key in the chain (an argument's value, grad mode, AMP state or a training flag changed)"
     if not current(member):
         run.forget()
