@@ -15,7 +15,7 @@ from .hooks import NO_HOOKS
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
 from ..core.body import Body
-from ..grads.accumulate import note_call
+from ..grads.accumulate import CALLS, note_call
 from ..errors import CudaGraphError
 from ..core.lifecycle import Lifecycle
 from ..options import GraphOptions
@@ -25,6 +25,13 @@ from .slots import Slots
 from .verify import verified_run
 
 __all__ = ["BlockBody", "GraphedCallable"]
+
+
+def _collected(name):
+    return CudaGraphError(
+        f"autocudagraph({name}): the Layer this wrapper was bound to was garbage-collected; "
+        "the wrapper holds it weakly so that it does not keep the Layer alive. Keep a reference to "
+        "the Layer, or apply autocudagraph to the Layer you call.")
 
 
 class BlockBody(Body):
@@ -45,6 +52,7 @@ class BlockBody(Body):
         self.name = getattr(fn, "__name__", type(fn).__name__)
         if owner is not None:  # "FFN.forward": the class of the instance (or the class) it is bound to
             self.name = f"{owner.__name__ if isinstance(owner, type) else type(owner).__name__}.{self.name}"
+        self._runners = (self._runner(False), self._runner(True))
 
     @property
     def bound(self):
@@ -56,11 +64,7 @@ class BlockBody(Body):
             return None
         owner = self._owner_ref()
         if owner is None:
-            raise CudaGraphError(
-                f"autocudagraph({self.name}): the Layer this wrapper was bound to was garbage-collected; "
-                "the wrapper holds it weakly so that it does not keep the Layer alive. Keep a reference to "
-                "the Layer, or apply autocudagraph to the Layer you call."
-            )
+            raise _collected(self.name)
         return owner
 
     def layers(self):
@@ -71,33 +75,33 @@ class BlockBody(Body):
     def eager_runner(self):
         """``run(args, kwargs)`` with its lookups done once: a wrapper whose calls pass straight through costs
         about the function's own call (NOTE [ Pass-through wrappers ] in core/pass_through.py)."""
-        fn, ref, calls = self.fn, self._owner_ref, note_call.calls
+        return self._runners[1]
+
+    def _runner(self, count):
+        """The function called eagerly on ``(args, kwargs)``, counted as a call of the block (``count``) or not."""
+        fn, ref, calls, name = self.fn, self._owner_ref, CALLS, self.name  # no reference to self: no cycle
         if ref is None:
+            if not count:
+                return lambda args, kwargs: fn(*args, **kwargs)
+
             def run(args, kwargs):
                 calls[0] += 1  # note_call()
                 return fn(*args, **kwargs)
             return run
 
         def run_bound(args, kwargs):
-            calls[0] += 1  # note_call()
+            if count:
+                calls[0] += 1  # note_call()
             owner = ref()
             if owner is None:
-                owner = self.owner()  # raises: the Layer was garbage-collected
+                raise _collected(name)
             return fn(owner, *args, **kwargs) if kwargs else fn(owner, *args)
         return run_bound
 
     def run(self, args, kwargs, count=True):
         """The function itself, eagerly; ``count=False``: not a call of the block (a recompute in
-        a backward)."""
-        if count:
-            note_call()  # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py
-        ref = self._owner_ref
-        if ref is None:
-            return self.fn(*args, **kwargs)
-        owner = ref()
-        if owner is None:
-            owner = self.owner()  # raises: the Layer was garbage-collected
-        return self.fn(owner, *args, **kwargs) if kwargs else self.fn(owner, *args)
+        a backward). Counted calls: NOTE [ Shared parameters leave the graph ] in grads/accumulate.py."""
+        return self._runners[1 if count else 0](args, kwargs)
 
     def capture(self, entry, call, named, last_inputs, warn_once):
         """Captures ``entry``'s key from ``call`` (``named``: its ``[(argument name, value)]``);

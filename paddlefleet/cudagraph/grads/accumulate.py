@@ -71,7 +71,7 @@ from ..core.layers import accumulation_nodes
 from ..errors import CaptureError, CudaGraphError
 from .handles import alias, copy
 
-__all__ = ["Accumulators", "is_shared", "note_call", "own_backward", "split_params"]
+__all__ = ["CALLS", "Accumulators", "is_shared", "note_call", "own_backward", "split_params"]
 
 
 def _neg_zeros(p, dtype):
@@ -171,15 +171,14 @@ def own_backward():
     return _OWN_BACKWARD
 
 
-_CALLS = [0]  # graphed block calls so far (eager or replayed): a new call starts a new forward
+#: Graphed block calls so far (eager or replayed): a new call starts a new forward. A list, so that a caller on a
+#: hot path (BlockBody's eager runners) counts through a reference it took once.
+CALLS = [0]
 
 
 def note_call():
     """Counts a call of a graphed block (NOTE [ Shared parameters leave the graph ])."""
-    _CALLS[0] += 1
-
-
-note_call.calls = _CALLS  # the counter itself, for a caller that counts without a call (BlockBody.eager_runner)
+    CALLS[0] += 1
 
 
 def _eager_use_hook(acc, p, i):
@@ -197,7 +196,7 @@ def _eager_use_hook(acc, p, i):
         if acc is None:
             return None
         in_flight = acc.in_flight()
-        if _QUIET[0] or not (in_flight or acc.backward_calls == _CALLS[0]):
+        if _QUIET[0] or not (in_flight or acc.backward_calls == CALLS[0]):
             return None
         _mark_shared(p)
         acc.eager_seen = True
@@ -417,7 +416,7 @@ class Accumulators:
     def after_backward(self):
         """Resets Paddle's "fake empty" flag of cleared grads (NOTE [ Accumulation inside the graph ])."""
         self.eager_seen = False
-        self.backward_calls = _CALLS[0]
+        self.backward_calls = CALLS[0]
         for i in self._in_use():
             if not self.main[i]:
                 self.params[i]._unset_fake_empty()
