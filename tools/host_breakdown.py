@@ -27,7 +27,7 @@ Timing the wrapper's pieces one by one needs its private names. Every such use i
 ``_entries`` (the chain hooks keep an entry weakly), ``GraphedCallable._keys.key(args, kwargs, tensors, spec)``,
 ``GraphedCallable.body().blocker`` and ``.hooks`` (``head``, ``replayed``), ``entry.graphs`` (BlockGraphs:
 ``params.moved``, ``bridge.args``, ``grad_feeds``, ``static_inputs.copy_in``, ``backward.grad_plan.adopted`` /
-``hand_out`` and its kept views ``_views`` / ``_singles_views``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
+``hand_out`` and ``forget_views``, ``static_outputs``, ``diff_at``, ``inflight``, ``fwd_graph`` / ``backward.graph``), ``call.Call``,
 ``bridge.hand_out_outputs`` and ``grads.handles.route_hooks`` / ``copy``; for the whole step, in ``StepInternals``:
 ``dispatch.nested_reason``, ``entries()`` (a copy of its keys: the lookup's cost), ``_keys``, ``body()`` (a read-only
 view of the StepBody: ``blocker``, ``_between``,
@@ -164,8 +164,7 @@ class Internals:
         plan = self._entry().graphs.current.backward.grad_plan
 
         def hand_out():
-            plan._views = [None] * len(plan._views)
-            plan._singles_views = [None] * len(plan._singles_views)
+            plan.forget_views()
             return plan.hand_out()
         return hand_out
 

@@ -89,10 +89,9 @@ class GradPlan:
         #: before a replay). Input grads are always copies and not counted.
         self.copies = 0
         self.rescues = 0
-        #: Per stack, per single grad: the views handed out last and what each was then, or None
-        #: (NOTE [ Reused aliases ]).
-        self._views = [None] * len(self._stacks)
-        self._singles_views = [None] * len(self._singles)
+        #: Per stack, then per single grad: the views handed out last, their addresses and the in-place version
+        #: they were made with, or None (NOTE [ Reused aliases ]).
+        self._kept = [None] * (len(self._stacks) + len(self._singles))
         #: Views made (stacks unbound, single grads viewed) and views reused, counted for tests and reports.
         self.views_made = self.views_reused = 0
 
@@ -180,11 +179,12 @@ class GradPlan:
             for pos, t in self._input_grads:
                 out[pos] = copy(t)
         copies, counted, modes = self._decided()
+        first_single = len(self._stacks)  # the single grads' views are kept after the stacks'
         for k, (pos, i, t, shape) in enumerate(self._singles):
-            out[pos] = copy(t) if copies[i] else self._single_view(k, t, shape)
+            out[pos] = copy(t) if copies[i] else self._reused(first_single + k, _alias_of, t, shape)[0]
         # Stacks: one copy (or none) and one unbind per stack instead of one call per parameter.
         for k, ((stack, idxs, positions, start), mode) in enumerate(zip(self._stacks, modes)):
-            views = unstack(copy(stack)) if mode is _COPY_ALL else self._stack_views(k, stack)
+            views = unstack(copy(stack)) if mode is _COPY_ALL else self._reused(k, unstack, stack)
             if mode is _COPY_SOME:
                 views = [copy(v) if copies[i] else v for v, i in zip(views, idxs)]
             if start is not None:
@@ -196,36 +196,32 @@ class GradPlan:
         self.copies += counted
         return tuple(out)
 
-    def _stack_views(self, k, stack):
-        """Per-parameter views of stack ``k``: those of the last hand-out while each is unchanged, else
-        made again (NOTE [ Reused aliases ])."""
-        kept = self._views[k]
-        if kept is not None:
-            if _unchanged(kept):
-                self.views_reused += 1
-                return kept[0]
-            ptrs = kept[1]
-        else:  # a static stack never moves: its views' addresses are read once
-            ptrs = None
-        views = unstack(stack)
-        if ptrs is None:
+    def _reused(self, k, make, *of):
+        """The views ``make(*of)`` gives for hand-out slot ``k`` (the stacks, then the single grads): those of the
+        last hand-out while each is unchanged, else made again and kept where they are views (a Paddle without
+        views gives a copy of a single grad, never kept). Their addresses are those of the static grads, which
+        never move: read from the first views made."""
+        kept = self._kept[k]
+        if kept is not None and _unchanged(kept):
+            self.views_reused += 1
+            return kept[0]
+        views = make(*of)
+        if kept is not None:  # views before: these are too, at the same addresses
+            self._kept[k] = (views, kept[1], views[0]._inplace_version())
+        else:
             ptrs = [v.data_ptr() for v in views]
-        self._views[k] = (views, ptrs, views[0]._inplace_version())
+            self._kept[k] = (views, ptrs, views[0]._inplace_version()) if ptrs[0] == of[0].data_ptr() else None
         self.views_made += 1
         return views
 
-    def _single_view(self, k, t, shape):
-        """A view of single grad ``t`` (shape ``shape``), reused like a stack's (NOTE [ Reused aliases ])."""
-        kept = self._singles_views[k]
-        if kept is not None and _unchanged(kept):
-            self.views_reused += 1
-            return kept[0][0]
-        view = alias(t, shape)
-        ptr = view.data_ptr()
-        if ptr == t.data_ptr():  # a view, not the copy a Paddle without views gives (never kept)
-            self._singles_views[k] = ((view,), (ptr,), view._inplace_version())
-        self.views_made += 1
-        return view
+
+    def forget_views(self):
+        """Drops the kept views: the next hand-out makes them again, as after freed grads (tools time that)."""
+        self._kept = [None] * len(self._kept)
+
+
+def _alias_of(t, shape):
+    return (alias(t, shape),)
 
 
 def _unchanged(kept):
