@@ -247,3 +247,69 @@ class EmbeddingStackTest(MatmulOnlyCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def run_loop(case, release, arrive=False):
+    """Both twins through 8 steps of forward and backward, then ``release(k, p)`` on every parameter after step
+    ``k``, the key captured at the third step and grads compared after every step (``arrive``: whether grads may be
+    stacked as they arrive); the groups of the graphed key's buffer sets."""
+    graphed, eager = case.twins(lambda: MatMLP([W] * 5), 0)
+    case.graphed(graphed, warmup_steps=2)
+    draw = normal(5)
+    with mock.patch("paddlefleet.cudagraph.grads.stacks.stacks_as_grads_arrive", lambda: arrive):
+        for step in range(8):
+            x, dy = case.tensor(draw(B, W)), case.tensor(draw(B, W))
+            for model in (graphed, eager):
+                model(x).backward(dy)
+            case.assertBitwise([p.grad for p in graphed.parameters()], [p.grad for p in eager.parameters()],
+                               f"step {step}")
+            for model in (graphed, eager):
+                for p in model.parameters():
+                    release(step, p)
+    case.assertCounters(graphed.forward, captures=1, eager=0)
+    return [[idxs for _, idxs in plan.groups] for plan in graphed.forward.entry().graphs.current.plans()]
+
+
+@for_each_backend
+class StacksWhereGradsAreFreedTest(MatmulOnlyCase):
+    """NOTE [ Stacks after paddle.grad only where grads are freed ] in grads/stacks.py: where grads are stacked after
+    paddle.grad (Paddle 2.6; forced here on Paddle 3 too), a key captured while its parameters hold grads (a loop
+    that accumulates them; one that zeroes them alike) hands them out one by one; one captured after the loop freed
+    them stacks them. Grads bitwise eager's either way, also in a loop that changes how it releases grads after the
+    capture."""
+
+    def run_loop(self, frees, arrive=False):
+        """The groups of the graphed key's buffer sets after run_loop(), grads freed after step ``k`` where
+        ``frees(k)``, else accumulated."""
+        return run_loop(self, lambda k, p: p.clear_gradient(False) if frees(k) else None, arrive)
+
+    def test_a_loop_that_frees_its_grads_gets_them_stacked(self):
+        self.assertEqual(self.run_loop(lambda k: True), [[[0, 1, 2, 3]]],
+                         "one buffer set, one stack of the four weights' grads")
+
+    def test_a_loop_that_keeps_its_grads_gets_them_one_by_one(self):
+        # One buffer set: grads added into the p.grad kept from the warmup are never adopted.
+        self.assertEqual(self.run_loop(lambda k: k == 0), [[]], "no stack")
+
+    def test_a_loop_that_starts_freeing_its_grads_after_the_capture(self):
+        self.assertEqual(self.run_loop(lambda k: k >= 4), [[]], "no stack")
+
+    def test_a_loop_that_stops_freeing_its_grads_after_the_capture(self):
+        # The first accumulating backward adopts the views of one buffer set: the next writes the second one.
+        self.assertEqual(self.run_loop(lambda k: k < 4), [[[0, 1, 2, 3]], [[0, 1, 2, 3]]])
+
+    def test_stacks_made_as_grads_arrive_are_made_in_either_loop(self):
+        if not stacks_as_grads_arrive():
+            self.skipTest("this Paddle has no node post hooks: its grads are stacked after paddle.grad")
+        self.assertEqual(self.run_loop(lambda k: k == 0, arrive=True), [[[0, 1, 2, 3]]])
+
+
+@for_each_backend
+class StacksWhereGradsAreZeroedTest(MatmulOnlyCase):
+    """The same for a loop that zeroes its grads (``clear_grad()``'s default; Paddle's fill kernel)."""
+
+    kernels = "all"
+
+    def test_a_loop_that_zeroes_its_grads_gets_them_one_by_one(self):
+        # Two buffer sets: a zeroed p.grad adopts the views a backward hands out, so the next writes the other set.
+        self.assertEqual(run_loop(self, lambda k, p: p.clear_gradient(True)), [[], []], "no stack in either set")

@@ -89,9 +89,12 @@ class GradPlan:
         #: before a replay). Input grads are always copies and not counted.
         self.copies = 0
         self.rescues = 0
-        #: Per stack, then per single grad: the views handed out last, their addresses and the in-place version
-        #: they were made with, or None (NOTE [ Reused aliases ]).
-        self._kept = [None] * (len(self._stacks) + len(self._singles))
+        #: Per stack, then for the single grads together: the views handed out last, their addresses and the
+        #: in-place versions they were made with, or None (NOTE [ Reused aliases ]).
+        self._kept = [None] * (len(self._stacks) + (1 if self._singles else 0))
+        #: Where the first of those views lies when it is a view (not a copy): its stack's, its static grad's address.
+        self._bases = [stack.data_ptr() for stack, _, _, _ in self._stacks] + (
+            [self._singles[0][2].data_ptr()] if self._singles else [])
         #: Views made (stacks unbound, single grads viewed) and views reused, counted for tests and reports.
         self.views_made = self.views_reused = 0
 
@@ -179,9 +182,10 @@ class GradPlan:
             for pos, t in self._input_grads:
                 out[pos] = copy(t)
         copies, counted, modes = self._decided()
-        first_single = len(self._stacks)  # the single grads' views are kept after the stacks'
-        for k, (pos, i, t, shape) in enumerate(self._singles):
-            out[pos] = copy(t) if copies[i] else self._reused(first_single + k, _alias_of, t, shape)[0]
+        if self._singles:  # their views kept together, after the stacks' (one check for all)
+            views = self._reused(len(self._stacks), self._single_views)
+            for (pos, i, t, _), view in zip(self._singles, views):
+                out[pos] = copy(t) if copies[i] else view
         # Stacks: one copy (or none) and one unbind per stack instead of one call per parameter.
         for k, ((stack, idxs, positions, start), mode) in enumerate(zip(self._stacks, modes)):
             views = unstack(copy(stack)) if mode is _COPY_ALL else self._reused(k, unstack, stack)
@@ -197,38 +201,36 @@ class GradPlan:
         return tuple(out)
 
     def _reused(self, k, make, *of):
-        """The views ``make(*of)`` gives for hand-out slot ``k`` (the stacks, then the single grads): those of the
-        last hand-out while each is unchanged, else made again and kept where they are views (a Paddle without
-        views gives a copy of a single grad, never kept). Their addresses are those of the static grads, which
-        never move: read from the first views made."""
+        """The views ``make(*of)`` gives for hand-out slot ``k`` (each stack, then the single grads together): those
+        of the last hand-out while each is unchanged, else made again and kept where they are views (a Paddle
+        without views gives copies of single grads, never kept). Their addresses are those of the static grads,
+        which never move: read from the first views made."""
         kept = self._kept[k]
         if kept is not None and _unchanged(kept):
             self.views_reused += 1
             return kept[0]
         views = make(*of)
         if kept is not None:  # views before: these are too, at the same addresses
-            self._kept[k] = (views, kept[1], views[0]._inplace_version())
-        else:
-            ptrs = [v.data_ptr() for v in views]
-            self._kept[k] = (views, ptrs, views[0]._inplace_version()) if ptrs[0] == of[0].data_ptr() else None
+            self._kept[k] = (views, kept[1], [v._inplace_version() for v in views])
+        elif views[0].data_ptr() == self._bases[k]:
+            self._kept[k] = (views, [v.data_ptr() for v in views], [v._inplace_version() for v in views])
         self.views_made += 1
         return views
 
+    def _single_views(self):
+        """A view of each single grad (copies where the hooks want them are made by hand_out, over these)."""
+        return [alias(t, shape) for _, _, t, shape in self._singles]
 
     def forget_views(self):
         """Drops the kept views: the next hand-out makes them again, as after freed grads (tools time that)."""
         self._kept = [None] * len(self._kept)
 
 
-def _alias_of(t, shape):
-    return (alias(t, shape),)
-
-
 def _unchanged(kept):
-    """Whether every view of ``kept`` = ``(views, their addresses, the in-place version they were made with)`` still
-    has its address and that version (NOTE [ Reused aliases ]: the views of a stack share one counter)."""
-    views, ptrs, version = kept
-    for v, ptr in zip(views, ptrs):
+    """Whether every view of ``kept`` = ``(views, their addresses, the in-place versions they were made with)`` still
+    has its address and version (NOTE [ Reused aliases ]: the views of a stack share one counter)."""
+    views, ptrs, versions = kept
+    for v, ptr, version in zip(views, ptrs, versions):
         if v.data_ptr() != ptr or v._inplace_version() != version:
             return False
     return True

@@ -30,6 +30,20 @@ slot has none); a grad the hook did not place (a reentrant recompute added to it
 afterwards, as before. Elsewhere, and on Paddle without node post hooks (2.6), grads are copied
 after paddle.grad. The hand-out (one ``unbind`` per stack, its views reused while untouched: NOTE [ Reused
 aliases ] in grads/hand_out_plan.py) is the same either way.
+
+NOTE [ Stacks after paddle.grad only where grads are freed ]
+A stack saves host time only where the hand-out makes its views again: in a loop that frees its grads
+(``clear_gradient(False)``, ``clear_grad(set_to_zero=False)``), whose freed ``p.grad`` empties the view it
+adopted. A loop that keeps its grads between backwards (``clear_grad()`` zeroes them, Paddle's default;
+gradient accumulation) gets the views of the last backward again for single grads as for stacks, so there
+a stack made after paddle.grad only costs: every stacked grad twice in the backward graph's pool, in each of
+the two grad buffer sets such a loop uses (NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py), and one
+more device copy per grad. So where grads are stacked after paddle.grad, a key's grads are stacked only when
+none of its parameters holds a grad at its capture (``grads_kept``, read before the capture: the warmup steps
+ran the loop, so what it does to grads shows there); stacks made as grads arrive cost neither and are made
+either way. The choice is the key's, fixed at capture: a loop that changes how it releases grads later keeps
+bitwise results and pays only host time or memory. Measured on an H200 with Paddle 2.6.2 (tools/probes/
+stacks_probe.py, docs/reports/stacks_probe.md).
 """
 
 import paddle
@@ -39,7 +53,8 @@ from paddle import _C_ops
 from ..core.grad_nodes import grad_node
 from ..io.static_inputs import nbytes
 
-__all__ = ["GROUP_MAX_BYTES", "Stacking", "probe", "plan_groups", "stack_grads", "stacks_as_grads_arrive", "unstack"]
+__all__ = ["GROUP_MAX_BYTES", "Stacking", "grads_kept", "probe", "plan_groups", "stack_grads", "stacks_as_grads_arrive",
+           "unstack"]
 
 #: Largest grad (bytes) that is stacked; ~3 us of device copy on an H100 against ~12 us of host
 #: time for a separate copy call.
@@ -76,6 +91,15 @@ def probe(tensors):
     """Runs the unbind check for the places and dtypes of ``tensors`` (call it outside captures)."""
     for t in tensors:
         _unbind_views(str(t.place), t.dtype, t.place)
+
+
+def grads_kept(params):
+    """Whether any of ``params`` holds a grad now (zeroed or accumulated: not freed)."""
+    for p in params:
+        g = p.grad
+        if g is not None and g._is_initialized():
+            return True
+    return False
 
 
 def plan_groups(grads, candidates):
