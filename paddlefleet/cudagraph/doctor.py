@@ -122,8 +122,9 @@ def _checks():
     rows.append(("grad stacks", err or (
         "each same-shape parameter grad is copied into its stack as the backward makes it (node post hooks): "
         "a graph's pool holds it once" if arrive else
-        "grads are stacked after the backward (no node post hooks in this Paddle): a graph's pool holds each "
-        "stacked grad twice, as computed and stacked"), None))
+        "no node post hooks in this Paddle: grads handed out as aliases (the default) go one by one and a graph's "
+        "pool holds each once; grads handed out as copies (clone_param_grads=True, a hook that keeps its grad) "
+        "are stacked after the backward, one copy per stack, and held twice, as computed and stacked"), None))
     choice, err = _guarded(lambda: _backend_choice(gpu_ok))
     rows.append(("backend", choice or err, None if err is None else False))
     return rows

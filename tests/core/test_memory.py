@@ -8,6 +8,7 @@ import unittest
 from unittest import mock
 
 import numpy as np
+from parameterized import parameterized
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
@@ -21,8 +22,9 @@ from testkit.common import MatLayer, MatMLP, build, host_tensor, normal
 B, W = 4, 8
 ROW = B * W * 4  # bytes of one [B, W] float32 tensor
 PARAM = W * W * 4
-#: Stacked grads the pool holds a second time, as computed, per stacked grad (NOTE [ Stacking grads as they
-#: arrive ] in grads/stacks.py): none where Paddle has node post hooks.
+#: Grads handed out as copies (clone_param_grads=True) that the pool holds a second time, as computed, per stacked
+#: grad: where Paddle has no node post hooks they are stacked after paddle.grad (NOTE [ Stacks after paddle.grad
+#: only for copied grads ] in grads/stacks.py). Aliases, the default, are held once on every Paddle.
 TWICE = 0 if stacks_as_grads_arrive() else 1
 
 
@@ -94,15 +96,15 @@ class ComponentsTest(unittest.TestCase):
         got = footprint(static, outputs=[static.buffers[0], own, own], grads=[own])
         self.assertEqual((got.inputs, got.outputs, got.grads), (ROW, ROW, 0))
 
-    def test_a_modelled_pool_holds_the_outputs_and_grads(self):
+    @parameterized.expand([("aliases", "auto", 0), ("copies", True, TWICE)])
+    def test_a_modelled_pool_holds_the_outputs_and_grads(self, _, clone, twice):
         with mock.patch.object(simulated.SimulatedBackend, "pool_model", True):
-            graphed, eager = self.graphed()
+            graphed, eager = self.graphed(clone_param_grads=clone)
             np.testing.assert_equal(train(graphed, 3), train(eager, 3))
         mem = key_memory(graphed.forward)
-        # The pool holds the outputs and grads, and where Paddle has no node post hooks the grads as
-        # computed before they were stacked (NOTE [ Stacking grads as they arrive ] in grads/stacks.py); the
-        # static buffers inside it are not counted again.
-        self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"] + TWICE * 2 * PARAM)
+        # The pool holds the outputs and grads, and where copies are stacked after paddle.grad the grads as
+        # computed before they were stacked; the static buffers inside it are not counted again.
+        self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"] + twice * 2 * PARAM)
         self.assertEqual(mem["held"], mem["inputs"] + mem["grad_outputs"] + mem["pool"])
         self.assertIn("(the outputs and grads inside)", graphed.forward.explain())
 
@@ -152,9 +154,9 @@ class SecondGradSetTest(unittest.TestCase):
         two = key_memory(graphed.forward)
         self.assertEqual(len(graphed.forward.entry().graphs.plans()), 2)
         self.assertEqual(two["grads"] - one["grads"], ROW + 3 * PARAM)  # x's grad and the three parameters'
-        # the second backward graph's, and the grads as computed where stacked after paddle.grad
-        self.assertEqual(two["pool"] - one["pool"], ROW + 3 * PARAM + TWICE * 3 * PARAM)
-        self.assertEqual(two["held"] - one["held"], ROW + 3 * PARAM + TWICE * 3 * PARAM)
+        # the second backward graph's (aliases: no grad held twice on any Paddle)
+        self.assertEqual(two["pool"] - one["pool"], ROW + 3 * PARAM)
+        self.assertEqual(two["held"] - one["held"], ROW + 3 * PARAM)
 
     def test_max_bytes_evicts_another_key_when_a_second_set_is_captured(self):
         probe = build(Chain, 0)

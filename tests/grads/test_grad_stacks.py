@@ -54,10 +54,26 @@ class StorageCensusTest(unittest.TestCase):
             autocudagraph(graphed, backend="simulate", warmup_steps=0)
             np.testing.assert_equal(steps(graphed, 3), steps(eager, 3))
         [kept] = backward_storage(graphed.forward)
-        twice = 0 if stacks_as_grads_arrive() else 4 * PARAM  # Paddle 2.6: no node post hooks
-        self.assertEqual(kept, ROW + 4 * PARAM + twice)
+        # Stacked as they arrive (Paddle 3), or not stacked (2.6: aliases, NOTE [ Stacks after paddle.grad only for
+        # copied grads ]): each grad kept once either way.
+        self.assertEqual(kept, ROW + 4 * PARAM)
         mem = graphed.forward.stats()["memory"]
-        self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"] + twice)
+        self.assertEqual(mem["pool"], mem["outputs"] + mem["grads"])
+
+    def test_grads_stacked_after_paddle_grad_for_copies_are_kept_twice(self):
+        """clone_param_grads=True with grads stacked after paddle.grad (Paddle 2.6; forced on Paddle 3): one copy of the
+        stack per hand-out, at the price of each grad kept twice (as computed, and stacked)."""
+        graphed, eager = build(lambda: MatMLP([W] * 5), 0), build(lambda: MatMLP([W] * 5), 0)
+        from paddlefleet.cudagraph import autocudagraph
+
+        with mock.patch.object(simulated.SimulatedBackend, "pool_model", True), \
+                mock.patch("paddlefleet.cudagraph.grads.stacks.stacks_as_grads_arrive", lambda: False):
+            autocudagraph(graphed, backend="simulate", warmup_steps=0, clone_param_grads=True)
+            np.testing.assert_equal(steps(graphed, 3), steps(eager, 3))
+        [kept] = backward_storage(graphed.forward)
+        self.assertEqual(kept, ROW + 4 * PARAM + 4 * PARAM)
+        [plan] = graphed.forward.entry().graphs.current.plans()
+        self.assertEqual([idxs for _, idxs in plan.groups], [[0, 1, 2, 3]])
 
 
 class HostPeakTest(unittest.TestCase):
@@ -229,9 +245,11 @@ class ReusedViewsTest(MatmulOnlyCase):
                                f"step {step}")
         plans = graphed.forward.entry().graphs.current.plans()
         made, reused = sum(p.views_made for p in plans), sum(p.views_reused for p in plans)
-        # A stack and a single grad per backward (16 hand-outs): made by the first backward (adopted as p.grad), by
-        # the second (the second set), and after the free by the backward p.grad adopts again; reused otherwise.
-        self.assertEqual((made, reused), (2 + 2 + 2, 16 - 6), plans)
+        # Views kept per stack and for the single grads together (a stack where grads are stacked as they arrive,
+        # Paddle 3; on 2.6 the four grads are singles), per backward: made by the first backward (adopted as p.grad),
+        # by the second (the second set), and after the free by the backward p.grad adopts again; else reused.
+        kept = 2 if stacks_as_grads_arrive() else 1
+        self.assertEqual((made, reused), (3 * kept, 8 * kept - 3 * kept), plans)
         self.assertCounters(graphed.forward, captures=1, replays=7, eager=0)
 
 
@@ -249,12 +267,12 @@ if __name__ == "__main__":
     unittest.main()
 
 
-def run_loop(case, release, arrive=False):
+def run_loop(case, release, arrive=False, **options):
     """Both twins through 8 steps of forward and backward, then ``release(k, p)`` on every parameter after step
     ``k``, the key captured at the third step and grads compared after every step (``arrive``: whether grads may be
-    stacked as they arrive); the groups of the graphed key's buffer sets."""
+    stacked as they arrive; ``options``: the wrapper's); the groups of the graphed key's buffer sets."""
     graphed, eager = case.twins(lambda: MatMLP([W] * 5), 0)
-    case.graphed(graphed, warmup_steps=2)
+    case.graphed(graphed, warmup_steps=2, **options)
     draw = normal(5)
     with mock.patch("paddlefleet.cudagraph.grads.stacks.stacks_as_grads_arrive", lambda: arrive):
         for step in range(8):
@@ -271,45 +289,44 @@ def run_loop(case, release, arrive=False):
 
 
 @for_each_backend
-class StacksWhereGradsAreFreedTest(MatmulOnlyCase):
-    """NOTE [ Stacks after paddle.grad only where grads are freed ] in grads/stacks.py: where grads are stacked after
-    paddle.grad (Paddle 2.6; forced here on Paddle 3 too), a key captured while its parameters hold grads (a loop
-    that accumulates them; one that zeroes them alike) hands them out one by one; one captured after the loop freed
-    them stacks them. Grads bitwise eager's either way, also in a loop that changes how it releases grads after the
-    capture."""
+class StacksAfterBackwardTest(MatmulOnlyCase):
+    """NOTE [ Stacks after paddle.grad only for copied grads ] in grads/stacks.py: where grads are stacked after
+    paddle.grad (Paddle 2.6; forced here on Paddle 3 too), grads handed out as aliases go one by one in a loop that
+    frees its grads and in one that keeps them; grads handed out as copies are stacked in both. Grads bitwise
+    eager's every step, also in loops that change how they release grads after the capture."""
 
-    def run_loop(self, frees, arrive=False):
+    def groups(self, frees, arrive=False, **options):
         """The groups of the graphed key's buffer sets after run_loop(), grads freed after step ``k`` where
         ``frees(k)``, else accumulated."""
-        return run_loop(self, lambda k, p: p.clear_gradient(False) if frees(k) else None, arrive)
+        return run_loop(self, lambda k, p: p.clear_gradient(False) if frees(k) else None, arrive, **options)
 
-    def test_a_loop_that_frees_its_grads_gets_them_stacked(self):
-        self.assertEqual(self.run_loop(lambda k: True), [[[0, 1, 2, 3]]],
-                         "one buffer set, one stack of the four weights' grads")
+    def test_aliases_in_a_loop_that_frees_its_grads_go_one_by_one(self):
+        self.assertEqual(self.groups(lambda k: True), [[]], "one buffer set, no stack")
 
-    def test_a_loop_that_keeps_its_grads_gets_them_one_by_one(self):
+    def test_aliases_in_a_loop_that_keeps_its_grads_go_one_by_one(self):
         # One buffer set: grads added into the p.grad kept from the warmup are never adopted.
-        self.assertEqual(self.run_loop(lambda k: k == 0), [[]], "no stack")
-
-    def test_a_loop_that_starts_freeing_its_grads_after_the_capture(self):
-        self.assertEqual(self.run_loop(lambda k: k >= 4), [[]], "no stack")
+        self.assertEqual(self.groups(lambda k: k == 0), [[]], "no stack")
 
     def test_a_loop_that_stops_freeing_its_grads_after_the_capture(self):
         # The first accumulating backward adopts the views of one buffer set: the next writes the second one.
-        self.assertEqual(self.run_loop(lambda k: k < 4), [[[0, 1, 2, 3]], [[0, 1, 2, 3]]])
+        self.assertEqual(self.groups(lambda k: k < 4), [[], []])
 
-    def test_stacks_made_as_grads_arrive_are_made_in_either_loop(self):
+    def test_copies_are_stacked_in_either_loop(self):
+        for frees in (lambda k: True, lambda k: k == 0):
+            self.assertEqual(self.groups(frees, clone_param_grads=True), [[[0, 1, 2, 3]]])
+
+    def test_stacks_made_as_grads_arrive_take_aliases_too(self):
         if not stacks_as_grads_arrive():
             self.skipTest("this Paddle has no node post hooks: its grads are stacked after paddle.grad")
-        self.assertEqual(self.run_loop(lambda k: k == 0, arrive=True), [[[0, 1, 2, 3]]])
+        self.assertEqual(self.groups(lambda k: True, arrive=True), [[[0, 1, 2, 3]]])
 
 
 @for_each_backend
-class StacksWhereGradsAreZeroedTest(MatmulOnlyCase):
+class StacksAfterBackwardZeroedTest(MatmulOnlyCase):
     """The same for a loop that zeroes its grads (``clear_grad()``'s default; Paddle's fill kernel)."""
 
     kernels = "all"
 
-    def test_a_loop_that_zeroes_its_grads_gets_them_one_by_one(self):
+    def test_aliases_in_a_loop_that_zeroes_its_grads_go_one_by_one(self):
         # Two buffer sets: a zeroed p.grad adopts the views a backward hands out, so the next writes the other set.
         self.assertEqual(run_loop(self, lambda k, p: p.clear_gradient(True)), [[], []], "no stack in either set")

@@ -27,6 +27,7 @@ from parameterized import parameterized
 
 from paddlefleet.cudagraph import CudaGraphError, autocudagraph
 
+from paddlefleet.cudagraph.grads.stacks import stacks_as_grads_arrive
 from testkit.harness import BackendCase, for_each_backend, grads_of, params_of, twin_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -261,11 +262,14 @@ class ReusedAliasTest(BackendCase):
         (want, got), plans = self.run_both(6, False, set_to_zero)
         self.assertBitwise(got, want)
         made, reused = sum(p.views_made for p in plans), sum(p.views_reused for p in plans)
-        self.assertEqual(made + reused, 2 * 6 * 2, "a stack and a single grad per backward, 12 backwards")
+        # Views kept per stack and for the single grads together: a stack where grads are stacked as they arrive
+        # (Paddle 3), else (2.6: NOTE [ Stacks after paddle.grad only for copied grads ]) the singles alone.
+        kept = 2 if stacks_as_grads_arrive() else 1
+        self.assertEqual(made + reused, kept * 6 * 2, "12 backwards")
         if set_to_zero:  # zeroed grads keep their storage: after the first step, every view reused
-            self.assertLessEqual(made, 3 * 2, "one stack and one single grad, per buffer set, one more accumulated")
+            self.assertLessEqual(made, 3 * kept, "per buffer set, one more accumulated")
         else:  # a freed p.grad empties the view it adopted (made again); the second micro-batch's views are reused
-            self.assertGreaterEqual(reused, 2 * 5, (made, reused))
+            self.assertGreaterEqual(reused, kept * 5, (made, reused))
 
     @parameterized.expand([("zero", True), ("free", False)])
     def test_touched_grads_get_views_made_again(self, _, set_to_zero):

@@ -262,7 +262,7 @@ def test_stacks_probe_smoke_stays_bitwise_with_and_without_stacks():
     rc, log = run_tool("probes/stacks_probe.py", "--smoke", timeout=300)
     assert rc == 0, log[-3000:]
     found = re.findall(r"^Bitwise equal to eager before and after timing: (\w+); parameters with stacked grads "
-                       r"\(graphed, default\): (\d+), without: (\d+);", log, re.M)
+                       r"\(stacked runner\): (\d+), without: (\d+);", log, re.M)
     assert len(found) == 2 and all(ok == "True" and int(on) > 0 and int(off) == 0 for ok, on, off in found), log[-3000:]
     assert len(re.findall(r"^\| (frees grads|accumulates) \| (throughput|latency) \|", log, re.M)) == 8, log[-3000:]
 

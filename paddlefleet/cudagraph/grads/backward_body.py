@@ -5,6 +5,7 @@ second backward graph later (NOTE [ Two grad buffer sets ] in grads/hand_out_pla
 import paddle
 
 from ..backends import own_grad
+from . import hook_registry
 from . import stacks as grad_stacks
 from .accumulate import Accumulators, split_params
 from .hand_out_plan import GradPlan
@@ -62,19 +63,21 @@ def backward_body(live, static_outputs, out_differentiable, input_buffers, param
     acc = Accumulators(accumulated) if accumulated else None  # last: a failure before it leaves nothing to undo
     # Where the body's split starts: the accumulated parameters, else all parameters (stacks).
     first = len(inputs) + (len(bridged) if acc is not None else 0)
-    # NOTE [ Stacks after paddle.grad only where grads are freed ] in grads/stacks.py: read before the capture.
-    stack_after = not grad_stacks.grads_kept(bridged)
-    body = _body(live, out_differentiable, grad_outputs, leaves, first, acc, by_grad, stack_after)
+    # NOTE [ Stacks after paddle.grad only for copied grads ] in grads/stacks.py: read before the capture.
+    policy = options.clone_param_grads
+    copied = [policy is True or (policy == "auto" and hook_registry.may_keep(p)) for p in bridged]
+    body = _body(live, out_differentiable, grad_outputs, leaves, first, acc, by_grad, copied)
     return BackwardBody(body, grad_outputs, options.capture_hooks, len(leaves), live, needs_grad,
                         bridged, options.clone_param_grads, acc, anchor)
 
 
-def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad, stack_after):
+def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad, copied):
     """The body the backward graph captures: grads of the differentiable outputs with respect to
     ``leaves`` (NOTE [ Backward body ] in block/capture.py), returned; with accumulators (``acc``)
     those of ``leaves[first_param:]`` are also added into them, else the parameters' are also
     copied into same-shape stacks (NOTE [ Grad groups ] in grads/stacks.py): as they arrive, or after
-    paddle.grad where ``stack_after`` (NOTE [ Stacks after paddle.grad only where grads are freed ])."""
+    paddle.grad those whose hand-out copies them (``copied``, per parameter: NOTE [ Stacks after
+    paddle.grad only for copied grads ])."""
     outputs = live["outputs"]
     diff_index = [i for i, d in enumerate(differentiable) if d]
     # An output returned more than once (``return y, y``) is differentiated once, with the sum
@@ -112,7 +115,8 @@ def _body(live, differentiable, grad_outputs, leaves, first_param, acc, by_grad,
         if stacking is not None:  # NOTE [ Stacking grads as they arrive ] in grads/stacks.py
             return list(grads) + stacking.finish(grads, stacks)
         if "grad_groups" not in live:
-            live["grad_groups"] = grad_stacks.plan_groups(grads, range(first_param, len(leaves))) if stack_after else []
+            live["grad_groups"] = grad_stacks.plan_groups(
+                grads, [first_param + i for i in grad_stacks.stacked_after_backward(copied)])
         return list(grads) + grad_stacks.stack_grads(grads, live["grad_groups"])
 
     return backward_body

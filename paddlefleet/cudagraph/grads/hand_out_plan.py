@@ -52,16 +52,18 @@ class GradPlan:
     NOTE [ Reused aliases ]
     An alias handed out is a view of a static grad (one ``unbind`` per stack, one view per single
     grad), and making those views costs host time in every backward (about 0.6 us a view on a CPU,
-    1.2 on an H200 host, 1.5-4.6 for a single grad's view), so the views of a backward are kept and
-    handed out again by the next backward of this buffer set, each only while it is exactly what a
-    fresh view would be: its storage at the same address (``clear_gradient(False)`` or ``p.grad =
-    None`` on a parameter that adopted it empties it; moving an adopted grad out, rescue_grad,
-    re-points it) and its in-place version unchanged (Paddle counts every in-place op on a tensor,
-    ``reshape_`` and ``paddle.assign(..., output=)`` among them, on a counter the views of a stack
-    share; ``clear_gradient(True)`` zeroes without counting and changes no metadata). Otherwise
-    the views are made again. The values need no check: the replay that precedes every hand-out
-    writes the storage, and no view is handed out while a ``p.grad`` lives in its storage (the buffer
-    set a replay writes holds no adopted grad: NOTE [ Two grad buffer sets ]).
+    1.2 on an H200 host, 1.5-4.6 for a single grad's view), so the views of a backward are kept (per
+    stack, and those of the single grads together: one check for all) and handed out again by the
+    next backward of this buffer set, all only while each is exactly what a fresh view would be: its
+    storage at the same address (``clear_gradient(False)`` or ``p.grad = None`` on a parameter that
+    adopted it empties it; moving an adopted grad out, rescue_grad, re-points it) and its in-place
+    version unchanged (Paddle counts every in-place op on a tensor, ``reshape_`` and
+    ``paddle.assign(..., output=)`` among them, on a counter the views of a stack share;
+    ``clear_gradient(True)`` zeroes without counting and changes no metadata). Otherwise the views
+    (of that stack, or of every single grad) are made again. The values need no check: the replay
+    that precedes every hand-out writes the storage, and no view is handed out while a ``p.grad``
+    lives in its storage (the buffer set a replay writes holds no adopted grad: NOTE [ Two grad
+    buffer sets ]).
     A reused view's object is the one autograd may have adopted before as some ``p.grad`` and
     re-pointed since (clear_gradient(True), then the next backward's grad): handles a user kept see
     the same storage either way, as with a fresh view.

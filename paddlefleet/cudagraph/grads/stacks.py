@@ -28,22 +28,22 @@ hold one tensor (a node with a list slot fails in Paddle once any post hook is r
 it), and only where the hook sees as many outputs as the node has edges (an embedding's index
 slot has none); a grad the hook did not place (a reentrant recompute added to it) is copied
 afterwards, as before. Elsewhere, and on Paddle without node post hooks (2.6), grads are copied
-after paddle.grad. The hand-out (one ``unbind`` per stack, its views reused while untouched: NOTE [ Reused
+after paddle.grad, those the hand-out copies only (NOTE [ Stacks after paddle.grad only for copied grads ]). The hand-out (one ``unbind`` per stack, its views reused while untouched: NOTE [ Reused
 aliases ] in grads/hand_out_plan.py) is the same either way.
 
-NOTE [ Stacks after paddle.grad only where grads are freed ]
-A stack saves host time only where the hand-out makes its views again: in a loop that frees its grads
-(``clear_gradient(False)``, ``clear_grad(set_to_zero=False)``), whose freed ``p.grad`` empties the view it
-adopted. A loop that keeps its grads between backwards (``clear_grad()`` zeroes them, Paddle's default;
-gradient accumulation) gets the views of the last backward again for single grads as for stacks, so there
-a stack made after paddle.grad only costs: every stacked grad twice in the backward graph's pool, in each of
-the two grad buffer sets such a loop uses (NOTE [ Two grad buffer sets ] in grads/hand_out_plan.py), and one
-more device copy per grad. So where grads are stacked after paddle.grad, a key's grads are stacked only when
-none of its parameters holds a grad at its capture (``grads_kept``, read before the capture: the warmup steps
-ran the loop, so what it does to grads shows there); stacks made as grads arrive cost neither and are made
-either way. The choice is the key's, fixed at capture: a loop that changes how it releases grads later keeps
-bitwise results and pays only host time or memory. Measured on an H200 with Paddle 2.6.2 (tools/probes/
-stacks_probe.py, docs/reports/stacks_probe.md).
+NOTE [ Stacks after paddle.grad only for copied grads ]
+A stack made after paddle.grad holds every stacked grad twice in the backward graph's pool (as computed, and
+stacked) and costs one more device copy per grad inside the graph; what it saves is host work of the
+hand-out. For grads handed out as copies (``clone_param_grads=True``, or "auto" with a hook that may keep
+its grad) that is one device copy of the stack instead of one per grad (a copy costs several us of host
+time); for aliases it is one ``unbind`` per stack instead of one view per grad, and the views of a
+backward are reused by the next one in a loop that zeroes or accumulates its grads. Measured on an H200
+with Paddle 2.6.2 (tools/probes/stacks_probe.py, docs/reports/stacks_probe.md): aliases handed out one by
+one run as fast as stacked ones or faster in both timing modes, in loops that free and that accumulate
+grads (no stack copies in the graph), and the graphs' pools hold the grads once. So after paddle.grad
+only the grads the hand-out copies (decided at capture from the policy and the hooks then) are stacked;
+stacks made as grads arrive cost neither and take every same-shape grad. Where hooks change after the
+capture, the hand-out stays correct either way (a copy per grad, or a stack handed out as views).
 """
 
 import paddle
@@ -53,8 +53,8 @@ from paddle import _C_ops
 from ..core.grad_nodes import grad_node
 from ..io.static_inputs import nbytes
 
-__all__ = ["GROUP_MAX_BYTES", "Stacking", "grads_kept", "probe", "plan_groups", "stack_grads", "stacks_as_grads_arrive",
-           "unstack"]
+__all__ = ["GROUP_MAX_BYTES", "Stacking", "probe", "plan_groups", "stack_grads", "stacked_after_backward",
+           "stacks_as_grads_arrive", "unstack"]
 
 #: Largest grad (bytes) that is stacked; ~3 us of device copy on an H100 against ~12 us of host
 #: time for a separate copy call.
@@ -93,13 +93,10 @@ def probe(tensors):
         _unbind_views(str(t.place), t.dtype, t.place)
 
 
-def grads_kept(params):
-    """Whether any of ``params`` holds a grad now (zeroed or accumulated: not freed)."""
-    for p in params:
-        g = p.grad
-        if g is not None and g._is_initialized():
-            return True
-    return False
+def stacked_after_backward(copied):
+    """Indices of the parameters whose grads may be stacked after paddle.grad: those handed out as copies (``copied``,
+    per parameter; NOTE [ Stacks after paddle.grad only for copied grads ])."""
+    return [i for i, c in enumerate(copied) if c]
 
 
 def plan_groups(grads, candidates):
