@@ -103,9 +103,11 @@ class TestDoctorPoolSharing(unittest.TestCase):
         self.assertIn("pool sharing: no: each graph gets its own memory pool (Paddle < 3.1", self.gpu_report(False))
 
     def test_how_grad_stacks_are_held_is_said(self):
-        # NOTE [ Stacking grads as they arrive ], NOTE [ Stacks after paddle.grad only for copied grads ] in grads/stacks.py
+        # NOTE [ Stacking grads as they arrive ], NOTE [ Stacks after paddle.grad only for copied grads ]
+        # in grads/stacks.py
         said = {True: "grad stacks: each same-shape parameter grad is copied into its stack as the backward makes it",
-                False: "grad stacks: no node post hooks in this Paddle: grads handed out as aliases (the default) go one by one"}
+                False: "grad stacks: no node post hooks in this Paddle: grads handed out as aliases (the default) "
+                       "go one by one"}
         for arrive, words in said.items():
             with mock.patch.object(doctor, "stacks_as_grads_arrive", return_value=arrive):
                 self.assertIn(words, run()[1])

@@ -28,8 +28,10 @@ hold one tensor (a node with a list slot fails in Paddle once any post hook is r
 it), and only where the hook sees as many outputs as the node has edges (an embedding's index
 slot has none); a grad the hook did not place (a reentrant recompute added to it) is copied
 afterwards, as before. Elsewhere, and on Paddle without node post hooks (2.6), grads are copied
-after paddle.grad, those the hand-out copies only (NOTE [ Stacks after paddle.grad only for copied grads ]). The hand-out (one ``unbind`` per stack, its views reused while untouched: NOTE [ Reused
-aliases ] in grads/hand_out_plan.py) is the same either way.
+after paddle.grad, those the hand-out copies only
+(NOTE [ Stacks after paddle.grad only for copied grads ]). The hand-out (one ``unbind`` per stack,
+its views reused while untouched: NOTE [ Reused aliases ] in grads/hand_out_plan.py) is the same
+either way.
 
 NOTE [ Stacks after paddle.grad only for copied grads ]
 A stack made after paddle.grad holds every stacked grad twice in the backward graph's pool (as computed, and
@@ -94,8 +96,8 @@ def probe(tensors):
 
 
 def stacked_after_backward(copied):
-    """Indices of the parameters whose grads may be stacked after paddle.grad: those handed out as copies (``copied``,
-    per parameter; NOTE [ Stacks after paddle.grad only for copied grads ])."""
+    """Indices of the parameters whose grads may be stacked after paddle.grad: those handed out as copies
+    (``copied``, per parameter; NOTE [ Stacks after paddle.grad only for copied grads ])."""
     return [i for i, c in enumerate(copied) if c]
 
 
