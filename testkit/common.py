@@ -212,6 +212,27 @@ def build(factory, seed):
     return layer
 
 
+def layer_stack(n, dims, graph=None):
+    """``n`` MatMLP(``dims``) Layers in a LayerList (parameters from seed 0), each graphed on its own with
+    ``autocudagraph(layer, **graph)`` unless ``graph`` is None: a model graphed layer by layer."""
+    layers = build(lambda: paddle.nn.LayerList([MatMLP(dims) for _ in range(n)]), 0)
+    if graph is not None:
+        from paddlefleet.cudagraph import autocudagraph
+
+        for layer in layers:
+            autocudagraph(layer, **graph)
+    return layers
+
+
+def through(layers, x, dy):
+    """``x`` through each of ``layers`` in turn, then the backward of the last output with grad ``dy``; that output."""
+    h = x
+    for layer in layers:
+        h = layer(h)
+    h.backward(dy)
+    return h
+
+
 def release_grads(*layers):
     """Frees the parameter grads of ``layers`` (clear_gradient(False): no fill kernel)."""
     for layer in layers:

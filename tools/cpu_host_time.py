@@ -50,7 +50,7 @@ import paddle  # noqa: E402
 
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step  # noqa: E402
 from paddlefleet.cudagraph.backends import simulated  # noqa: E402
-from testkit.common import MatMLP, build, host_tensor, normal  # noqa: E402
+from testkit.common import MatMLP, build, host_tensor, layer_stack, normal, through  # noqa: E402
 from testkit.step_gpu import MatmulStep  # noqa: E402
 from host_breakdown import StepInternals  # noqa: E402
 
@@ -80,17 +80,13 @@ def per_layer_step(args, x, dy, graph, zero=False):
     """A step of ``args.layers`` layers, each graphed on its own (``graph``) or eager; its grads freed after the
     backward, or zeroed (``zero``: ``clear_gradient(True)``, where a graphed layer reuses the views it handed out
     the backward before, NOTE [ Reused aliases ] in grads/hand_out_plan.py)."""
-    layers = build(lambda: paddle.nn.LayerList([MatMLP([args.width] * 2) for _ in range(args.layers)]), 0)
-    if graph:
-        for layer in layers:
-            autocudagraph(layer, backend="simulate", eager_if_slower=False)  # the graphed path is what is timed
+    # eager_if_slower=False: the graphed path is what is timed
+    graphed = {"backend": "simulate", "eager_if_slower": False}
+    layers = layer_stack(args.layers, [args.width] * 2, graphed if graph else None)
     params = layers.parameters()
 
     def step():
-        h = x
-        for layer in layers:
-            h = layer(h)
-        h.backward(dy)
+        through(layers, x, dy)
         for p in params:
             p.clear_gradient(zero)
 

@@ -4,24 +4,12 @@ import unittest
 
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph
-from testkit.common import MatMLP, build, eager_calls, host_tensor, normal
+from testkit.common import MatMLP, eager_calls, host_tensor, layer_stack, normal, through
 from testkit.harness import MatmulOnlyCase, backend_variants, release_grads
 
 
 def per_layer_model(layers=4, width=8, **options):
-    model = build(lambda: paddle.nn.LayerList([MatMLP([width, width]) for _ in range(layers)]), 0)
-    for layer in model:
-        autocudagraph(layer, backend="simulate", **options)
-    return model
-
-
-def run(model, x, dy):
-    h = x
-    for layer in model:
-        h = layer(h)
-    h.backward(dy)
-    return h
+    return layer_stack(layers, [width, width], {"backend": "simulate", **options})
 
 
 class TestCaptureBookkeeping(unittest.TestCase):
@@ -33,7 +21,7 @@ class TestCaptureBookkeeping(unittest.TestCase):
         first = model[0].forward
         self.assertEqual(first.stats()["capture_ms"], {})
         for _ in range(3):
-            run(model, x, dy)
+            through(model, x, dy)
         stats = first.stats()
         self.assertEqual(len(stats["capture_ms"]), 1)
         [(label, ms)] = stats["capture_ms"].items()

@@ -29,9 +29,9 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402  (before paddle: Paddle 2.6 with NumPy 2 crashes otherwise)
 import paddle  # noqa: E402
 
-from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.grads import hand_out_plan  # noqa: E402
-from testkit.common import MatMLP, build, host_tensor, info_lines, normal, run_info, write_generated  # noqa: E402
+from testkit.common import (host_tensor, info_lines, layer_stack, normal, run_info, through,  # noqa: E402
+                            write_generated)
 
 TOOL = "tools/probes/reused_views_probe.py"
 
@@ -41,18 +41,8 @@ CONFIGS = (("16 layers x 1 matmul x 512 (one single grad per layer)", 16, 1, 512
 
 
 def _layers(n, matmuls, width, graphed, backend):
-    layers = build(lambda: paddle.nn.LayerList([MatMLP([width] * (matmuls + 1)) for _ in range(n)]), 0)
-    if graphed:
-        for layer in layers:
-            autocudagraph(layer, backend=backend, warmup_steps=1, eager_if_slower=False)
-    return layers
-
-
-def _step(layers, x, dy):
-    h = x
-    for layer in layers:
-        h = layer(h)
-    h.backward(dy)
+    graph = {"backend": backend, "warmup_steps": 1, "eager_if_slower": False} if graphed else None
+    return layer_stack(n, [width] * (matmuls + 1), graph)
 
 
 @contextlib.contextmanager
@@ -76,8 +66,8 @@ def run_config(label, n, matmuls, width, batch, backend, steps, rounds, sync):
     for _ in range(3):  # warmup, capture, first replay
         for layers, under in runs.values():
             with under():
-                _step(layers, x, dy)
-        _step(eager, x, dy)
+                through(layers, x, dy)
+        through(eager, x, dy)
     sync()
     host = {name: [] for name in runs}
     for _ in range(rounds):  # interleaved
@@ -85,11 +75,11 @@ def run_config(label, n, matmuls, width, batch, backend, steps, rounds, sync):
             with under():
                 start = time.perf_counter()
                 for _ in range(steps):
-                    _step(layers, x, dy)
+                    through(layers, x, dy)
                 host[name].append((time.perf_counter() - start) / steps * 1e6)
                 sync()
         for _ in range(steps):
-            _step(eager, x, dy)
+            through(eager, x, dy)
     sync()
     want = [p.grad.numpy() for p in eager.parameters()]
     rows = []
