@@ -330,3 +330,80 @@ class StacksAfterBackwardZeroedTest(MatmulOnlyCase):
     def test_aliases_in_a_loop_that_zeroes_its_grads_go_one_by_one(self):
         # Two buffer sets: a zeroed p.grad adopts the views a backward hands out, so the next writes the other set.
         self.assertEqual(run_loop(self, lambda k, p: p.clear_gradient(True)), [[], []], "no stack in either set")
+
+
+@for_each_backend
+class FreedViewsRepointedTest(MatmulOnlyCase):
+    """NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py, with only matmuls and copies: a loop that frees its
+    grads after every step gets the views of the hand-out before the last filled again instead of made; grads bitwise
+    eager's every step, and ``p.grad`` None after every free as eagerly."""
+
+    def test_a_freeing_loop_fills_the_freed_views_again(self):
+        graphed, eager = self.twins(StackAndSingle, 0)
+        self.graphed(graphed, warmup_steps=0)
+        draw = normal(6)
+        for step in range(8):
+            x, dy = self.tensor(draw(B, W)), self.tensor(draw(B, 4))
+            for model in (graphed, eager):
+                model(x).backward(dy)
+            self.assertBitwise([p.grad for p in graphed.parameters()], [p.grad for p in eager.parameters()],
+                               f"step {step}")
+            for model in (graphed, eager):
+                for p in model.parameters():
+                    p.clear_gradient(False)
+                self.assertEqual([p.grad for p in model.parameters()], [None] * 4, f"step {step}")
+        plans = graphed.forward.entry().graphs.current.plans()
+        made, repointed = sum(p.views_made for p in plans), sum(p.views_repointed for p in plans)
+        kept = 2 if stacks_as_grads_arrive() else 1  # views kept per stack and for the single grads together
+        self.assertEqual((made, repointed), (2 * kept, 6 * kept), plans)
+
+
+class _Bridge(paddle.autograd.PyLayer):
+    """``y = x @ w`` whose backward hands out ``plan``'s grads (the bridge's, without graphs)."""
+
+    @staticmethod
+    def forward(ctx, plan, x, w):
+        ctx.plan = plan
+        return paddle.matmul(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.plan.hand_out()
+
+
+@for_each_backend
+class FreedViewStillPGradTest(MatmulOnlyCase):
+    """NOTE [ Freed aliases re-pointed ]: a freed view that is still the parameter's grad slot (no backward adopted
+    another grad since: here the last hand-out went elsewhere and was then emptied) is not filled again, which
+    would turn ``p.grad`` back on and double the next grad; it is made anew instead. The same run without the
+    ``p.grad`` check doubles the grad (negative control)."""
+
+    def run_plan(self):
+        from paddlefleet.cudagraph.grads.hand_out_plan import GradPlan
+
+        w = paddle.create_parameter([W, 4], "float32")
+        w.set_value(normal(1)(W, 4))
+        gx, gw = self.tensor(normal(2)(B, W)), self.tensor(normal(3)(W, 4))
+        plan = GradPlan([gx, gw], [True], [w], False)
+        x, dy = self.tensor(normal(4)(B, W), grad=True), self.tensor(normal(5)(B, 4))
+        _Bridge.apply(plan, x, w).backward(dy)  # views made, adopted as w.grad
+        w.clear_gradient(False)
+        for v in plan.hand_out()[1:]:  # views made for a backward that gave them elsewhere: w.grad stays freed
+            v._clear_data()  # ... and then freed too
+        _Bridge.apply(plan, x, w).backward(dy)
+        return plan, w, self.tensor(normal(3)(W, 4))  # the static grad's values (a grad added to itself writes there)
+
+    def test_a_freed_view_still_held_as_p_grad_is_made_anew(self):
+        plan, w, gw = self.run_plan()
+        self.assertEqual((plan.views_made, plan.views_repointed), (3, 0))
+        self.assertBitwise(w.grad, gw)
+
+    def test_without_the_p_grad_check_the_grad_doubles(self):
+        with mock.patch.object(paddle.Tensor, "grad", property(lambda self: None)):
+            try:
+                plan, w, gw = self.run_plan()
+            except Exception:  # noqa: BLE001 - a grad added to itself may also fail outright
+                return
+        self.assertEqual(plan.views_repointed, 1)
+        with self.assertRaises(AssertionError):
+            self.assertBitwise(w.grad, gw)

@@ -67,6 +67,23 @@ class GradPlan:
     A reused view's object is the one autograd may have adopted before as some ``p.grad`` and
     re-pointed since (clear_gradient(True), then the next backward's grad): handles a user kept see
     the same storage either way, as with a fresh view.
+
+    NOTE [ Freed aliases re-pointed ]
+    A loop that frees its grads (``clear_gradient(False)``, ``clear_grad(set_to_zero=False)``) empties every view
+    autograd adopted, so the next backward cannot reuse them, and making views again costs a Paddle op per view.
+    A freed view can be filled again for a few attribute reads instead: ``source._share_buffer_to(view)`` points
+    it at its static grad's storage again (its shape, strides and dtype are its own, kept while it was empty,
+    and only where its in-place version is the one it was handed out with: a ``reshape_`` or
+    ``paddle.assign(..., output=)`` while it was ``p.grad`` changed them; ``source`` is a view of the same
+    static grad, never handed out, which gives the offset). Where a
+    parameter's grad slot still holds that view (freed, and no backward adopted another grad since), this
+    would turn ``p.grad`` back on (and the next accumulation would add the grad to itself), so the views
+    re-pointed are those of the hand-out before the last, whose slots the last hand-out's views replaced,
+    and each is proven free by ``p.grad`` reading None after it is re-pointed; otherwise the views are
+    emptied again (``_clear_data``: the static grad keeps its storage) and made anew. So a freeing loop
+    alternates two sets of view objects. The one thing this changes against a fresh view: a handle to a
+    freed grad the user kept (``g = p.grad`` before the free), which eager leaves empty for good (reading it
+    raises), reads the static grad again two backwards later.
     """
 
     def __init__(self, static_grads, input_needs_grad, params, policy, groups=()):
@@ -97,8 +114,15 @@ class GradPlan:
         #: Where the first of those views lies when it is a view (not a copy): its stack's, its static grad's address.
         self._bases = [stack.data_ptr() for stack, _, _, _ in self._stacks] + (
             [self._singles[0][2].data_ptr()] if self._singles else [])
-        #: Views made (stacks unbound, single grads viewed) and views reused, counted for tests and reports.
-        self.views_made = self.views_reused = 0
+        #: Per hand-out slot, the views handed out the time before the last, once the last ones were replaced, and
+        #: the parameters they are the grads of; views never handed out to re-point them from, made when first
+        #: needed (NOTE [ Freed aliases re-pointed ]).
+        self._spare = [None] * len(self._kept)
+        self._owners = [[self.params[i] for i in idxs] for _, idxs, _, _ in self._stacks] + (
+            [[self.params[i] for _, i, _, _ in self._singles]] if self._singles else [])
+        self._sources = [None] * len(self._kept)
+        #: Views made (stacks unbound, single grads viewed), reused, and re-pointed, counted for tests and reports.
+        self.views_made = self.views_reused = self.views_repointed = 0
 
     def _lay_out(self, n):
         """The per-backward work of hand_out() and adopted(), decided once (NOTE [ A precomputed hand-out ])."""
@@ -211,21 +235,49 @@ class GradPlan:
         if kept is not None and _unchanged(kept):
             self.views_reused += 1
             return kept[0]
-        views = make(*of)
+        views = None if kept is None else self._repointed(k, make, of)
+        if views is None:
+            views = make(*of)
+            self.views_made += 1
         if kept is not None:  # views before: these are too, at the same addresses
             self._kept[k] = (views, kept[1], [v._inplace_version() for v in views])
+            self._spare[k] = (kept[0], kept[2])
         elif views[0].data_ptr() == self._bases[k]:
             self._kept[k] = (views, [v.data_ptr() for v in views], [v._inplace_version() for v in views])
-        self.views_made += 1
         return views
+
+    def _repointed(self, k, make, of):
+        """The views handed out for slot ``k`` the time before the last, re-pointed at their static grads, where each
+        was freed and no parameter's grad lives in it; else None (NOTE [ Freed aliases re-pointed ])."""
+        if self._spare[k] is None:
+            return None
+        spare, versions = self._spare[k]
+        for v, version in zip(spare, versions):
+            # Not freed (a copy was handed out instead, or it was never adopted), or changed in place while it was
+            # p.grad (a reshape_ or paddle.assign(..., output=) left it in another shape).
+            if v._is_initialized() or v._inplace_version() != version:
+                return None
+        sources = self._sources[k]
+        if sources is None:
+            sources = self._sources[k] = make(*of)
+        for n, (source, v, p) in enumerate(zip(sources, spare, self._owners[k])):
+            source._share_buffer_to(v)
+            if p.grad is not None:  # p's grad is this very view, freed and not replaced since: put back as it was
+                for u in spare[:n + 1]:
+                    u._clear_data()
+                self._spare[k] = None
+                return None
+        self.views_repointed += 1
+        return spare
 
     def _single_views(self):
         """A view of each single grad (copies where the hooks want them are made by hand_out, over these)."""
         return [alias(t, shape) for _, _, t, shape in self._singles]
 
     def forget_views(self):
-        """Drops the kept views: the next hand-out makes them again, as after freed grads (tools time that)."""
+        """Drops the kept views: the next hand-out makes them again (tools time that)."""
         self._kept = [None] * len(self._kept)
+        self._spare = [None] * len(self._spare)
 
 
 def _unchanged(kept):
