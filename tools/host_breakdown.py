@@ -159,8 +159,20 @@ class Internals:
         return self._entry().graphs.current.backward.grad_plan.adopted
 
     def hand_out_grads(self):
-        """The grad hand-out as a backward after freed grads pays it: the views made again (NOTE [ Reused aliases ]
-        in grads/hand_out_plan.py; the kept views forgotten, as a freed p.grad's emptied view is)."""
+        """The grad hand-out as a backward after freed grads pays it: the views the hand-out before the last gave
+        re-pointed (NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py), then freed as a free of the grads
+        autograd adopted frees them (``_clear_data``, a few attribute writes: part of the row)."""
+        plan = self._entry().graphs.current.backward.grad_plan
+
+        def hand_out():
+            for grad in plan.hand_out():
+                if grad is not None:
+                    grad._clear_data()
+        return hand_out
+
+    def hand_out_made(self):
+        """The grad hand-out with every view made anew (NOTE [ Reused aliases ] in grads/hand_out_plan.py; the kept
+        views forgotten)."""
         plan = self._entry().graphs.current.backward.grad_plan
 
         def hand_out():
@@ -237,8 +249,10 @@ class Internals:
             ("grad-output copy into its static buffer (one copy per output)", "ours (1 device copy)",
              self.grad_output_copy),
             ("adopted-grad check before a backward replay (GradPlan.adopted)", "ours", self.adopted),
-            ("grad hand-out (GradPlan.hand_out: aliases, unbind of stacks; views made, as after freed grads)", "ours",
-             self.hand_out_grads),
+            ("grad hand-out (GradPlan.hand_out: aliases of the static grads; grads freed every backward: the freed "
+             "views of the hand-out before the last re-pointed)", "ours", self.hand_out_grads),
+            ("  the same, every view made anew (one unbind per stack, one view per single grad)", "ours",
+             self.hand_out_made),
             ("  the same, the last backward's views reused (grads zeroed or accumulated, not freed)", "ours",
              self.hand_out_reused),
             ("forward graph replay()", "Paddle", self.forward_replay),

@@ -11,7 +11,7 @@ per stack instead of one view per grad. This probe measures that trade on the be
 paddle.grad only for copied grads ]): per config, eager, graphed with every same-shape grad stacked after
 paddle.grad (``stacked_after_backward`` taking every parameter while the model warms up and captures) and
 graphed without stacks (``GROUP_MAX_BYTES`` 0), side by side in one process, in a loop that frees its grads after
-every step (views made every backward) and one that accumulates them (views reused), both modes (throughput:
+every step (freed views re-pointed or made) and one that accumulates them (views reused), both modes (throughput:
 one sync at the end; latency: a sync per step), best of 3 interleaved rounds; the bytes the graphs hold by the
 package's own accounting (``held_bytes``, ``pool_bytes``). Every graphed runner is compared bit for bit with
 eager (output and grads) before timing.
