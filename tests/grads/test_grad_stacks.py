@@ -371,12 +371,9 @@ class _Bridge(paddle.autograd.PyLayer):
         return ctx.plan.hand_out()
 
 
-@for_each_backend
-class FreedViewStillPGradTest(MatmulOnlyCase):
+class _FreedViewStillPGrad:
     """NOTE [ Freed aliases re-pointed ]: a freed view that is still the parameter's grad slot (no backward adopted
-    another grad since: here the last hand-out went elsewhere and was then emptied) is not filled again, which
-    would turn ``p.grad`` back on and double the next grad; it is made anew instead. The same run without the
-    ``p.grad`` check doubles the grad (negative control)."""
+    another grad since: here the last hand-out went elsewhere and was then emptied)."""
 
     def run_plan(self):
         from paddlefleet.cudagraph.grads.hand_out_plan import GradPlan
@@ -393,10 +390,24 @@ class FreedViewStillPGradTest(MatmulOnlyCase):
         _Bridge.apply(plan, x, w).backward(dy)
         return plan, w, self.tensor(normal(3)(W, 4))  # the static grad's values (a grad added to itself writes there)
 
+
+@for_each_backend
+class FreedViewStillPGradTest(_FreedViewStillPGrad, MatmulOnlyCase):
+    """Such a view is not filled again, which would turn ``p.grad`` back on and double the next grad: it is made
+    anew instead (the same run without the ``p.grad`` check: FreedViewStillPGradControlTest)."""
+
     def test_a_freed_view_still_held_as_p_grad_is_made_anew(self):
         plan, w, gw = self.run_plan()
         self.assertEqual((plan.views_made, plan.views_repointed), (3, 0))
         self.assertBitwise(w.grad, gw)
+
+
+@for_each_backend
+class FreedViewStillPGradControlTest(_FreedViewStillPGrad, MatmulOnlyCase):
+    """The negative control: without the ``p.grad`` check the view is filled again and the grad added to itself
+    (Paddle's add kernel)."""
+
+    kernels = "all"
 
     def test_without_the_p_grad_check_the_grad_doubles(self):
         with mock.patch.object(paddle.Tensor, "grad", property(lambda self: None)):
