@@ -160,14 +160,19 @@ class Internals:
 
     def hand_out_grads(self):
         """The grad hand-out as a backward after freed grads pays it: the views the hand-out before the last gave
-        re-pointed (NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py), then freed as a free of the grads
-        autograd adopted frees them (``_clear_data``, a few attribute writes: part of the row)."""
+        re-pointed (NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py); after each call, untimed, the views
+        handed out are freed as a free of the grads autograd adopted frees them."""
         plan = self._entry().graphs.current.backward.grad_plan
+        handed = []
 
         def hand_out():
-            for grad in plan.hand_out():
+            handed[:] = plan.hand_out()
+
+        def free():  # untimed (timed() runs a piece's ``after``): the loop's free of the grads autograd adopted
+            for grad in handed:
                 if grad is not None:
                     grad._clear_data()
+        hand_out.after = free
         return hand_out
 
     def hand_out_made(self):
@@ -489,7 +494,9 @@ class CallStages:
 
 
 def timed(fn, reps, sync, after=None):
-    """Median host us of ``fn()`` alone; ``after()`` (where given) and a device sync run untimed after each call."""
+    """Median host us of ``fn()`` alone; ``after()`` (where given, else ``fn.after`` where ``fn`` has one) and a
+    device sync run untimed after each call."""
+    after = after or getattr(fn, "after", None)
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
