@@ -263,9 +263,8 @@ class GradPlan:
         for n, (source, v, p) in enumerate(zip(sources, spare, self._owners[k])):
             source._share_buffer_to(v)
             if p.grad is not None:  # p's grad is this very view, freed and not replaced since: put back as it was
-                for u in spare[:n + 1]:
+                for u in spare[:n + 1]:  # (the views made instead become the next spare: _reused)
                     u._clear_data()
-                self._spare[k] = None
                 return None
         self.views_repointed += 1
         return spare
