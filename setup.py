@@ -68,6 +68,8 @@ setup(
     # importlib.util.find_spec("paddlefleet").has_location is False when only this project is
     # installed, as PaddleFormers' probe for Paddle's PaddleFleet expects.
     packages=find_namespace_packages(include=["paddlefleet.cudagraph", "paddlefleet.cudagraph.*"]),
+    # built on first use against the installed Paddle (NOTE [ Compiled tensor reads ] in native/__init__.py)
+    package_data={"paddlefleet.cudagraph.native": ["tensor_reads.cc"]},
     py_modules=["_paddlefleet_cudagraph_finder"],
     cmdclass={"build_py": BuildPyWithPth},
     # The README's requirement. The sources parse as Python 3.10 (tests/integration/test_packaging.py checks it);

@@ -354,6 +354,7 @@ def run_info(on_gpu, repo=None):
         "gpu": None,
         "driver": None,
         "tf32_override": os.environ.get("NVIDIA_TF32_OVERRIDE", "unset"),
+        "compiled_reads": _compiled_reads(),
     }
     if on_gpu:
         try:
@@ -361,6 +362,18 @@ def run_info(on_gpu, repo=None):
         except Exception as err:  # noqa: BLE001 - the report still says what it could
             info["gpu"] = f"? ({short(err)})"
     return info
+
+
+def _compiled_reads():
+    """"in use", or why not (NOTE [ Compiled tensor reads ] in native/__init__.py; loaded here if no wrapper did)."""
+    from paddlefleet.cudagraph import native
+
+    try:
+        native.load()
+    except Exception as err:  # noqa: BLE001 - PADDLEFLEET_CUDAGRAPH_NATIVE=require on a machine that cannot build
+        return f"unavailable ({short(err)})"
+    active, why = native.status()
+    return "in use" if active else f"not in use ({why})"
 
 
 def info_lines(info):
@@ -371,7 +384,8 @@ def info_lines(info):
         f"- paddle {get('paddle')} (commit {get('paddle_commit')}, CUDA {get('paddle_cuda', 'none')}), "
         f"python {get('python')}, numpy {get('numpy')}",
         f"- GPU: {get('gpu', 'none (CPU)')}; driver {get('driver')}; NVIDIA_TF32_OVERRIDE={get('tf32_override')}",
-        f"- CUDA graphs: {get('cuda_graphs')}; forward and backward share a pool: {get('pool_sharing')}",
+        f"- CUDA graphs: {get('cuda_graphs')}; forward and backward share a pool: {get('pool_sharing')}; "
+        f"compiled tensor reads: {get('compiled_reads')}",
     ]
 
 

@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import paddle
 
+from . import native
 from .backends import ENV_BACKEND, cuda_available, pool_sharing_supported, resolve_backend
+from .errors import CudaGraphError
 from .grads.stacks import stacks_as_grads_arrive
 
 __all__ = ["run_doctor"]
@@ -125,9 +127,23 @@ def _checks():
         "no node post hooks in this Paddle: grads handed out as aliases (the default) go one by one and a graph's "
         "pool holds each once; grads handed out as copies (clone_param_grads=True, a hook that keeps its grad) "
         "are stacked after the backward, one copy per stack, and held twice, as computed and stacked"), None))
+    compiled, err = _guarded(_compiled_reads)
+    rows.append(("compiled reads", compiled or err, None))
     choice, err = _guarded(lambda: _backend_choice(gpu_ok))
     rows.append(("backend", choice or err, None if err is None else False))
     return rows
+
+
+def _compiled_reads():
+    """Whether the per-call tensor reads are compiled here (NOTE [ Compiled tensor reads ] in native/__init__.py)."""
+    try:
+        native.load()
+    except CudaGraphError as err:  # PADDLEFLEET_CUDAGRAPH_NATIVE=require: the reason is the report
+        return f"unavailable: {err}"
+    active, why = native.status()
+    if active:
+        return "in use: each call's key and parameter checks read tensors in C++ (built for this Paddle and Python)"
+    return f"not in use ({why}): the same reads run in Python, a few us more host time per call"
 
 
 def run_doctor(out=None):

@@ -113,6 +113,22 @@ class TestDoctorPoolSharing(unittest.TestCase):
                 self.assertIn(words, run()[1])
 
 
+class CompiledReadsRowTest(unittest.TestCase):
+    """The doctor says whether the per-call tensor reads are compiled, and why not (NOTE [ Compiled tensor reads ] in
+    native/__init__.py)."""
+
+    def test_in_use_or_why_not(self):
+        from paddlefleet.cudagraph import native
+
+        for active, why, words in [(True, None, "compiled reads: in use: each call's key and parameter checks read "
+                                                "tensors in C++"),
+                                   (False, "no C++ compiler found (set CXX, or install g++)",
+                                    "compiled reads: not in use (no C++ compiler found (set CXX, or install g++)): "
+                                    "the same reads run in Python")]:
+            with mock.patch.object(native, "status", return_value=(active, why)):
+                self.assertIn(words, run()[1])
+
+
 if __name__ == "__main__":
     unittest.main()
 

@@ -93,6 +93,8 @@ class InstallUninstallTest(unittest.TestCase):
                                      "paddlefleet_cudagraph-0.1.0.dist-info", "paddlefleet_cudagraph.pth"])
         self.assertEqual(self.probe(), f'[true, "{site}/paddlefleet/cudagraph/__init__.py"]')
         self.assertFalse(os.path.exists(os.path.join(site, "paddlefleet", "__init__.py")), "a namespace package")
+        self.assertTrue(os.path.isfile(os.path.join(site, "paddlefleet", "cudagraph", "native", "tensor_reads.cc")),
+                        "the compiled reads' source is installed (built on first use)")
         self.pip("uninstall", "-y", "-q", "paddlefleet-cudagraph")
         self.assertEqual(sorted(n for n in os.listdir(site) if "paddlefleet" in n), [])
         self.assertEqual(self.probe(), "[false, null]")

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import paddle
 
 from . import state
+from .. import native
 from ..guards.host_marks import any_marked, is_marked_host
 from ..io.arguments import refusal
 from ..io.host_tensors import check_host_arrays, check_host_inputs, host_key, host_mask
@@ -148,13 +149,19 @@ class KeyMaker:
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
         if self._key_fn is None:
             # What a graph fixes of each tensor (io/static_inputs.tensor_meta), in cheap key parts
-            # (NOTE [ Cheap key parts ]): shape, dtype as its int, place, stop_gradient; one loop.
-            metas, places = [], []
-            for t in tensors:
-                place = place_key(t.place)
-                places.append(place)
-                metas.append((tuple(t.shape), int(t.dtype), place, t.stop_gradient))
-            metas = tuple(metas)
+            # (NOTE [ Cheap key parts ]): shape, dtype as its int, place, stop_gradient; one loop,
+            # compiled where it can be (NOTE [ Compiled tensor reads ] in native/__init__.py).
+            compiled = native.reads
+            metas = None if compiled is None else compiled.metas(tensors)
+            if metas is None:
+                metas, places = [], []
+                for t in tensors:
+                    place = place_key(t.place)
+                    places.append(place)
+                    metas.append((tuple(t.shape), int(t.dtype), place, t.stop_gradient))
+                metas = tuple(metas)
+            else:
+                places = [m[2] for m in metas]
             host = host_mask(tensors, place_keys=places)
             if host is not None:  # NOTE [ Host tensors ] in io/host_tensors.py: keyed by value
                 metas = tuple(m + (host_key(t),) if h else m for m, t, h in zip(metas, tensors, host))
@@ -182,7 +189,11 @@ class KeyMaker:
         if len(args) != len(metas):
             return False
         marked = any_marked()  # a tensor marked host is keyed by value: never this key's part
-        for t, meta in zip(args, metas):
+        compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py: None where it cannot tell
+        same = None if compiled is None or marked else compiled.match(args, metas)
+        if same is False:
+            return False
+        for t, meta in () if same else zip(args, metas):
             if len(meta) != 4 or t.stop_gradient is not meta[3] or tuple(t.shape) != meta[0]:
                 return False
             if marked and is_marked_host(t):

@@ -5,6 +5,7 @@ import threading
 
 import paddle
 
+from .. import native
 from .grad_nodes import grad_node
 
 __all__ = [
@@ -48,11 +49,19 @@ class ParamSet:
         # (no attribute lookups per call, measured 3.1 -> 2.3 us for 16 parameters on the CPU).
         self._homes = tuple((sub._parameters.get, name, p, p.stop_gradient, p.data_ptr, p.data_ptr())
                             for sub, name, p in homes)
+        # the same for the compiled check (NOTE [ Compiled tensor reads ] in native/__init__.py)
+        self._compiled_homes = tuple((sub._parameters, name, p, frozen, ptr)
+                                     for (_, name, p, frozen, _, ptr), (sub, _, _) in zip(self._homes, homes))
         self._owners = [type(sub).__name__ for sub, _, _ in homes]
         self.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
 
     def moved(self):
         """Why the graphs no longer fit the parameters (replaced, moved or (un)frozen), or None."""
+        compiled = native.reads
+        if compiled is not None:
+            first = compiled.moved(self._compiled_homes)  # None where a parameter cannot be read there
+            if first is not None:
+                return None if first < 0 else self._why(self._homes[first][2])
         for get, name, p, frozen, data_ptr, ptr in self._homes:  # NOTE [ The parameter-address check ]
             if get(name) is not p or data_ptr() != ptr or p.stop_gradient is not frozen:
                 return self._why(p)

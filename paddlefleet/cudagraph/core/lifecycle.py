@@ -12,6 +12,7 @@ import collections
 import logging
 import warnings
 
+from .. import native
 from ..guards.paddle_patches import install_process_patches
 from ..guards.location import user_stacklevel
 from .budgets import Places
@@ -44,6 +45,7 @@ class Lifecycle(Reports, Views, Runner):
 
     def __init__(self, body, fn):
         install_process_patches()  # NOTE [ Paddle patches ] in guards/paddle_patches.py: the first wrapper
+        native.load()  # NOTE [ Compiled tensor reads ] in native/__init__.py: built or loaded once per process
         self._body = body
         self._run_eager = body.eager_runner()  # body.run, laid out once: the calls that run eagerly without a Decision
         self._entries = collections.OrderedDict()

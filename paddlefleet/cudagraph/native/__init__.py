@@ -1,0 +1,162 @@
+"""Compiled tensor reads for the checks every call makes (NOTE [ Compiled tensor reads ]).
+
+NOTE [ Compiled tensor reads ]
+Every call of a wrapper reads each argument tensor's shape, dtype, place and stop_gradient (its key, or
+KeyMaker.is_key_of against the latest key), and every replay reads each parameter's data pointer and
+stop_gradient (ParamSet.moved). Each such read is a Python property of Paddle's Tensor that makes a Python
+object (a shape list, a dtype enum, a Place): 0.2-0.5 us alone and 2-3x that inside a call, whose other work
+has pushed them out of the CPU's caches (measured on the CPU with Paddle 2.6.2: is_key_of of one tensor 3.5 us
+alone, 7.8 inside a training step). tensor_reads.cc reads the same values from the C++ tensor (Paddle's
+extension headers: paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them
+with the key's values without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us.
+
+It answers exactly what the Python reads answer, or None where it cannot tell, and the caller then reads in
+Python as before (the same values, the same errors): a tensor that is not a defined, initialized dense tensor
+(an uninitialized one raises in Python; a zero-size one holds no memory), a 4-D tensor (Paddle's layout autotune
+may permute the shape Python reports), a place other than CPU and GPU, a dtype missing from the table. The table
+of ``int(t.dtype)`` by Paddle's C++ DataType code is made at load from tensors of each dtype (Paddle 2.6 reports
+the proto VarType, 3.x the DataType), and the module is checked against the Python reads of a few tensors before
+it is used.
+
+Built on first use (the first wrapper made in a process) with the machine's C++ compiler, against the installed
+Paddle's headers, into ``$PADDLEFLEET_CACHE_DIR`` (default ``~/.cache/paddlefleet``), one file per source, Paddle
+and Python (about 1.5 s once); loaded from there afterwards. Where it cannot be built or loaded (no compiler, a
+Paddle without its headers, a failed check) every read stays in Python, and ``status()`` (and the doctor) says
+why. ``PADDLEFLEET_CUDAGRAPH_NATIVE=0`` keeps the reads in Python; ``=require`` makes an unavailable module an
+error (CI and the GPU checks use it, so that a silent fallback cannot pass for the compiled path). The Python
+reads stay the tested fallback: tests/native compares both on every kind of tensor above, and runs the key and
+parameter checks with the module and without it.
+"""
+
+import logging
+import os
+import threading
+
+import paddle
+
+from ..errors import CudaGraphError
+
+__all__ = ["ENV_NATIVE", "reads", "load", "status", "disabled"]
+
+logger = logging.getLogger(__name__)
+
+#: ``0``: reads in Python; ``1`` (default): compiled where it can be built; ``require``: compiled or an error.
+ENV_NATIVE = "PADDLEFLEET_CUDAGRAPH_NATIVE"
+_VALUES = ("0", "1", "require")
+
+#: The compiled module once loaded and checked, else None (every read in Python). Read on every call.
+reads = None
+
+_state = {"loaded": False, "why": "not loaded yet (no wrapper made in this process)"}
+_lock = threading.Lock()
+
+# dtypes whose codes go into the table (those this Paddle has: 3.x adds float8 types)
+_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+           "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
+
+
+def _mode():
+    value = os.environ.get(ENV_NATIVE, "1").strip().lower()
+    if value not in _VALUES:
+        raise ValueError(f"{ENV_NATIVE}={value!r}: expected one of {', '.join(_VALUES)} (0 keeps the tensor reads "
+                         "in Python, 1 compiles them where it can, require fails where it cannot).")
+    return value
+
+
+def _dtype_table(module):
+    """``int(t.dtype)`` by C++ DataType code, as a tuple (None where no dtype of this Paddle has the code)."""
+    ints = {}
+    for name in _DTYPES:
+        dtype = getattr(paddle, name, None)
+        if dtype is None:
+            continue
+        try:
+            t = paddle.zeros([1], "float32").astype(dtype)
+        except Exception:  # noqa: BLE001 - a dtype this build cannot make on the CPU stays out of the table
+            continue
+        code = module.dtype_code(paddle.Tensor, t)
+        if code is not None and code >= 0:
+            ints[code] = int(t.dtype)
+    return tuple(ints.get(code) for code in range(max(ints, default=-1) + 1))
+
+
+def _python_meta(t):
+    from ..io.static_inputs import place_key
+
+    return (tuple(t.shape), int(t.dtype), place_key(t.place), t.stop_gradient)
+
+
+def _check(module):
+    """None when the module reads what Python reads on a few tensors, else what differed."""
+    probes = [paddle.zeros([3, 5], "float32"), paddle.zeros([7], "int64"), paddle.to_tensor(1.5),
+              paddle.zeros([2, 3, 4], "float16"), paddle.zeros([1, 2], "bool")]
+    probes[0].stop_gradient = False
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        probes.append(paddle.zeros([2, 2], "float32").cuda())
+    for t in probes:
+        want = _python_meta(t)
+        got = module.meta(t)
+        if got != want or type(got[0]) is not tuple:
+            return f"the compiled read of a {t.dtype} tensor {want} gave {got}"
+        other = (want[0] + (1,), want[1], want[2], want[3])
+        if module.match((t,), (want,)) is not True or module.match((t,), (other,)) is not False:
+            return f"the compiled match of a {t.dtype} tensor {want} was wrong"
+        if module.data_ptr(t) != t.data_ptr():
+            return f"the compiled data pointer of a {t.dtype} tensor differs"
+    return None
+
+
+def load():
+    """Builds (first use on this machine) and loads the module once per process; sets ``reads``.
+
+    Raises:
+        ValueError: for a value of PADDLEFLEET_CUDAGRAPH_NATIVE other than 0, 1, require.
+        CudaGraphError: with ``require``, when the module is unavailable.
+    """
+    global reads
+    if _state["loaded"]:
+        return
+    mode = _mode()
+    with _lock:
+        if _state["loaded"]:
+            return
+        module, why = None, None
+        if mode == "0":
+            why = f"{ENV_NATIVE}=0: tensor reads in Python"
+        else:
+            from .build import NotBuilt, built_module
+
+            try:
+                module = built_module()
+                module.setup(paddle.Tensor, _dtype_table(module))
+                why = _check(module)
+            except NotBuilt as err:
+                why = str(err)
+            if why is not None:
+                module = None
+                logger.info("paddlefleet.cudagraph: compiled tensor reads unavailable (%s); reading in Python", why)
+        reads = module
+        _state.update(loaded=True, why=why)
+    if module is None and mode == "require":
+        raise CudaGraphError(f"{ENV_NATIVE}=require, but the compiled tensor reads are unavailable: {why}. "
+                             f"Install a C++ compiler (g++) and a Paddle with its headers, or unset {ENV_NATIVE}.")
+
+
+def status():
+    """``(active, why not)``: whether the compiled reads are in use in this process, and the reason where not."""
+    return reads is not None, _state["why"]
+
+
+class disabled:
+    """``with native.disabled():`` every read in Python inside the block (tests of the fallback)."""
+
+    def __enter__(self):
+        global reads
+        self._saved = reads
+        reads = None
+        return self
+
+    def __exit__(self, *exc):
+        global reads
+        reads = self._saved
+        return False

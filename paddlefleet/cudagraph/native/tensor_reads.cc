@@ -1,0 +1,330 @@
+// Tensor reads for the per-call checks, compiled against the installed Paddle's headers
+// (NOTE [ Compiled tensor reads ] in native/__init__.py).
+//
+// Each function answers exactly what the Python reads it replaces answer, or None where it cannot
+// tell (an uninitialized, undefined or non-dense tensor, a 4-D tensor whose shape Paddle's layout
+// autotune may permute, a place other than CPU or GPU, a dtype missing from the table): the caller
+// then reads the tensor in Python as before, errors included.
+#include <Python.h>
+
+#include <cstdint>
+#include <exception>
+
+#include "paddle/phi/api/include/tensor.h"
+#include "paddle/phi/core/ddim.h"
+
+namespace {
+
+// The object layout of Paddle's eager Tensor (paddle/utils/pybind.h of the same Paddle).
+struct TensorObject {
+  PyObject_HEAD paddle::Tensor tensor;
+  PyObject* weakrefs;
+};
+
+PyTypeObject* tensor_type = nullptr;  // paddle.Tensor
+PyObject* dtype_ints = nullptr;       // tuple: phi DataType code -> int(t.dtype), or None
+PyObject* cpu_key = nullptr;          // "cpu": place_key of a CPU place
+PyObject* stop_gradient_name = nullptr;
+
+enum Read { kUnknown = -1, kNo = 0, kYes = 1 };
+
+// The readable tensor behind ``obj``, or nullptr (not a tensor, or nothing this file reads).
+const paddle::Tensor* readable(PyObject* obj) {
+  if (tensor_type == nullptr || !PyObject_TypeCheck(obj, tensor_type)) return nullptr;
+  const paddle::Tensor& t = reinterpret_cast<TensorObject*>(obj)->tensor;
+  try {
+    if (!t.defined() || !t.is_dense_tensor() || !t.initialized()) return nullptr;
+    if (t.dims().size() == 4) return nullptr;  // the layout autotune may permute a 4-D shape
+  } catch (...) {
+    return nullptr;
+  }
+  return &t;
+}
+
+// place_key(t.place) (io/static_inputs.py) as a new reference, or nullptr for another place.
+PyObject* place_key(const paddle::Tensor& t) {
+  const phi::Place& place = t.place();
+  switch (place.GetType()) {
+    case phi::AllocationType::GPU:
+      return PyLong_FromLong(place.GetDeviceId());
+    case phi::AllocationType::CPU:
+      Py_INCREF(cpu_key);
+      return cpu_key;
+    default:
+      return nullptr;
+  }
+}
+
+// int(t.dtype) as a borrowed reference, or nullptr.
+PyObject* dtype_int(const paddle::Tensor& t) {
+  Py_ssize_t code = static_cast<Py_ssize_t>(t.dtype());
+  if (code < 0 || code >= PyTuple_GET_SIZE(dtype_ints)) return nullptr;
+  PyObject* value = PyTuple_GET_ITEM(dtype_ints, code);
+  return value == Py_None ? nullptr : value;
+}
+
+// t.stop_gradient as Py_True/Py_False (borrowed: the singletons), or nullptr with an error set.
+PyObject* stop_gradient(PyObject* obj) {
+  PyObject* value = PyObject_GetAttr(obj, stop_gradient_name);
+  if (value == nullptr) return nullptr;
+  Py_DECREF(value);  // a bool singleton: still alive
+  return value;
+}
+
+// The key part (shape, int(dtype), place_key, stop_gradient) of ``obj`` as KeyMaker.key makes it,
+// a new reference; Py_None (new reference) where it cannot tell; nullptr with an error set.
+PyObject* meta_of(PyObject* obj) {
+  const paddle::Tensor* t = readable(obj);
+  if (t == nullptr) Py_RETURN_NONE;
+  PyObject* dtype;
+  PyObject* place;
+  PyObject* shape;
+  try {
+    dtype = dtype_int(*t);
+    if (dtype == nullptr) Py_RETURN_NONE;
+    place = place_key(*t);
+    if (place == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+    const auto& dims = t->dims();
+    int rank = dims.size();
+    shape = PyTuple_New(rank);
+    if (shape == nullptr) {
+      Py_DECREF(place);
+      return nullptr;
+    }
+    for (int i = 0; i < rank; ++i) {
+      PyObject* d = PyLong_FromLongLong(dims[i]);
+      if (d == nullptr) {
+        Py_DECREF(shape);
+        Py_DECREF(place);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(shape, i, d);
+    }
+  } catch (...) {
+    Py_RETURN_NONE;
+  }
+  PyObject* sg = stop_gradient(obj);
+  if (sg == nullptr) {
+    Py_DECREF(shape);
+    Py_DECREF(place);
+    return nullptr;
+  }
+  PyObject* meta = PyTuple_New(4);
+  if (meta == nullptr) {
+    Py_DECREF(shape);
+    Py_DECREF(place);
+    return nullptr;
+  }
+  Py_INCREF(dtype);
+  Py_INCREF(sg);
+  PyTuple_SET_ITEM(meta, 0, shape);
+  PyTuple_SET_ITEM(meta, 1, dtype);
+  PyTuple_SET_ITEM(meta, 2, place);
+  PyTuple_SET_ITEM(meta, 3, sg);
+  return meta;
+}
+
+// Whether ``obj`` has the key part ``meta`` (KeyMaker.is_key_of's per-tensor test, host marks
+// aside): kYes, kNo, kUnknown; an error (-2) with a Python error set.
+int matches(PyObject* obj, PyObject* meta) {
+  if (!PyTuple_Check(meta) || PyTuple_GET_SIZE(meta) != 4) return kNo;
+  const paddle::Tensor* t = readable(obj);
+  if (t == nullptr) return kUnknown;
+  PyObject* sg = stop_gradient(obj);
+  if (sg == nullptr) return -2;
+  if (sg != PyTuple_GET_ITEM(meta, 3)) return kNo;
+  try {
+    PyObject* shape = PyTuple_GET_ITEM(meta, 0);
+    const auto& dims = t->dims();
+    int rank = dims.size();
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != rank) return kNo;
+    for (int i = 0; i < rank; ++i) {
+      PyObject* d = PyTuple_GET_ITEM(shape, i);
+      if (!PyLong_CheckExact(d)) return kUnknown;
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(d, &overflow);
+      if (overflow != 0) return kUnknown;
+      if (v != dims[i]) return kNo;
+    }
+    PyObject* dtype = dtype_int(*t);
+    if (dtype == nullptr) return kUnknown;
+    if (dtype != PyTuple_GET_ITEM(meta, 1)) {  // the table's ints are the keys' own objects mostly
+      int eq = PyObject_RichCompareBool(dtype, PyTuple_GET_ITEM(meta, 1), Py_EQ);
+      if (eq < 0) return -2;
+      if (!eq) return kNo;
+    }
+    const phi::Place& place = t->place();
+    PyObject* want = PyTuple_GET_ITEM(meta, 2);
+    switch (place.GetType()) {
+      case phi::AllocationType::GPU: {
+        if (!PyLong_CheckExact(want)) return kNo;
+        long id = PyLong_AsLong(want);
+        if (id == -1 && PyErr_Occurred()) return -2;
+        return id == place.GetDeviceId() ? kYes : kNo;
+      }
+      case phi::AllocationType::CPU: {
+        if (want == cpu_key) return kYes;
+        int eq = PyObject_RichCompareBool(want, cpu_key, Py_EQ);
+        if (eq < 0) return -2;
+        return eq ? kYes : kNo;
+      }
+      default:
+        return kUnknown;
+    }
+  } catch (...) {
+    return kUnknown;
+  }
+}
+
+PyObject* py_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyType_Check(args[0]) || !PyTuple_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "setup(tensor_type, dtype_ints: tuple)");
+    return nullptr;
+  }
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  Py_XSETREF(dtype_ints, args[1]);
+  PyTypeObject* old = tensor_type;
+  tensor_type = reinterpret_cast<PyTypeObject*>(args[0]);
+  Py_XDECREF(reinterpret_cast<PyObject*>(old));
+  Py_RETURN_NONE;
+}
+
+// dtype_code(tensor_type, t): the DataType code of ``t`` (to make the table setup() takes), or None.
+PyObject* py_dtype_code(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyType_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "dtype_code(tensor_type, tensor)");
+    return nullptr;
+  }
+  PyObject* obj = args[1];
+  if (!PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(args[0]))) Py_RETURN_NONE;
+  const paddle::Tensor& t = reinterpret_cast<TensorObject*>(obj)->tensor;
+  try {
+    if (!t.defined()) Py_RETURN_NONE;
+    return PyLong_FromLong(static_cast<long>(t.dtype()));
+  } catch (...) {
+    Py_RETURN_NONE;
+  }
+}
+
+PyObject* py_meta(PyObject*, PyObject* obj) { return meta_of(obj); }
+
+// metas(tensors): the tuple of meta() of a sequence of tensors, or None if any is None.
+PyObject* py_metas(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "metas() takes a sequence of tensors");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  PyObject* out = PyTuple_New(n);
+  if (out == nullptr) {
+    Py_DECREF(fast);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* m = meta_of(items[i]);
+    if (m == nullptr || m == Py_None) {
+      Py_DECREF(out);
+      Py_DECREF(fast);
+      return m;  // nullptr (error) or None (a new reference)
+    }
+    PyTuple_SET_ITEM(out, i, m);
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+// match(tensors, metas): True, False, or None where a tensor cannot be read here.
+PyObject* py_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "match(tensors: tuple, metas: tuple)");
+    return nullptr;
+  }
+  if (!PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) Py_RETURN_NONE;  // read in Python
+  Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+  if (n != PyTuple_GET_SIZE(args[1])) Py_RETURN_FALSE;
+  bool unknown = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int r = matches(PyTuple_GET_ITEM(args[0], i), PyTuple_GET_ITEM(args[1], i));
+    if (r == -2) return nullptr;
+    if (r == kNo) Py_RETURN_FALSE;
+    if (r == kUnknown) unknown = true;
+  }
+  if (unknown) Py_RETURN_NONE;
+  Py_RETURN_TRUE;
+}
+
+// data_ptr(t): t.data_ptr() for an initialized dense tensor, else None.
+PyObject* py_data_ptr(PyObject*, PyObject* obj) {
+  if (tensor_type == nullptr || !PyObject_TypeCheck(obj, tensor_type)) Py_RETURN_NONE;
+  const paddle::Tensor& t = reinterpret_cast<TensorObject*>(obj)->tensor;
+  try {
+    if (!t.defined() || !t.is_dense_tensor() || !t.initialized()) Py_RETURN_NONE;
+    return PyLong_FromLongLong(reinterpret_cast<int64_t>(t.data()));
+  } catch (...) {
+    Py_RETURN_NONE;
+  }
+}
+
+// moved(homes): the index of the first home (parameters dict, name, param, stop_gradient, data
+// pointer) whose parameter was replaced, moved or (un)frozen; -1 for none; None where a parameter
+// cannot be read here (ParamSet.moved reads it in Python).
+PyObject* py_moved(PyObject*, PyObject* homes) {
+  if (!PyTuple_Check(homes)) Py_RETURN_NONE;
+  Py_ssize_t n = PyTuple_GET_SIZE(homes);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* home = PyTuple_GET_ITEM(homes, i);
+    if (!PyTuple_Check(home) || PyTuple_GET_SIZE(home) != 5) Py_RETURN_NONE;
+    PyObject* params = PyTuple_GET_ITEM(home, 0);
+    PyObject* p = PyTuple_GET_ITEM(home, 2);
+    if (!PyDict_Check(params)) Py_RETURN_NONE;
+    PyObject* now = PyDict_GetItemWithError(params, PyTuple_GET_ITEM(home, 1));
+    if (now == nullptr && PyErr_Occurred()) return nullptr;
+    if (now != p) return PyLong_FromSsize_t(i);
+    if (tensor_type == nullptr || !PyObject_TypeCheck(p, tensor_type)) Py_RETURN_NONE;
+    const paddle::Tensor& t = reinterpret_cast<TensorObject*>(p)->tensor;
+    long long ptr;
+    try {
+      if (!t.defined() || !t.is_dense_tensor() || !t.initialized()) Py_RETURN_NONE;
+      ptr = reinterpret_cast<int64_t>(t.data());
+    } catch (...) {
+      Py_RETURN_NONE;
+    }
+    PyObject* want = PyTuple_GET_ITEM(home, 4);
+    if (!PyLong_CheckExact(want)) Py_RETURN_NONE;
+    int overflow = 0;
+    long long w = PyLong_AsLongLongAndOverflow(want, &overflow);
+    if (overflow != 0) Py_RETURN_NONE;
+    if (w != ptr) return PyLong_FromSsize_t(i);
+    PyObject* sg = stop_gradient(p);
+    if (sg == nullptr) return nullptr;
+    if (sg != PyTuple_GET_ITEM(home, 3)) return PyLong_FromSsize_t(i);
+  }
+  return PyLong_FromLong(-1);
+}
+
+PyMethodDef methods[] = {
+    {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_setup)), METH_FASTCALL,
+     "setup(tensor_type, dtype_ints): the Tensor type and the table of int(t.dtype) by DataType code."},
+    {"dtype_code", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dtype_code)), METH_FASTCALL,
+     "dtype_code(tensor_type, t): the DataType code of a tensor (for the table), or None."},
+    {"meta", py_meta, METH_O, "(shape, int(dtype), place_key, stop_gradient) of a tensor, or None."},
+    {"metas", py_metas, METH_O, "meta() of each tensor of a sequence, or None if any is None."},
+    {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_match)), METH_FASTCALL,
+     "match(tensors, metas): True, False, or None (read in Python)."},
+    {"data_ptr", py_data_ptr, METH_O, "t.data_ptr() of an initialized dense tensor, or None."},
+    {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tensor_reads", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__tensor_reads() {
+  cpu_key = PyUnicode_InternFromString("cpu");
+  stop_gradient_name = PyUnicode_InternFromString("stop_gradient");
+  if (cpu_key == nullptr || stop_gradient_name == nullptr) return nullptr;
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,282 @@
+"""The compiled tensor reads (NOTE [ Compiled tensor reads ] in native/__init__.py) answer exactly what the Python
+reads answer, or None where they cannot tell; keys, the eager front path and the parameter-address check decide the
+same with them and without them; a graphed layer trains bitwise eager's either way; and the loader says why where
+the module cannot be built or loaded, or fails under ``require``."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+import numpy as np
+import paddle
+
+from paddlefleet.cudagraph import autocudagraph, native
+from paddlefleet.cudagraph.core.keys import KeyMaker
+from paddlefleet.cudagraph.core.layers import ParamSet
+from paddlefleet.cudagraph.core.call import positional_spec
+from paddlefleet.cudagraph.io.static_inputs import place_key
+
+from testkit.common import build, normal
+from testkit.harness import MatmulOnlyCase, for_each_backend
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+          "complex64", "complex128")
+SHAPES = ((), (3,), (2, 5), (2, 3, 4), (1, 2, 3, 1, 2), (0, 3))
+
+
+def python_meta(t):
+    """The key part KeyMaker.key reads in Python."""
+    return (tuple(t.shape), int(t.dtype), place_key(t.place), t.stop_gradient)
+
+
+def loaded():
+    """The compiled module, or a skip where this machine cannot build it (CI sets require: it fails there)."""
+    native.load()
+    active, why = native.status()
+    if not active:
+        raise unittest.SkipTest(f"compiled tensor reads unavailable here: {why}")
+    return native.reads
+
+
+def tensors():
+    """``[(label, tensor)]``: every dtype and rank the key reads, both stop_gradient values, views, a parameter."""
+    out = []
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            t = paddle.zeros(list(shape), "float32").astype(dtype)
+            out.append((f"{dtype}{list(shape)}", t))
+    x = paddle.to_tensor(np.arange(24, dtype="float32").reshape(6, 4), stop_gradient=False)
+    out += [("float32 stop_gradient=False", x), ("a row slice", x[1:3]), ("an element", x[2, 1]),
+            ("a parameter", paddle.create_parameter([3, 2], "float32"))]
+    y = paddle.zeros([2, 6], "float32")
+    y.reshape_([3, 4])  # its meta changed in place
+    out.append(("reshaped in place", y))
+    return out
+
+
+class CompiledReadsTest(unittest.TestCase):
+    """The module against the Python reads, tensor by tensor."""
+
+    def setUp(self):
+        self.reads = loaded()
+
+    def test_meta_is_the_python_key_part_of_every_tensor(self):
+        for label, t in tensors():
+            with self.subTest(label):
+                got = self.reads.meta(t)
+                if 0 in t.shape:  # a zero-size tensor holds no memory: not initialized, left to Python
+                    self.assertIsNone(got)
+                    self.assertIsNone(self.reads.match((t,), (python_meta(t),)))
+                    continue
+                self.assertEqual(got, python_meta(t))
+                self.assertIs(type(got[0]), tuple)
+                self.assertEqual([type(v) for v in got[0]], [int] * len(got[0]))
+                self.assertEqual(self.reads.metas([t, t]), (got, got))
+                self.assertEqual(self.reads.data_ptr(t), t.data_ptr())
+
+    def test_what_it_cannot_read_is_left_to_python(self):
+        p = paddle.create_parameter([3, 2], "float32")
+        p._clear_data()  # uninitialized: its place raises in Python
+        cases = [("uninitialized", p), ("undefined", paddle.Tensor()),
+                 ("4-D (layout autotune may permute its shape)", paddle.zeros([1, 2, 3, 4]))]
+        for label, t in cases:
+            with self.subTest(label):
+                self.assertIsNone(self.reads.meta(t))
+                self.assertIsNone(self.reads.metas([paddle.zeros([2]), t]))
+                self.assertIsNone(self.reads.match((t,), (((1,), 0, "cpu", True),)))
+                self.assertIsNone(self.reads.data_ptr(t) if label != "4-D (layout autotune may permute its shape)"
+                                  else None)
+        self.assertIsNone(self.reads.meta("not a tensor"))
+        self.assertIsNone(self.reads.match([paddle.zeros([2])], (((2,), 5, "cpu", True),)))  # not a tuple
+
+    def test_match_answers_each_part(self):
+        x = paddle.zeros([2, 3], "float32")
+        x.stop_gradient = False
+        meta = python_meta(x)
+        other_dtype = python_meta(paddle.zeros([2, 3], "float64"))[1]
+        cases = [(meta, True), (((2, 4),) + meta[1:], False), (((2, 3, 1),) + meta[1:], False),
+                 (((2,),) + meta[1:], False), ((meta[0], other_dtype) + meta[2:], False),
+                 (meta[:2] + (0,) + meta[3:], False), (meta[:3] + (True,), False), (meta + ("host",), False),
+                 (meta[:3], False)]
+        for want, same in cases:
+            with self.subTest(want):
+                self.assertIs(self.reads.match((x,), (want,)), same)
+        self.assertIs(self.reads.match((x, x), (meta,)), False)  # another number of tensors
+        self.assertIs(self.reads.match((), ()), True)
+
+    def test_moved_answers_as_the_python_check(self):
+        layer = paddle.nn.Sequential(paddle.nn.Linear(3, 4), paddle.nn.Linear(4, 2))
+        cases = [("unchanged", lambda: None),
+                 ("stop_gradient flipped", lambda: setattr(layer[1].weight, "stop_gradient", True)),
+                 ("replaced", lambda: setattr(layer[0], "bias", paddle.create_parameter([4], "float32",
+                                                                                       is_bias=True))),
+                 ("freed", lambda: layer[1].bias._clear_data())]
+        for label, change in cases:
+            with self.subTest(label):
+                params = ParamSet([layer], set())
+                change()
+                with native.disabled():
+                    want = params.moved()
+                self.assertEqual(params.moved(), want)
+                if label == "unchanged":
+                    self.assertIsNone(want)
+                else:
+                    self.assertIsNotNone(want)
+                    self.assertEqual(self.reads.moved(params._compiled_homes) is None, label == "freed")
+
+
+class KeysWithAndWithoutTest(unittest.TestCase):
+    """KeyMaker's keys and is_key_of, made with the module and in Python, are the same."""
+
+    def setUp(self):
+        loaded()
+        self.keys = KeyMaker(lambda x, y: None, None, bound=False, layers=[])
+
+    def key(self, args):
+        return self.keys.key(args, {}, args, positional_spec(args, {}))
+
+    def test_the_same_keys_and_answers(self):
+        calls = [(a, b) for (_, a) in tensors()[::5] for (_, b) in tensors()[1::7]]
+        calls.append((paddle.zeros([1, 2, 3, 4]), paddle.zeros([2])))  # a tensor left to Python
+        for args in calls:
+            with native.disabled():
+                want = self.key(args)
+            self.assertEqual(self.key(args), want)
+            spec = positional_spec(args, {})
+            for other in calls[:12]:
+                with native.disabled():
+                    answer = self.keys.is_key_of(want, spec, other)
+                self.assertEqual(self.keys.is_key_of(want, spec, other), answer, (args, other))
+            self.assertTrue(self.keys.is_key_of(want, spec, args))
+
+    def test_an_uninitialized_argument_raises_as_in_python(self):
+        p = paddle.create_parameter([3, 2], "float32")
+        p._clear_data()
+        with native.disabled():
+            with self.assertRaises(Exception) as python:
+                self.key((p, p))
+        with self.assertRaises(type(python.exception)):
+            self.key((p, p))
+
+
+class _Trains:
+    """A graphed two-Layer model with matmuls only trains bitwise eager's, the compiled reads on or off."""
+
+    def train(self, compiled):
+        paddle.seed(0)
+        graphed, eager = self.twins(lambda: paddle.nn.Sequential(paddle.nn.Linear(8, 8, bias_attr=False),
+                                                                 paddle.nn.Linear(8, 4, bias_attr=False)), 3)
+        for layer in graphed:
+            autocudagraph(layer, backend=self.backend, warmup_steps=1, eager_if_slower=False)
+        draw = normal(5)
+        context = native.disabled() if not compiled else _Nothing()
+        with context:
+            for step in range(6):
+                x, dy = self.tensor(draw(4, 8)), self.tensor(draw(4, 4))
+                for model in (graphed, eager):
+                    model(x).backward(dy)
+                self.assertBitwise([p.grad for p in graphed.parameters()], [p.grad for p in eager.parameters()],
+                                   f"step {step}")
+                for model in (graphed, eager):
+                    for p in model.parameters():
+                        p.clear_gradient(False)
+        counters = graphed[0].forward.stats()
+        self.assertGreater(counters["replays"], 0, counters)
+
+    def test_with_the_compiled_reads(self):
+        loaded()
+        self.train(True)
+
+    def test_with_the_python_reads(self):
+        self.train(False)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@for_each_backend
+class TrainsTest(_Trains, MatmulOnlyCase):
+    pass
+
+
+class DeviceTensorReadsTest(MatmulOnlyCase):
+    """GPU tensors read as Python reads them (place key: the device id), where a GPU is present."""
+
+    backend = "cuda"
+
+    def test_gpu_tensors(self):
+        reads = loaded()
+        if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+            self.skipTest("no GPU")
+        for label, t in tensors():
+            with self.subTest(label):
+                g = t.cuda()  # a copy, no kernel
+                self.assertEqual(reads.meta(g), python_meta(g))
+                self.assertIs(reads.match((g,), (python_meta(t),)), False)  # the CPU tensor's key
+                self.assertIs(reads.match((g,), (python_meta(g),)), True)
+
+
+def run_python(code, **env):
+    """Runs ``code`` in a fresh interpreter with ``env`` added; returns (exit status, stdout + stderr)."""
+    environment = dict(os.environ, PYTHONPATH=REPO, **env)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env=environment)
+    return done.returncode, done.stdout + done.stderr
+
+
+STATUS = """
+import paddle
+from paddlefleet.cudagraph import autocudagraph, native
+autocudagraph(paddle.nn.Linear(2, 2))
+print("STATUS", native.status())
+"""
+
+
+class LoaderTest(unittest.TestCase):
+    """What the first wrapper of a process does about the module: off, built, failed, required."""
+
+    def test_off_keeps_python_reads(self):
+        code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="0")
+        self.assertEqual(code, 0, out)
+        self.assertIn("STATUS (False, 'PADDLEFLEET_CUDAGRAPH_NATIVE=0: tensor reads in Python')", out)
+
+    def test_a_bad_value_names_the_variable_and_the_values(self):
+        code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="yes")
+        self.assertNotEqual(code, 0, out)
+        self.assertIn("PADDLEFLEET_CUDAGRAPH_NATIVE='yes': expected one of 0, 1, require", out)
+
+    def test_a_failed_build_falls_back_with_its_reason_or_fails_under_require(self):
+        with tempfile.TemporaryDirectory() as cache:
+            failing = dict(PADDLEFLEET_CACHE_DIR=cache, CXX="false")  # a "compiler" that exits 1
+            code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="1", **failing)
+            self.assertEqual(code, 0, out)
+            self.assertIn("STATUS (False, 'compiling tensor_reads.cc failed (exit 1)", out)
+            code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="require", **failing)
+            self.assertNotEqual(code, 0, out)
+            self.assertIn("PADDLEFLEET_CUDAGRAPH_NATIVE=require, but the compiled tensor reads are unavailable: "
+                          "compiling tensor_reads.cc failed (exit 1)", out)
+            self.assertEqual([n for n in os.listdir(os.path.join(cache, "native")) if not n.startswith(".")], [])
+
+    def test_built_into_an_empty_cache_then_loaded_from_it(self):
+        loaded()  # this machine can build it
+        with tempfile.TemporaryDirectory() as cache:
+            for _ in range(2):
+                code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="require", PADDLEFLEET_CACHE_DIR=cache)
+                self.assertEqual(code, 0, out)
+                self.assertIn("STATUS (True, None)", out)
+            built = os.listdir(os.path.join(cache, "native"))
+            self.assertEqual(len(built), 1, built)
+            self.assertTrue(built[0].startswith("_tensor_reads-"), built)
+
+
+if __name__ == "__main__":
+    unittest.main()
