@@ -526,6 +526,7 @@ def layer_call_us(args, sync, matmuls, width, label):
         release()
     sync()
     total = timed(call, args.reps, sync, release)
+    reads = compiled_against_python(call, args.reps, sync, release)
     forward, backward = forward_backward_us(model, x, dy, release, args.reps, sync)
     pieces = []
     for name, who, resolve in Internals(model.forward, x).pieces():
@@ -557,7 +558,26 @@ def layer_call_us(args, sync, matmuls, width, label):
             "layer_call_us": round(total, 2), "forward_us": round(forward, 2), "backward_us": round(backward, 2),
             "ours_us": by("ours"), "paddle_us": by("Paddle"),
             "rest_us": round(total - known, 2), "pieces": pieces, "stages": stages, "stages_total_us": staged,
+            "tensor_reads": reads,
             "counters": {k: model.forward.stats()[k] for k in ("captures", "replays", "eager_calls", "chained_calls")}}
+
+
+def compiled_against_python(call, reps, sync, release, rounds=6):
+    """``{"compiled_us", "python_us", "compiled"}``: ``call`` timed with the compiled tensor reads and with every
+    read in Python (NOTE [ Compiled tensor reads ] in native/__init__.py), in alternating rounds of ``reps // rounds``
+    calls, the median of each side's rounds; both None where the compiled reads are not in use (``compiled``: why)."""
+    from paddlefleet.cudagraph import native
+
+    active, why = native.status()
+    if not active:
+        return {"compiled_us": None, "python_us": None, "compiled": why}
+    compiled, python = [], []
+    for _ in range(rounds):
+        compiled.append(timed(call, max(reps // rounds, 10), sync, release))
+        with native.disabled():
+            python.append(timed(call, max(reps // rounds, 10), sync, release))
+    return {"compiled_us": round(statistics.median(compiled), 2), "python_us": round(statistics.median(python), 2),
+            "compiled": "in use"}
 
 
 def call_stages(model, x, dy, release, reps, sync):
@@ -856,6 +876,13 @@ def layer_call_lines(calls, reps):
             us = "n/a (" + p["why"] + ")" if p["us"] is None else f"{p['us']:.1f}"
             share = "" if p["share"] is None else f"{100 * p['share']:.0f}%"
             lines.append(f"| {p['piece']} | {p['whose']} | {us} | {share} |")
+        reads = c.get("tensor_reads") or {}
+        if reads.get("compiled_us") is not None:
+            lines += ["", f"Tensor reads (NOTE [ Compiled tensor reads ] in native/__init__.py), the same call in "
+                          f"alternating rounds: compiled {reads['compiled_us']:.1f} us, in Python "
+                          f"{reads['python_us']:.1f} us ({reads['compiled_us'] - reads['python_us']:+.1f})."]
+        elif reads:
+            lines += ["", f"Tensor reads: all in Python ({reads['compiled']})."]
         lines += stage_lines(c, reps)
     return lines
 
