@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 
+import numpy as np
 import paddle
 
 from ..errors import CudaGraphError
@@ -70,8 +71,8 @@ def _dtype_table(module):
         dtype = getattr(paddle, name, None)
         if dtype is None:
             continue
-        try:
-            t = paddle.zeros([1], "float32").astype(dtype)
+        try:  # made on the CPU: a copy and a CPU cast (a GPU may lack this Paddle's kernels)
+            t = paddle.to_tensor(np.zeros([1], "float32"), place=paddle.CPUPlace()).astype(dtype)
         except Exception:  # noqa: BLE001 - a dtype this build cannot make on the CPU stays out of the table
             continue
         code = module.dtype_code(paddle.Tensor, t)
@@ -88,11 +89,14 @@ def _python_meta(t):
 
 def _check(module):
     """None when the module reads what Python reads on a few tensors, else what differed."""
-    probes = [paddle.zeros([3, 5], "float32"), paddle.zeros([7], "int64"), paddle.to_tensor(1.5),
-              paddle.zeros([2, 3, 4], "float16"), paddle.zeros([1, 2], "bool")]
-    probes[0].stop_gradient = False
+    # copies from numpy only: no kernel runs (a GPU may lack this Paddle's kernels)
+    arrays = [np.zeros([3, 5], "float32"), np.zeros([7], "int64"), np.array(1.5, "float32"),
+              np.zeros([2, 3, 4], "float16"), np.zeros([1, 2], "bool")]
+    places = [paddle.CPUPlace()]
     if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        probes.append(paddle.zeros([2, 2], "float32").cuda())
+        places.append(paddle.CUDAPlace(0))
+    probes = [paddle.to_tensor(a, place=place) for place in places for a in arrays]
+    probes[0].stop_gradient = False
     for t in probes:
         want = _python_meta(t)
         got = module.meta(t)
@@ -132,6 +136,8 @@ def load():
                 why = _check(module)
             except NotBuilt as err:
                 why = str(err)
+            except Exception as err:  # noqa: BLE001 - any failure of the check leaves the reads in Python
+                why = f"checking the compiled reads failed: {type(err).__name__}: {err}"
             if why is not None:
                 module = None
                 logger.info("paddlefleet.cudagraph: compiled tensor reads unavailable (%s); reading in Python", why)
