@@ -135,6 +135,66 @@ class CompiledReadsTest(unittest.TestCase):
                     self.assertEqual(self.reads.moved(params._compiled_homes) is None, label == "freed")
 
 
+class HandOutReadsTest(unittest.TestCase):
+    """versions / unchanged / freed_unchanged (GradPlan's checks of the views it handed out, NOTE [ Reused aliases ]
+    and NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py) against the same reads in Python."""
+
+    def setUp(self):
+        self.reads = loaded()
+        self.stack = paddle.to_tensor(np.arange(24, dtype="float32").reshape(3, 8))
+        self.views = list(paddle.unbind(self.stack))
+
+    def python(self, views):
+        return ([v.data_ptr() for v in views], [v._inplace_version() for v in views])
+
+    def test_versions(self):
+        self.views[1].scale_(2.0)  # an in-place op: that view's counter (a stack's views may share one)
+        self.assertEqual(self.reads.versions(self.views), [v._inplace_version() for v in self.views])
+        self.assertEqual(self.reads.versions(tuple(self.views)), [v._inplace_version() for v in self.views])
+        self.assertEqual(self.reads.versions([paddle.Tensor()]), [paddle.Tensor()._inplace_version()])
+        self.assertIsNone(self.reads.versions([self.views[0], "not a tensor"]))
+
+    def test_unchanged_as_in_python(self):
+        from paddlefleet.cudagraph.grads import hand_out_plan
+
+        def bump(views):
+            views[2].scale_(1.0)
+
+        def free(views):
+            views[0]._clear_data()
+
+        def reshape(views):
+            views[1].reshape_([2, 4])
+
+        for label, change in (("untouched", None), ("changed in place", bump), ("freed", free),
+                              ("reshaped in place", reshape)):
+            with self.subTest(label):
+                views = list(paddle.unbind(paddle.to_tensor(np.ones([3, 8], "float32"))))
+                ptrs, versions = self.python(views)
+                if change is not None:
+                    change(views)
+                with native.disabled():
+                    want = hand_out_plan._unchanged((views, ptrs, versions))
+                self.assertIs(self.reads.unchanged(views, ptrs, versions), want)
+                self.assertIs(want, change is None)
+        ptrs, versions = self.python(self.views)
+        self.assertIs(self.reads.unchanged(self.views, [p + 4 for p in ptrs], versions), False)  # another address
+        self.assertIsNone(self.reads.unchanged(self.views, [None] * 3, versions))
+        self.assertIs(self.reads.unchanged([paddle.Tensor()], ptrs, [0]), False)  # no memory: data_ptr() is None
+        self.assertIsNone(self.reads.unchanged(["not a tensor"], ptrs, versions))
+
+    def test_freed_unchanged(self):
+        ptrs, versions = self.python(self.views)
+        self.assertIs(self.reads.freed_unchanged(self.views, versions), False)  # not freed
+        for v in self.views:
+            v._clear_data()
+        self.assertIs(self.reads.freed_unchanged(self.views, versions), True)
+        self.assertIs(self.reads.freed_unchanged(self.views, [versions[0] + 1] + versions[1:]), False)
+        self.assertIs(self.reads.freed_unchanged(self.views + [paddle.Tensor()], versions + [0]), True)
+        self.assertIsNone(self.reads.freed_unchanged(self.views + ["not a tensor"], versions + [0]))
+        self.assertIsNone(self.reads.freed_unchanged(self.views, versions[:1]))
+
+
 class KeysWithAndWithoutTest(unittest.TestCase):
     """KeyMaker's keys and is_key_of, made with the module and in Python, are the same."""
 
@@ -170,7 +230,10 @@ class KeysWithAndWithoutTest(unittest.TestCase):
 
 
 class _Trains:
-    """A graphed two-Layer model with matmuls only trains bitwise eager's, the compiled reads on or off."""
+    """A graphed two-Layer model with matmuls only trains bitwise eager's, the compiled reads on or off; its grads
+    freed after every step (``zero``: zeroed, where the views of the last backward are reused)."""
+
+    zero = False
 
     def train(self, compiled):
         paddle.seed(0)
@@ -189,9 +252,12 @@ class _Trains:
                                    f"step {step}")
                 for model in (graphed, eager):
                     for p in model.parameters():
-                        p.clear_gradient(False)
+                        p.clear_gradient(self.zero)
         counters = graphed[0].forward.stats()
         self.assertGreater(counters["replays"], 0, counters)
+        plans = graphed[0].forward.entry().graphs.current.plans()
+        reused = sum(p.views_reused for p in plans) if self.zero else sum(p.views_repointed for p in plans)
+        self.assertGreater(reused, 0, "the views of an earlier backward were handed out again")
 
     def test_with_the_compiled_reads(self):
         loaded()
@@ -212,6 +278,12 @@ class _Nothing:
 @for_each_backend
 class TrainsTest(_Trains, MatmulOnlyCase):
     pass
+
+
+@for_each_backend
+class ZeroedTrainsTest(_Trains, MatmulOnlyCase):
+    kernels = "all"  # clear_gradient(True): Paddle's fill kernel
+    zero = True
 
 
 class DeviceTensorReadsTest(MatmulOnlyCase):

@@ -18,6 +18,7 @@ For each it returns a grad read from a static grad buffer of the backward graph,
 * same-shape parameter grads come out of one stack (NOTE [ Grad groups ] in grads/stacks.py).
 """
 
+from .. import native
 from . import hook_registry
 from .stacks import unstack
 from .handles import alias, copy, rescue_grad
@@ -240,10 +241,10 @@ class GradPlan:
             views = make(*of)
             self.views_made += 1
         if kept is not None:  # views before: these are too, at the same addresses
-            self._kept[k] = (views, kept[1], [v._inplace_version() for v in views])
+            self._kept[k] = (views, kept[1], _versions(views))
             self._spare[k] = (kept[0], kept[2])
         elif views[0].data_ptr() == self._bases[k]:
-            self._kept[k] = (views, [v.data_ptr() for v in views], [v._inplace_version() for v in views])
+            self._kept[k] = (views, [v.data_ptr() for v in views], _versions(views))
         return views
 
     def _repointed(self, k, make, of):
@@ -252,7 +253,11 @@ class GradPlan:
         if self._spare[k] is None:
             return None
         spare, versions = self._spare[k]
-        for v, version in zip(spare, versions):
+        compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py: None where it cannot tell
+        freed = None if compiled is None else compiled.freed_unchanged(spare, versions)
+        if freed is False:
+            return None
+        for v, version in () if freed else zip(spare, versions):
             # Not freed (a copy was handed out instead, or it was never adopted), or changed in place while it was
             # p.grad (a reshape_ or paddle.assign(..., output=) left it in another shape).
             if v._is_initialized() or v._inplace_version() != version:
@@ -279,9 +284,20 @@ class GradPlan:
         self._spare = [None] * len(self._spare)
 
 
+def _versions(views):
+    """The in-place version of each view (NOTE [ Compiled tensor reads ] in native/__init__.py)."""
+    compiled = native.reads
+    found = None if compiled is None else compiled.versions(views)
+    return [v._inplace_version() for v in views] if found is None else found
+
+
 def _unchanged(kept):
     """Whether every view of ``kept`` = ``(views, their addresses, the in-place versions they were made with)`` still
     has its address and version (NOTE [ Reused aliases ]: the views of a stack share one counter)."""
+    compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py: None where it cannot tell
+    same = None if compiled is None else compiled.unchanged(*kept)
+    if same is not None:
+        return same
     views, ptrs, versions = kept
     for v, ptr, version in zip(views, ptrs, versions):
         if v.data_ptr() != ptr or v._inplace_version() != version:

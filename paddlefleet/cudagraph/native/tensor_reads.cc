@@ -305,6 +305,136 @@ PyObject* py_moved(PyObject*, PyObject* homes) {
   return PyLong_FromLong(-1);
 }
 
+// The tensor of ``obj`` where it is a defined tensor (its version counter and state can be read), else nullptr.
+paddle::Tensor* defined(PyObject* obj) {
+  if (tensor_type == nullptr || !PyObject_TypeCheck(obj, tensor_type)) return nullptr;
+  paddle::Tensor& t = reinterpret_cast<TensorObject*>(obj)->tensor;
+  try {
+    if (!t.defined() || !t.is_dense_tensor()) return nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+  return &t;
+}
+
+// An exact int's value in ``out``; false for anything else (the caller then answers None).
+bool exact_int(PyObject* obj, long long* out) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  return overflow == 0 && !(*out == -1 && PyErr_Occurred());
+}
+
+// versions(views): [v._inplace_version() for v in views], or None where one is not a defined dense tensor.
+PyObject* py_versions(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "versions() takes a sequence of tensors");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) {
+    Py_DECREF(fast);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    paddle::Tensor* t = defined(items[i]);
+    PyObject* v = nullptr;
+    if (t != nullptr) {
+      try {
+        v = PyLong_FromUnsignedLong(t->current_inplace_version());
+      } catch (...) {
+        v = nullptr;
+      }
+    }
+    if (v == nullptr) {
+      Py_DECREF(out);
+      Py_DECREF(fast);
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+    PyList_SET_ITEM(out, i, v);
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+// unchanged(views, ptrs, versions): whether every view still has its data pointer and in-place version
+// (GradPlan's _unchanged), or None where one cannot be read here.
+PyObject* py_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "unchanged(views, ptrs, versions)");
+    return nullptr;
+  }
+  PyObject* views = PySequence_Fast(args[0], "unchanged() takes sequences");
+  if (views == nullptr) return nullptr;
+  PyObject* ptrs = PySequence_Fast(args[1], "unchanged() takes sequences");
+  PyObject* versions = ptrs == nullptr ? nullptr : PySequence_Fast(args[2], "unchanged() takes sequences");
+  PyObject* result = nullptr;
+  if (versions != nullptr) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+    result = Py_True;
+    if (PySequence_Fast_GET_SIZE(ptrs) < n || PySequence_Fast_GET_SIZE(versions) < n) result = Py_None;
+    for (Py_ssize_t i = 0; i < n && result == Py_True; ++i) {
+      paddle::Tensor* t = defined(PySequence_Fast_GET_ITEM(views, i));
+      long long ptr, version;
+      if (t == nullptr || !exact_int(PySequence_Fast_GET_ITEM(ptrs, i), &ptr) ||
+          !exact_int(PySequence_Fast_GET_ITEM(versions, i), &version)) {
+        result = Py_None;
+        break;
+      }
+      try {
+        if (!t->initialized() || reinterpret_cast<int64_t>(t->data()) != ptr ||
+            static_cast<long long>(t->current_inplace_version()) != version) {
+          result = Py_False;
+        }
+      } catch (...) {
+        result = Py_None;
+      }
+    }
+  }
+  Py_XDECREF(versions);
+  Py_XDECREF(ptrs);
+  Py_DECREF(views);
+  if (PyErr_Occurred()) return nullptr;
+  Py_INCREF(result);
+  return result;
+}
+
+// freed_unchanged(views, versions): whether every view is freed (holds no memory) with the in-place version it
+// was handed out with (GradPlan._repointed's precondition), or None where one cannot be read here.
+PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "freed_unchanged(views, versions)");
+    return nullptr;
+  }
+  PyObject* views = PySequence_Fast(args[0], "freed_unchanged() takes sequences");
+  if (views == nullptr) return nullptr;
+  PyObject* versions = PySequence_Fast(args[1], "freed_unchanged() takes sequences");
+  PyObject* result = nullptr;
+  if (versions != nullptr) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+    result = PySequence_Fast_GET_SIZE(versions) < n ? Py_None : Py_True;
+    for (Py_ssize_t i = 0; i < n && result == Py_True; ++i) {
+      paddle::Tensor* t = defined(PySequence_Fast_GET_ITEM(views, i));
+      long long version;
+      if (t == nullptr || !exact_int(PySequence_Fast_GET_ITEM(versions, i), &version)) {
+        result = Py_None;
+        break;
+      }
+      try {
+        if (t->initialized() || static_cast<long long>(t->current_inplace_version()) != version) result = Py_False;
+      } catch (...) {
+        result = Py_None;
+      }
+    }
+  }
+  Py_XDECREF(versions);
+  Py_DECREF(views);
+  if (PyErr_Occurred()) return nullptr;
+  Py_INCREF(result);
+  return result;
+}
+
 PyMethodDef methods[] = {
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_setup)), METH_FASTCALL,
      "setup(tensor_type, dtype_ints): the Tensor type and the table of int(t.dtype) by DataType code."},
@@ -316,6 +446,11 @@ PyMethodDef methods[] = {
      "match(tensors, metas): True, False, or None (read in Python)."},
     {"data_ptr", py_data_ptr, METH_O, "t.data_ptr() of an initialized dense tensor, or None."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
+    {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
+    {"unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_unchanged)), METH_FASTCALL,
+     "unchanged(views, ptrs, versions): True, False, or None (read in Python)."},
+    {"freed_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_freed_unchanged)),
+     METH_FASTCALL, "freed_unchanged(views, versions): True, False, or None (read in Python)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tensor_reads", nullptr, -1, methods};
