@@ -358,81 +358,65 @@ PyObject* py_versions(PyObject*, PyObject* seq) {
   return out;
 }
 
-// unchanged(views, ptrs, versions): whether every view still has its data pointer and in-place version
-// (GradPlan's _unchanged), or None where one cannot be read here.
-PyObject* py_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "unchanged(views, ptrs, versions)");
-    return nullptr;
-  }
-  PyObject* views = PySequence_Fast(args[0], "unchanged() takes sequences");
-  if (views == nullptr) return nullptr;
-  PyObject* ptrs = PySequence_Fast(args[1], "unchanged() takes sequences");
-  PyObject* versions = ptrs == nullptr ? nullptr : PySequence_Fast(args[2], "unchanged() takes sequences");
-  PyObject* result = nullptr;
-  if (versions != nullptr) {
+// Whether every view of ``views_arg`` still has its data pointer (``ptrs_arg``) and in-place version, or, with
+// ``ptrs_arg`` nullptr, is freed (holds no memory) with its version: kYes, kNo, kUnknown (a view or value that
+// cannot be read here), -2 with a Python error set.
+int views_hold(PyObject* views_arg, PyObject* ptrs_arg, PyObject* versions_arg) {
+  PyObject* views = PySequence_Fast(views_arg, "takes sequences");
+  if (views == nullptr) return -2;
+  PyObject* ptrs = ptrs_arg == nullptr ? nullptr : PySequence_Fast(ptrs_arg, "takes sequences");
+  PyObject* versions = PySequence_Fast(versions_arg, "takes sequences");
+  int result = -2;
+  if (versions != nullptr && (ptrs_arg == nullptr || ptrs != nullptr)) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
-    result = Py_True;
-    if (PySequence_Fast_GET_SIZE(ptrs) < n || PySequence_Fast_GET_SIZE(versions) < n) result = Py_None;
-    for (Py_ssize_t i = 0; i < n && result == Py_True; ++i) {
+    bool short_values =
+        PySequence_Fast_GET_SIZE(versions) < n || (ptrs != nullptr && PySequence_Fast_GET_SIZE(ptrs) < n);
+    result = short_values ? kUnknown : kYes;
+    for (Py_ssize_t i = 0; i < n && result == kYes; ++i) {
       paddle::Tensor* t = defined(PySequence_Fast_GET_ITEM(views, i));
-      long long ptr, version;
-      if (t == nullptr || !exact_int(PySequence_Fast_GET_ITEM(ptrs, i), &ptr) ||
-          !exact_int(PySequence_Fast_GET_ITEM(versions, i), &version)) {
-        result = Py_None;
+      long long ptr = 0, version;
+      if (t == nullptr || !exact_int(PySequence_Fast_GET_ITEM(versions, i), &version) ||
+          (ptrs != nullptr && !exact_int(PySequence_Fast_GET_ITEM(ptrs, i), &ptr))) {
+        result = kUnknown;
         break;
       }
       try {
-        if (!t->initialized() || reinterpret_cast<int64_t>(t->data()) != ptr ||
-            static_cast<long long>(t->current_inplace_version()) != version) {
-          result = Py_False;
-        }
+        bool kept = ptrs == nullptr ? !t->initialized()
+                                    : t->initialized() && reinterpret_cast<int64_t>(t->data()) == ptr;
+        if (!kept || static_cast<long long>(t->current_inplace_version()) != version) result = kNo;
       } catch (...) {
-        result = Py_None;
+        result = kUnknown;
       }
     }
   }
   Py_XDECREF(versions);
   Py_XDECREF(ptrs);
   Py_DECREF(views);
-  if (PyErr_Occurred()) return nullptr;
-  Py_INCREF(result);
-  return result;
+  return PyErr_Occurred() ? -2 : result;
 }
 
-// freed_unchanged(views, versions): whether every view is freed (holds no memory) with the in-place version it
-// was handed out with (GradPlan._repointed's precondition), or None where one cannot be read here.
+PyObject* answer(int result) {
+  if (result == -2) return nullptr;
+  if (result == kUnknown) Py_RETURN_NONE;
+  return PyBool_FromLong(result == kYes);
+}
+
+// unchanged(views, ptrs, versions): GradPlan's _unchanged; None where a view cannot be read here.
+PyObject* py_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "unchanged(views, ptrs, versions)");
+    return nullptr;
+  }
+  return answer(views_hold(args[0], args[1], args[2]));
+}
+
+// freed_unchanged(views, versions): GradPlan._repointed's precondition; None where a view cannot be read here.
 PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "freed_unchanged(views, versions)");
     return nullptr;
   }
-  PyObject* views = PySequence_Fast(args[0], "freed_unchanged() takes sequences");
-  if (views == nullptr) return nullptr;
-  PyObject* versions = PySequence_Fast(args[1], "freed_unchanged() takes sequences");
-  PyObject* result = nullptr;
-  if (versions != nullptr) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
-    result = PySequence_Fast_GET_SIZE(versions) < n ? Py_None : Py_True;
-    for (Py_ssize_t i = 0; i < n && result == Py_True; ++i) {
-      paddle::Tensor* t = defined(PySequence_Fast_GET_ITEM(views, i));
-      long long version;
-      if (t == nullptr || !exact_int(PySequence_Fast_GET_ITEM(versions, i), &version)) {
-        result = Py_None;
-        break;
-      }
-      try {
-        if (t->initialized() || static_cast<long long>(t->current_inplace_version()) != version) result = Py_False;
-      } catch (...) {
-        result = Py_None;
-      }
-    }
-  }
-  Py_XDECREF(versions);
-  Py_DECREF(views);
-  if (PyErr_Occurred()) return nullptr;
-  Py_INCREF(result);
-  return result;
+  return answer(views_hold(args[0], nullptr, args[1]));
 }
 
 PyMethodDef methods[] = {
