@@ -5,11 +5,9 @@ the module cannot be built or loaded, or fails under ``require``."""
 
 import contextlib
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 import unittest
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -18,12 +16,12 @@ from paddlefleet.cudagraph import autocudagraph, native
 from paddlefleet.cudagraph.core.keys import KeyMaker
 from paddlefleet.cudagraph.core.layers import ParamSet
 from paddlefleet.cudagraph.core.call import positional_spec
+from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.io.static_inputs import place_key
 
 from testkit.common import device, normal
 from testkit.harness import MatmulOnlyCase, for_each_backend
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
           "complex64", "complex128")
 SHAPES = ((), (3,), (2, 5), (2, 3, 4), (1, 2, 3, 1, 2), (0, 3))
@@ -299,54 +297,64 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
                 self.assertIs(reads.match((g,), (python_meta(g),)), True)
 
 
-def run_python(code, **env):
-    """Runs ``code`` in a fresh interpreter with ``env`` added; returns (exit status, stdout + stderr)."""
-    environment = dict(os.environ, PYTHONPATH=REPO, **env)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, env=environment)
-    return done.returncode, done.stdout + done.stderr
+@contextlib.contextmanager
+def fresh_load(**env):
+    """Inside: the process as before its first wrapper (nothing loaded), with ``env`` set; the module in use and the
+    loader's state are put back after."""
+    saved_reads, saved_state = native.reads, dict(native._state)
+    native.reads = None
+    native._state.update(loaded=False, why="not loaded yet")
+    try:
+        with mock.patch.dict(os.environ, env):
+            yield
+    finally:
+        native.reads = saved_reads
+        native._state.clear()
+        native._state.update(saved_state)
 
 
-STATUS = """
-import paddle
-from paddlefleet.cudagraph import autocudagraph, native
-autocudagraph(paddle.nn.Linear(2, 2))
-print("STATUS", native.status())
-"""
+def first_wrapper():
+    """Makes a wrapper (its __init__ loads the module) and returns native.status()."""
+    autocudagraph(paddle.nn.Linear(2, 2))
+    return native.status()
 
 
 class LoaderTest(unittest.TestCase):
     """What the first wrapper of a process does about the module: off, built, failed, required."""
 
     def test_off_keeps_python_reads(self):
-        code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="0")
-        self.assertEqual(code, 0, out)
-        self.assertIn("STATUS (False, 'PADDLEFLEET_CUDAGRAPH_NATIVE=0: tensor reads in Python')", out)
+        with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="0"):
+            self.assertEqual(first_wrapper(), (False, "PADDLEFLEET_CUDAGRAPH_NATIVE=0: tensor reads in Python"))
+            self.assertIsNone(native.reads)
 
     def test_a_bad_value_names_the_variable_and_the_values(self):
-        code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="yes")
-        self.assertNotEqual(code, 0, out)
-        self.assertIn("PADDLEFLEET_CUDAGRAPH_NATIVE='yes': expected one of 0, 1, require", out)
+        with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="yes"):
+            with self.assertRaisesRegex(ValueError, "PADDLEFLEET_CUDAGRAPH_NATIVE='yes': expected one of 0, 1, "
+                                                    "require"):
+                first_wrapper()
 
     def test_a_failed_build_falls_back_with_its_reason_or_fails_under_require(self):
         with tempfile.TemporaryDirectory() as cache:
             failing = dict(PADDLEFLEET_CACHE_DIR=cache, CXX="false")  # a "compiler" that exits 1
-            code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="1", **failing)
-            self.assertEqual(code, 0, out)
-            self.assertIn("STATUS (False, 'compiling tensor_reads.cc failed (exit 1)", out)
-            code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="require", **failing)
-            self.assertNotEqual(code, 0, out)
-            self.assertIn("PADDLEFLEET_CUDAGRAPH_NATIVE=require, but the compiled tensor reads are unavailable: "
-                          "compiling tensor_reads.cc failed (exit 1)", out)
-            self.assertEqual([n for n in os.listdir(os.path.join(cache, "native")) if not n.startswith(".")], [])
+            with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="1", **failing):
+                active, why = first_wrapper()
+                self.assertFalse(active)
+                self.assertTrue(why.startswith("compiling tensor_reads.cc failed (exit 1)"), why)
+            with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="require", **failing):
+                with self.assertRaisesRegex(CudaGraphError, r"PADDLEFLEET_CUDAGRAPH_NATIVE=require, but the compiled "
+                                                            r"tensor reads are unavailable: compiling tensor_reads.cc "
+                                                            r"failed \(exit 1\)"):
+                    first_wrapper()
+            self.assertEqual(os.listdir(os.path.join(cache, "native")), [], "no partial file left behind")
 
     def test_built_into_an_empty_cache_then_loaded_from_it(self):
         loaded()  # this machine can build it
         with tempfile.TemporaryDirectory() as cache:
             for _ in range(2):
-                code, out = run_python(STATUS, PADDLEFLEET_CUDAGRAPH_NATIVE="require", PADDLEFLEET_CACHE_DIR=cache)
-                self.assertEqual(code, 0, out)
-                self.assertIn("STATUS (True, None)", out)
+                with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="require", PADDLEFLEET_CACHE_DIR=cache):
+                    self.assertEqual(first_wrapper(), (True, None))
+                    x = paddle.zeros([2, 3])
+                    self.assertEqual(native.reads.meta(x), python_meta(x))
             built = os.listdir(os.path.join(cache, "native"))
             self.assertEqual(len(built), 1, built)
             self.assertTrue(built[0].startswith("_tensor_reads-"), built)
