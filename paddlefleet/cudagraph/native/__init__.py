@@ -4,13 +4,16 @@ NOTE [ Compiled tensor reads ]
 Every call of a wrapper reads each argument tensor's shape, dtype, place and stop_gradient (its key, or
 KeyMaker.is_key_of against the latest key), every replay reads each parameter's data pointer and
 stop_gradient (ParamSet.moved), and every backward replay the data pointer, in-place version or state of each
-grad view it handed out before (GradPlan: NOTE [ Reused aliases ], NOTE [ Freed aliases re-pointed ]). Each such read is a Python property of Paddle's Tensor that makes a Python
-object (a shape list, a dtype enum, a Place): 0.2-0.5 us alone and 2-3x that inside a call, whose other work
-has pushed them out of the CPU's caches (measured on the CPU with Paddle 2.6.2: is_key_of of one tensor 3.5 us
-alone, 7.8 inside a training step). tensor_reads.cc reads the same values from the C++ tensor (Paddle's
-extension headers: paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them
-with the key's values without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us;
-``versions``, ``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call.
+grad view it handed out before (GradPlan: NOTE [ Reused aliases ], NOTE [ Freed aliases re-pointed ]). Each
+such read is a Python property or method of Paddle's Tensor that makes a Python object (a shape list, a dtype
+enum, a Place, an int): 0.1-0.5 us alone and 2-3x that inside a call, whose other work has pushed them out of
+the CPU's caches (measured on the CPU with Paddle 2.6.2: is_key_of of one tensor 3.5 us alone, 7.8 inside a
+training step). tensor_reads.cc reads the same values from the C++ tensor (Paddle's extension headers:
+paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them with the key's values
+without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us; ``versions``,
+``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. A graphed layer call costs
+10.1 us less host time with them (16 parameters; 5.2 us with 6) on an H200 host, timed side by side
+(docs/reports/host_breakdown.md).
 
 It answers exactly what the Python reads answer, or None where it cannot tell, and the caller then reads in
 Python as before (the same values, the same errors): a tensor that is not a defined, initialized dense tensor
@@ -26,8 +29,8 @@ and Python (about 1.5 s once); loaded from there afterwards. Where it cannot be 
 Paddle without its headers, a failed check) every read stays in Python, and ``status()`` (and the doctor) says
 why. ``PADDLEFLEET_CUDAGRAPH_NATIVE=0`` keeps the reads in Python; ``=require`` makes an unavailable module an
 error (CI and the GPU checks use it, so that a silent fallback cannot pass for the compiled path). The Python
-reads stay the tested fallback: tests/native compares both on every kind of tensor above, and runs the key and
-parameter checks with the module and without it.
+reads stay the tested fallback: tests/native compares both on every kind of tensor above, and trains graphed
+Layers (grads freed, grads zeroed) bitwise eager's with the module and without it.
 """
 
 import logging

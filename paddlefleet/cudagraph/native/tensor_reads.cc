@@ -76,12 +76,11 @@ PyObject* stop_gradient(PyObject* obj) {
 PyObject* meta_of(PyObject* obj) {
   const paddle::Tensor* t = readable(obj);
   if (t == nullptr) Py_RETURN_NONE;
-  PyObject* dtype;
-  PyObject* place;
-  PyObject* shape;
+  PyObject* dtype = dtype_int(*t);  // borrowed
+  if (dtype == nullptr) Py_RETURN_NONE;
+  PyObject* place = nullptr;
+  PyObject* shape = nullptr;
   try {
-    dtype = dtype_int(*t);
-    if (dtype == nullptr) Py_RETURN_NONE;
     place = place_key(*t);
     if (place == nullptr) {
       if (PyErr_Occurred()) return nullptr;
@@ -90,31 +89,20 @@ PyObject* meta_of(PyObject* obj) {
     const auto& dims = t->dims();
     int rank = dims.size();
     shape = PyTuple_New(rank);
-    if (shape == nullptr) {
-      Py_DECREF(place);
-      return nullptr;
-    }
-    for (int i = 0; i < rank; ++i) {
+    for (int i = 0; shape != nullptr && i < rank; ++i) {
       PyObject* d = PyLong_FromLongLong(dims[i]);
-      if (d == nullptr) {
-        Py_DECREF(shape);
-        Py_DECREF(place);
-        return nullptr;
-      }
-      PyTuple_SET_ITEM(shape, i, d);
+      if (d == nullptr) Py_CLEAR(shape);
+      else PyTuple_SET_ITEM(shape, i, d);
     }
   } catch (...) {
+    Py_XDECREF(shape);
+    Py_XDECREF(place);
     Py_RETURN_NONE;
   }
-  PyObject* sg = stop_gradient(obj);
-  if (sg == nullptr) {
-    Py_DECREF(shape);
-    Py_DECREF(place);
-    return nullptr;
-  }
-  PyObject* meta = PyTuple_New(4);
+  PyObject* sg = shape == nullptr ? nullptr : stop_gradient(obj);  // borrowed
+  PyObject* meta = sg == nullptr ? nullptr : PyTuple_New(4);
   if (meta == nullptr) {
-    Py_DECREF(shape);
+    Py_XDECREF(shape);
     Py_DECREF(place);
     return nullptr;
   }
