@@ -244,7 +244,7 @@ PyObject* py_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-// data_ptr(t): t.data_ptr() for an initialized dense tensor, else None.
+// data_ptr(t): t.data_ptr() for an initialized dense tensor, else None (Python gives None or 0 there, by version).
 PyObject* py_data_ptr(PyObject*, PyObject* obj) {
   if (tensor_type == nullptr || !PyObject_TypeCheck(obj, tensor_type)) Py_RETURN_NONE;
   const paddle::Tensor& t = reinterpret_cast<TensorObject*>(obj)->tensor;
@@ -369,8 +369,12 @@ int views_hold(PyObject* views_arg, PyObject* ptrs_arg, PyObject* versions_arg) 
         break;
       }
       try {
-        bool kept = ptrs == nullptr ? !t->initialized()
-                                    : t->initialized() && reinterpret_cast<int64_t>(t->data()) == ptr;
+        bool initialized = t->initialized();
+        if (ptrs != nullptr && !initialized) {  // its data_ptr() is None or 0 by Paddle version: Python compares
+          result = kUnknown;
+          break;
+        }
+        bool kept = ptrs == nullptr ? !initialized : reinterpret_cast<int64_t>(t->data()) == ptr;
         if (!kept || static_cast<long long>(t->current_inplace_version()) != version) result = kNo;
       } catch (...) {
         result = kUnknown;
