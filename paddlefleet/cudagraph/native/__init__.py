@@ -12,8 +12,8 @@ training step). tensor_reads.cc reads the same values from the C++ tensor (Paddl
 paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them with the key's values
 without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us; ``versions``,
 ``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. A graphed layer call costs
-10.1 us less host time with them (16 parameters; 5.2 us with 6) on an H200 host, timed side by side
-(docs/reports/host_breakdown.md).
+31.1 us less host time with them (16 parameters; 17.0 us with 6) on an H200 host, timed side by side
+(docs/reports/host_breakdown.md; 10.1 and 5.2 us on a faster host).
 
 It answers exactly what the Python reads answer, or None where it cannot tell, and the caller then reads in
 Python as before (the same values, the same errors): a tensor that is not a defined, initialized dense tensor
