@@ -17,7 +17,7 @@ from paddlefleet.cudagraph.core.keys import KeyMaker
 from paddlefleet.cudagraph.core.layers import ParamSet
 from paddlefleet.cudagraph.core.call import positional_spec
 from paddlefleet.cudagraph.errors import CudaGraphError
-from paddlefleet.cudagraph.io.static_inputs import place_key
+from paddlefleet.cudagraph.io.static_inputs import key_meta
 
 from testkit.common import device, normal
 from testkit.harness import MatmulOnlyCase, for_each_backend
@@ -25,11 +25,6 @@ from testkit.harness import MatmulOnlyCase, for_each_backend
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
           "complex64", "complex128")
 SHAPES = ((), (3,), (2, 5), (2, 3, 4), (1, 2, 3, 1, 2), (0, 3))
-
-
-def python_meta(t):
-    """The key part KeyMaker.key reads in Python."""
-    return (tuple(t.shape), int(t.dtype), place_key(t.place), t.stop_gradient)
 
 
 def loaded():
@@ -75,9 +70,9 @@ class CompiledReadsTest(unittest.TestCase):
                 got = self.reads.meta(t)
                 if 0 in t.shape:  # a zero-size tensor holds no memory: not initialized, left to Python
                     self.assertIsNone(got)
-                    self.assertIsNone(self.reads.match((t,), (python_meta(t),)))
+                    self.assertIsNone(self.reads.match((t,), (key_meta(t),)))
                     continue
-                self.assertEqual(got, python_meta(t))
+                self.assertEqual(got, key_meta(t))
                 self.assertIs(type(got[0]), tuple)
                 self.assertEqual([type(v) for v in got[0]], [int] * len(got[0]))
                 self.assertEqual(self.reads.metas([t, t]), (got, got))
@@ -104,8 +99,8 @@ class CompiledReadsTest(unittest.TestCase):
     def test_match_answers_each_part(self):
         x = paddle.zeros([2, 3], "float32")
         x.stop_gradient = False
-        meta = python_meta(x)
-        other_dtype = python_meta(paddle.zeros([2, 3], "float64"))[1]
+        meta = key_meta(x)
+        other_dtype = key_meta(paddle.zeros([2, 3], "float64"))[1]
         cases = [(meta, True), (((2, 4),) + meta[1:], False), (((2, 3, 1),) + meta[1:], False),
                  (((2,),) + meta[1:], False), ((meta[0], other_dtype) + meta[2:], False),
                  (meta[:2] + (0,) + meta[3:], False), (meta[:3] + (True,), False), (meta + ("host",), False),
@@ -297,9 +292,9 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
                 if 0 in t.shape:  # no memory: left to Python
                     self.assertIsNone(reads.meta(g))
                     continue
-                self.assertEqual(reads.meta(g), python_meta(g))
-                self.assertIs(reads.match((g,), (python_meta(t),)), False)  # the CPU tensor's key
-                self.assertIs(reads.match((g,), (python_meta(g),)), True)
+                self.assertEqual(reads.meta(g), key_meta(g))
+                self.assertIs(reads.match((g,), (key_meta(t),)), False)  # the CPU tensor's key
+                self.assertIs(reads.match((g,), (key_meta(g),)), True)
 
 
 @contextlib.contextmanager
@@ -359,7 +354,7 @@ class LoaderTest(unittest.TestCase):
                 with fresh_load(PADDLEFLEET_CUDAGRAPH_NATIVE="require", PADDLEFLEET_CACHE_DIR=cache):
                     self.assertEqual(first_wrapper(), (True, None))
                     x = paddle.zeros([2, 3])
-                    self.assertEqual(native.reads.meta(x), python_meta(x))
+                    self.assertEqual(native.reads.meta(x), key_meta(x))
             built = os.listdir(os.path.join(cache, "native"))
             self.assertEqual(len(built), 1, built)
             self.assertTrue(built[0].startswith("_tensor_reads-"), built)

@@ -155,7 +155,7 @@ class KeyMaker:
             metas = None if compiled is None else compiled.metas(tensors)
             if metas is None:
                 metas, places = [], []
-                for t in tensors:
+                for t in tensors:  # io/static_inputs.key_meta, inlined: the fallback is every call's path
                     place = place_key(t.place)
                     places.append(place)
                     metas.append((tuple(t.shape), int(t.dtype), place, t.stop_gradient))

@@ -34,7 +34,8 @@ import paddle
 
 from ..errors import InputMismatchError
 
-__all__ = ["StaticInputs", "tensor_meta", "place_key", "numel", "nbytes", "contiguous_outputs", "strided_copy_works"]
+__all__ = ["StaticInputs", "tensor_meta", "key_meta", "place_key", "numel", "nbytes", "contiguous_outputs",
+           "strided_copy_works"]
 
 
 def place_key(place):
@@ -53,6 +54,11 @@ def place_key(place):
 def tensor_meta(t, place=None):
     """The parts of a tensor that a graph fixes: shape, dtype, place, stop_gradient."""
     return (tuple(t.shape), t.dtype, place_key(t.place if place is None else place), t.stop_gradient)
+
+
+def key_meta(t):
+    """tensor_meta as a call's key holds it: the dtype as its int (NOTE [ Cheap key parts ] in core/keys.py)."""
+    return (tuple(t.shape), int(t.dtype), place_key(t.place), t.stop_gradient)
 
 
 def numel(t):

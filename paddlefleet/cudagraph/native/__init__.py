@@ -41,6 +41,7 @@ import numpy as np
 import paddle
 
 from ..errors import CudaGraphError
+from ..io.static_inputs import key_meta  # the Python read the module replaces, for its check
 
 __all__ = ["ENV_NATIVE", "reads", "load", "status", "disabled"]
 
@@ -86,12 +87,6 @@ def _dtype_table(module):
     return tuple(ints.get(code) for code in range(max(ints, default=-1) + 1))
 
 
-def _python_meta(t):
-    from ..io.static_inputs import place_key
-
-    return (tuple(t.shape), int(t.dtype), place_key(t.place), t.stop_gradient)
-
-
 def _check(module):
     """None when the module reads what Python reads on a few tensors, else what differed."""
     # copies from numpy only: no kernel runs (a GPU may lack this Paddle's kernels)
@@ -103,7 +98,7 @@ def _check(module):
     probes = [paddle.to_tensor(a, place=place) for place in places for a in arrays]
     probes[0].stop_gradient = False
     for t in probes:
-        want = _python_meta(t)
+        want = key_meta(t)
         got = module.meta(t)
         if got != want or type(got[0]) is not tuple:
             return f"the compiled read of a {t.dtype} tensor {want} gave {got}"
