@@ -228,6 +228,111 @@ class KeysWithAndWithoutTest(unittest.TestCase):
             self.key((p, p))
 
 
+@contextlib.contextmanager
+def tracer_set(level, dtype):
+    """The tracer's autocast level and dtype set inside (as paddle.amp.auto_cast sets them on a GPU build)."""
+    tracer = paddle.base.framework._dygraph_tracer()
+    saved = tracer._amp_level, tracer._amp_dtype
+    tracer._amp_level, tracer._amp_dtype = level, dtype
+    try:
+        yield
+    finally:
+        tracer._amp_level, tracer._amp_dtype = saved
+
+
+def python_state():
+    from paddlefleet.cudagraph.core.state import amp_state
+
+    return paddle.is_grad_enabled(), amp_state()
+
+
+class CallStateReadsTest(unittest.TestCase):
+    """state(): grad mode and autocast, read from Paddle's tracer in C++, against paddle.is_grad_enabled() and
+    amp_state(); keys made and compared with it and in Python are the same."""
+
+    def setUp(self):
+        self.reads = loaded()
+        self.assertIsNotNone(native.state_read)
+        self.levels = list(paddle.base.core.AmpLevel.__members__.values())
+
+    def test_every_grad_mode_level_and_dtype(self):
+        for grad in (True, False):
+            for level in self.levels:
+                for dtype in ("float16", "bfloat16", "float32"):
+                    with self.subTest(grad=grad, level=level, dtype=dtype), paddle.set_grad_enabled(grad), \
+                            tracer_set(level, dtype):
+                        self.assertEqual(native.state_read(), python_state())
+        with paddle.no_grad():
+            self.assertEqual(native.state_read(), python_state())
+            self.assertIs(native.state_read()[0], False)
+        with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):  # whatever it sets on this build
+            self.assertEqual(native.state_read(), python_state())
+        self.assertEqual(native.state_read(), python_state())
+
+    def test_each_thread_reads_its_own_state(self):
+        import threading
+
+        seen = {}
+
+        def other():
+            with paddle.no_grad():
+                seen["other"] = (native.state_read(), python_state())
+
+        with tracer_set(self.levels[-1], "bfloat16"):
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            here = (native.state_read(), python_state())
+        self.assertEqual(seen["other"][0], seen["other"][1])
+        self.assertIs(seen["other"][0][0], False)
+        self.assertEqual(here[0], here[1])
+        self.assertIs(here[0][0], True)
+
+    def test_no_dygraph_tracer_is_left_to_python(self):
+        paddle.enable_static()
+        try:
+            self.assertIsNone(native.state_read())
+        finally:
+            paddle.disable_static()
+        self.assertEqual(native.state_read(), python_state())
+
+    def test_keys_and_answers_with_and_without(self):
+        keys = KeyMaker(lambda x: None, None, bound=False, layers=[])
+        x = paddle.zeros([2, 3])
+        args, spec = (x,), positional_spec((x,), {})
+        made = []
+        for grad in (True, False):
+            for level in self.levels[:2]:
+                with paddle.set_grad_enabled(grad), tracer_set(level, "bfloat16"):
+                    with native.disabled():
+                        want = keys.key(args, {}, args, spec)
+                    self.assertEqual(keys.key(args, {}, args, spec), want)
+                    made.append((grad, level, want))
+        for grad, level, key in made:
+            with paddle.set_grad_enabled(grad), tracer_set(level, "bfloat16"):
+                for _, _, other in made:
+                    with native.disabled():
+                        answer = keys.is_key_of(other, spec, args)
+                    self.assertIs(keys.is_key_of(other, spec, args), answer)
+                    self.assertIs(answer, other is key)
+
+    def test_a_module_that_reads_another_state_is_not_used(self):
+        class Wrong:
+            def setup_state(self, global_var):
+                return True
+
+            def state(self):
+                return (not paddle.is_grad_enabled(), (0, "float32"))
+
+        class Unbound(Wrong):
+            def setup_state(self, global_var):
+                return False
+
+        self.assertIn("the compiled read of grad mode and autocast gave", native._check_state(Wrong()))
+        self.assertIn("lacks a getter", native._check_state(Unbound()))
+        self.assertIsNone(native._check_state(self.reads))
+
+
 class _Trains:
     """A graphed two-Layer model with matmuls only trains bitwise eager's, the compiled reads on or off; its grads
     freed after every step (``zero``: zeroed, where the views of the last backward are reused)."""
@@ -301,14 +406,14 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
 def fresh_load(**env):
     """Inside: the process as before its first wrapper (nothing loaded), with ``env`` set; the module in use and the
     loader's state are put back after."""
-    saved_reads, saved_state = native.reads, dict(native._state)
-    native.reads = None
+    saved_reads, saved_state_read, saved_state = native.reads, native.state_read, dict(native._state)
+    native.reads = native.state_read = None
     native._state.update(loaded=False, why="not loaded yet")
     try:
         with mock.patch.dict(os.environ, env):
             yield
     finally:
-        native.reads = saved_reads
+        native.reads, native.state_read = saved_reads, saved_state_read
         native._state.clear()
         native._state.update(saved_state)
 

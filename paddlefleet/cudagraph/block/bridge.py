@@ -34,6 +34,7 @@ import weakref
 import paddle
 from paddle.autograd import PyLayer
 
+from ..core.call_state import grad_enabled
 from ..errors import CudaGraphError, PendingBackwardError
 from ..grads.accumulate import own_backward
 from ..grads.handles import alias, copy
@@ -145,7 +146,7 @@ class GraphedFunction(PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        if paddle.is_grad_enabled():
+        if grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
         graphs, args, token, generation = ctx.held
         try:

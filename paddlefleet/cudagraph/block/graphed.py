@@ -14,6 +14,7 @@ import paddle
 from .hooks import NO_HOOKS
 from .capture import CaptureRequest, capture_block, capture_second_backward
 from ..core import state
+from ..core.call_state import grad_enabled
 from ..core.body import Body
 from ..grads.accumulate import CALLS, note_call
 from ..errors import CudaGraphError
@@ -165,7 +166,7 @@ class BlockBody(Body):
     def replay(self, entry, call, copy):
         """Runs the current slot of ``entry`` for ``call`` (or the hooks do: a chain's first call)."""
         graphs = entry.graphs.current
-        grad = paddle.is_grad_enabled()
+        grad = grad_enabled()
         bridged = copy and grad and graphs.backward is not None
         python = entry.backend.replays_python  # a replay that re-runs the function: state put back on refusal
         if bridged:

@@ -8,6 +8,7 @@ import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
 
+from ..core.call_state import grad_enabled
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
 from . import outputs as chain_outputs
@@ -30,7 +31,7 @@ class ChainFunction(PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        if paddle.is_grad_enabled():
+        if grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
         return _replay_backwards(ctx.run, grads)
 

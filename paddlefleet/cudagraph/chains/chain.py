@@ -63,6 +63,7 @@ verify_replays, dispatch_key_fn, check_stale_outputs, host tensors or several sl
 
 import paddle
 
+from ..core.call_state import grad_enabled
 from ..io.nested import unflatten
 from .eligible import current, flags, may_join, member_now
 from .links import confirmed, current_run
@@ -104,7 +105,7 @@ def start_chain(body, entry, call):
     run = current_run()
     if run is not None:  # a run nobody finished (an early exit): its calls never come
         run.break_at(run.handed, "a new chain started")
-    if confirmed(entry) is None or not paddle.is_grad_enabled():
+    if confirmed(entry) is None or not grad_enabled():
         return None
     held = record(entry)  # the entry's: its chain is forgotten when the entry releases its graphs
     chain = held.chain

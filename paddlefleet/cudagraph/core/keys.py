@@ -142,8 +142,12 @@ class KeyMaker:
         return describe_call(named, host_tensors, key.arguments if key.user else None)
 
     def state_key(self):
+        compiled = native.state_read  # grad mode and autocast read in C++ where it can (native/__init__.py)
+        read = None if compiled is None else compiled()
+        if read is None:
+            read = (_grad_enabled(), _amp_state())
         # tuple.__new__: a NamedTuple's own __new__ is Python code, ~0.3 us a key
-        return _new(StateKey, (_grad_enabled(), state.amp_state(), tuple(map(_TRAINING, self.layers))))
+        return _new(StateKey, (read[0], read[1], tuple(map(_TRAINING, self.layers))))
 
     def key(self, args, kwargs, tensors, spec):
         """The call's key, or None when dispatch_key_fn says to run it eagerly."""
@@ -206,7 +210,11 @@ class KeyMaker:
             if place_key(t.place) != meta[2]:
                 return False
         grad, amp, training = key.state
-        return (_grad_enabled() is grad and _amp_state() == amp
+        compiled = native.state_read  # grad mode and autocast read in C++ where it can (native/__init__.py)
+        read = None if compiled is None else compiled()
+        if read is None:
+            read = (_grad_enabled(), _amp_state())
+        return (read[0] is grad and read[1] == amp
                 and tuple([layer.training for layer in self.layers]) == training)
 
     def track(self, layers):

@@ -11,7 +11,11 @@ the CPU's caches (measured on the CPU with Paddle 2.6.2: is_key_of of one tensor
 training step). tensor_reads.cc reads the same values from the C++ tensor (Paddle's extension headers:
 paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them with the key's values
 without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us; ``versions``,
-``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. A graphed layer call costs
+``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. Grad mode and the autocast state,
+which every key and every replay read (``paddle.is_grad_enabled()``, ``amp_state()`` in core/state.py: pybind
+properties of the tracer, ~1 us each alone and 3-4 us inside a call), come from ``state()``: Paddle's own getters
+of the tracer (public members of paddle::imperative::Tracer, bound by their symbols, weakly: the header declaring
+them is not shipped), ~0.08 us, None where Python's tracer is None (static mode). A graphed layer call costs
 31.1 us less host time with them (16 parameters; 17.0 us with 6) on an H200 host, timed side by side
 (docs/reports/host_breakdown.md; 10.1 and 5.2 us on a faster host).
 
@@ -20,7 +24,8 @@ Python as before (the same values, the same errors): a tensor that is not a defi
 (an uninitialized one raises in Python; a zero-size one holds no memory), a 4-D tensor (Paddle's layout autotune
 may permute the shape Python reports), a place other than CPU and GPU, a dtype missing from the table. The table
 of ``int(t.dtype)`` by Paddle's C++ DataType code is made at load from tensors of each dtype (Paddle 2.6 reports
-the proto VarType, 3.x the DataType), and the module is checked against the Python reads of a few tensors before
+the proto VarType, 3.x the DataType), and the module is checked against the Python reads of a few tensors, and
+``state()`` against Python's in every grad mode, autocast level and dtype (set on the tracer and put back), before
 it is used.
 
 Built on first use (the first wrapper made in a process) with the machine's C++ compiler, against the installed
@@ -43,7 +48,7 @@ import paddle
 from ..errors import CudaGraphError
 from ..io.static_inputs import key_meta  # the Python read the module replaces, for its check
 
-__all__ = ["ENV_NATIVE", "reads", "load", "status", "disabled"]
+__all__ = ["ENV_NATIVE", "reads", "state_read", "load", "status", "disabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,10 @@ _VALUES = ("0", "1", "require")
 
 #: The compiled module once loaded and checked, else None (every read in Python). Read on every call.
 reads = None
+
+#: The module's ``state()`` once bound and checked: ``(grad enabled, amp_state())`` read from Paddle's tracer, or
+#: None where it cannot tell; None where the module or the tracer's getters are unavailable (read in Python).
+state_read = None
 
 _state = {"loaded": False, "why": "not loaded yet (no wrapper made in this process)"}
 _lock = threading.Lock()
@@ -110,6 +119,34 @@ def _check(module):
     return None
 
 
+def _check_state(module):
+    """None when the module's ``state()`` reads what Python reads in every grad mode, autocast level and dtype
+    (each set on the tracer and put back), else why not."""
+    from ..core import state  # the Python reads the module replaces
+
+    framework = paddle.base.framework
+    global_var = getattr(framework, "global_var", None)
+    if global_var is None or not module.setup_state(global_var):
+        return "this Paddle lacks a getter of the tracer's grad mode or autocast state"
+    tracer = framework._dygraph_tracer()
+    if tracer is None:
+        return "no dygraph tracer when the module was loaded"
+    levels = list(getattr(paddle.base.core, "AmpLevel", {}).__members__.values()) or [tracer._amp_level]
+    saved = tracer._amp_level, tracer._amp_dtype
+    try:
+        for grad in (True, False):
+            with paddle.set_grad_enabled(grad):
+                for level in levels:
+                    for dtype in ("float16", "bfloat16", "float32"):
+                        tracer._amp_level, tracer._amp_dtype = level, dtype
+                        want, got = (paddle.is_grad_enabled(), state.amp_state()), module.state()
+                        if got != want:
+                            return f"the compiled read of grad mode and autocast gave {got}, Python {want}"
+    finally:
+        tracer._amp_level, tracer._amp_dtype = saved
+    return None
+
+
 def load():
     """Builds (first use on this machine) and loads the module once per process; sets ``reads``.
 
@@ -117,7 +154,7 @@ def load():
         ValueError: for a value of PADDLEFLEET_CUDAGRAPH_NATIVE other than 0, 1, require.
         CudaGraphError: with ``require``, when the module is unavailable.
     """
-    global reads
+    global reads, state_read
     if _state["loaded"]:
         return
     mode = _mode()
@@ -133,7 +170,7 @@ def load():
             try:
                 module = built_module()
                 module.setup(paddle.Tensor, _dtype_table(module))
-                why = _check(module)
+                why = _check(module) or _check_state(module)
             except NotBuilt as err:
                 why = str(err)
             except Exception as err:  # noqa: BLE001 - any failure of the check leaves the reads in Python
@@ -142,6 +179,7 @@ def load():
                 module = None
                 logger.info("paddlefleet.cudagraph: compiled tensor reads unavailable (%s); reading in Python", why)
         reads = module
+        state_read = None if module is None else module.state
         _state.update(loaded=True, why=why)
     if module is None and mode == "require":
         raise CudaGraphError(f"{ENV_NATIVE}=require, but the compiled tensor reads are unavailable: {why}. "
@@ -157,12 +195,12 @@ class disabled:
     """``with native.disabled():`` every read in Python inside the block (tests of the fallback)."""
 
     def __enter__(self):
-        global reads
-        self._saved = reads
-        reads = None
+        global reads, state_read
+        self._saved = reads, state_read
+        reads = state_read = None
         return self
 
     def __exit__(self, *exc):
-        global reads
-        reads = self._saved
+        global reads, state_read
+        reads, state_read = self._saved
         return False

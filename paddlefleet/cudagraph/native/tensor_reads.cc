@@ -10,8 +10,21 @@
 #include <cstdint>
 #include <exception>
 
+#include <string>
+
 #include "paddle/phi/api/include/tensor.h"
 #include "paddle/phi/core/ddim.h"
+
+// Paddle's getters of grad mode and autocast (public members of paddle::imperative::Tracer and a function of
+// paddle/fluid/imperative/tracer.h, a header Paddle does not ship), bound to their symbols: weak, so that a
+// Paddle without one loads this module and leaves state() to Python. The getters take the current tracer.
+bool tracer_has_grad(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer7HasGradEv") __attribute__((weak));
+int tracer_amp_level(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer11GetAmpLevelEv")
+    __attribute__((weak));
+std::string tracer_amp_dtype(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer11GetAmpDtypeB5cxx11Ev")
+    __attribute__((weak));
+// const std::shared_ptr<Tracer>& GetCurrentTracer(): the reference's first word is the tracer.
+void* const* current_tracer() __asm__("_ZN6paddle10imperative16GetCurrentTracerEv") __attribute__((weak));
 
 namespace {
 
@@ -411,7 +424,80 @@ PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   return answer(views_hold(args[0], nullptr, args[1]));
 }
 
+// ---------------------------------------------------------------- the call's state
+// (paddle.is_grad_enabled(), amp_state()) of core/keys.py and core/state.py: grad mode, and the autocast level
+// (its int) and dtype, read from Paddle's tracer in C++. Python reads them through pybind properties of the tracer
+// object, ~1 us each alone and 3-4 us inside a call.
+
+PyObject* global_var = nullptr;    // paddle.base.framework.global_var: its _dygraph_tracer_ None -> Python answers
+PyObject* tracer_name = nullptr;   // "_dygraph_tracer_"
+std::string amp_dtype_seen;        // the autocast dtype of amp_seen
+long amp_level_seen = 0;           // and its level
+PyObject* amp_seen = nullptr;      // (level, dtype) of the last read
+PyObject* states_seen[2] = {nullptr, nullptr};  // (False, amp_seen), (True, amp_seen)
+
+// setup_state(global_var): True where this Paddle has every getter state() calls, else False.
+PyObject* py_setup_state(PyObject*, PyObject* arg) {
+  Py_INCREF(arg);
+  Py_XSETREF(global_var, arg);
+  bool bound = tracer_has_grad != nullptr && tracer_amp_level != nullptr && tracer_amp_dtype != nullptr &&
+               current_tracer != nullptr;
+  return PyBool_FromLong(bound);
+}
+
+// state(): (grad enabled, (int(amp level), amp dtype)), or None (no tracer, a getter missing or failing).
+PyObject* py_state(PyObject*, PyObject*) {
+  if (global_var == nullptr || tracer_has_grad == nullptr || tracer_amp_level == nullptr ||
+      tracer_amp_dtype == nullptr || current_tracer == nullptr)
+    Py_RETURN_NONE;
+  PyObject* python_tracer = PyObject_GetAttr(global_var, tracer_name);
+  if (python_tracer == nullptr) return nullptr;
+  bool none = python_tracer == Py_None;
+  Py_DECREF(python_tracer);
+  if (none) Py_RETURN_NONE;
+  bool grad;
+  long level;
+  std::string dtype;
+  try {
+    void* const* current = current_tracer();
+    if (current == nullptr || *current == nullptr) Py_RETURN_NONE;
+    grad = tracer_has_grad(*current);
+    level = tracer_amp_level(*current);
+    dtype = tracer_amp_dtype(*current);
+  } catch (...) {
+    Py_RETURN_NONE;
+  }
+  bool same = amp_seen != nullptr && level == amp_level_seen && dtype == amp_dtype_seen;
+  if (!same) {
+    PyObject* level_int = PyLong_FromLong(level);
+    PyObject* dtype_str = PyUnicode_FromStringAndSize(dtype.data(), static_cast<Py_ssize_t>(dtype.size()));
+    PyObject* amp = level_int == nullptr || dtype_str == nullptr ? nullptr : PyTuple_Pack(2, level_int, dtype_str);
+    Py_XDECREF(level_int);
+    Py_XDECREF(dtype_str);
+    if (amp == nullptr) return nullptr;
+    PyObject* off = PyTuple_Pack(2, Py_False, amp);
+    PyObject* on = PyTuple_Pack(2, Py_True, amp);
+    if (off == nullptr || on == nullptr) {
+      Py_DECREF(amp);
+      Py_XDECREF(off);
+      Py_XDECREF(on);
+      return nullptr;
+    }
+    Py_XSETREF(amp_seen, amp);
+    Py_XSETREF(states_seen[0], off);
+    Py_XSETREF(states_seen[1], on);
+    amp_dtype_seen = dtype;
+    amp_level_seen = level;
+  }
+  PyObject* result = states_seen[grad ? 1 : 0];
+  Py_INCREF(result);
+  return result;
+}
+
 PyMethodDef methods[] = {
+    {"setup_state", py_setup_state, METH_O,
+     "setup_state(global_var): True where the tracer's getters state() calls are bound, else False."},
+    {"state", py_state, METH_NOARGS, "(grad enabled, (int(amp level), amp dtype)), or None (read in Python)."},
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_setup)), METH_FASTCALL,
      "setup(tensor_type, dtype_ints): the Tensor type and the table of int(t.dtype) by DataType code."},
     {"dtype_code", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dtype_code)), METH_FASTCALL,
@@ -436,6 +522,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tensor_reads", nullptr, -1, metho
 PyMODINIT_FUNC PyInit__tensor_reads() {
   cpu_key = PyUnicode_InternFromString("cpu");
   stop_gradient_name = PyUnicode_InternFromString("stop_gradient");
-  if (cpu_key == nullptr || stop_gradient_name == nullptr) return nullptr;
+  tracer_name = PyUnicode_InternFromString("_dygraph_tracer_");
+  if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr) return nullptr;
   return PyModule_Create(&module);
 }
