@@ -16,8 +16,9 @@ which every key and every replay read (``paddle.is_grad_enabled()``, ``amp_state
 properties of the tracer, ~1 us each alone and 3-4 us inside a call), come from ``state()``: Paddle's own getters
 of the tracer (public members of paddle::imperative::Tracer, bound by their symbols, weakly: the header declaring
 them is not shipped), ~0.08 us, None where Python's tracer is None (static mode). A graphed layer call costs
-31.1 us less host time with them (16 parameters; 17.0 us with 6) on an H200 host, timed side by side
-(docs/reports/host_breakdown.md; 10.1 and 5.2 us on a faster host).
+13.8 us less host time with them (16 parameters; 12.1 us with 6) on an H200 host, timed side by side
+(docs/reports/host_breakdown.md); the state read alone took a fallen-back key's eager call from +16 to +8 us over the
+Layer's own forward on the CPU (tools/cpu_host_time.py --eager-calls, Paddle 2.6.2, runs minutes apart).
 
 It answers exactly what the Python reads answer, or None where it cannot tell, and the caller then reads in
 Python as before (the same values, the same errors): a tensor that is not a defined, initialized dense tensor
