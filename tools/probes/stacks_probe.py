@@ -29,11 +29,10 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 import numpy  # noqa: E402
 import paddle  # noqa: E402
 
-from benchmark.paddle_runs import Blocks  # noqa: E402
 from benchmark.timing import CONFIGS  # noqa: E402
-from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.grads import stacks  # noqa: E402
-from testkit.common import build, device, host_tensor, normal  # noqa: E402
+from benchmark.rigs import BlockRig  # noqa: E402
+from testkit.common import device, host_tensor, normal  # noqa: E402
 
 TOOL = "tools/probes/stacks_probe.py"
 DEFAULT_CONFIGS = "mlp16x512_b16,mlp32x256_b8,mlp16x512_b16_4blocks,xformer24x1024_b32_perlayer"
@@ -41,17 +40,11 @@ LOOPS = ("frees grads", "accumulates")
 RUNNERS = ("eager", "stacked", "unstacked")
 
 
-class Rig:
+class Rig(BlockRig):
     """One runner's model (graphed or not) and its step for each loop."""
 
     def __init__(self, cfg, runner, backend, x, dy):
-        self.model = build(lambda: Blocks(cfg), 1)
-        self.params = self.model.parameters()
-        self.x, self.dy = x, dy
-        self.graphed = runner != "eager"
-        if self.graphed:
-            for block in self.model.blocks:
-                autocudagraph(block, backend=backend, eager_if_slower=False)
+        super().__init__(cfg, backend, x, dy, runner != "eager", eager_if_slower=False)
         self.unstacked = runner == "unstacked"
 
     def step(self, frees):
@@ -77,16 +70,6 @@ class Rig:
         finally:
             stacks.GROUP_MAX_BYTES, stacks.stacked_after_backward = saved
         self.release()
-
-    def release(self):
-        for p in self.params:
-            p.clear_gradient(False)
-
-    def snapshot(self):
-        y = self.step(False)
-        out = [y.numpy()] + [p.grad.numpy() for p in self.params]
-        self.release()
-        return out
 
     def memory(self):
         if not self.graphed:

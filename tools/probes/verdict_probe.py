@@ -33,12 +33,11 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 import numpy  # noqa: E402
 import paddle  # noqa: E402
 
-from benchmark.paddle_runs import Blocks  # noqa: E402
 from benchmark.timing import CONFIGS  # noqa: E402
-from paddlefleet.cudagraph import autocudagraph  # noqa: E402
 from paddlefleet.cudagraph.block import bridge  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
-from testkit.common import build, device, host_tensor, info_lines, normal, run_info  # noqa: E402
+from benchmark.rigs import BlockRig  # noqa: E402
+from testkit.common import device, host_tensor, info_lines, normal, run_info  # noqa: E402
 
 TOOL = "tools/probes/verdict_probe.py"
 DEFAULT_CONFIGS = "mlp16x512_b16_4blocks,mlp32x256_b8_4blocks,mlp8x4096_b64_4blocks"
@@ -61,32 +60,17 @@ def quartile(values):
     return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
 
 
-class Rig:
+class Rig(BlockRig):
     """One runner's model: eager, graphed with the default verdicts, or graphed with every key kept."""
 
     def __init__(self, cfg, runner, backend, x, dy):
-        self.model = build(lambda: Blocks(cfg), 1)
-        self.params = self.model.parameters()
-        self.x, self.dy = x, dy
-        self.graphed = runner != "eager"
-        if self.graphed:
-            for block in self.model.blocks:
-                autocudagraph(block, backend=backend, eager_if_slower=runner == "default")
+        super().__init__(cfg, backend, x, dy, runner != "eager", eager_if_slower=runner == "default")
 
     def step(self):
         y = self.model(self.x)
         y.backward(self.dy)
-        for p in self.params:
-            p.clear_gradient(False)
+        self.release()
         return y
-
-    def snapshot(self):
-        y = self.model(self.x)
-        y.backward(self.dy)
-        out = [y.numpy()] + [p.grad.numpy() for p in self.params]
-        for p in self.params:
-            p.clear_gradient(False)
-        return out
 
     def verdicts(self):
         """Per block: (verdict, eager forward us, graphed forward us) of its key."""
