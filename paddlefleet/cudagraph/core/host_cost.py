@@ -16,8 +16,11 @@ graphed calls cost more is run eagerly:
   call the checks keep from replaying (one in flight, one captured again) is no sample. The
   dispatcher decides which call is a sample (``wants_eager``); the runner times it and adds it
   here (``add_eager``, ``add_replay``; a call a chain served: chains/record.py ``ChainCost.add``).
-  The backward is not timed on its own: its toll (one grad node, the grad hand-out) grows with the
-  forward's, and an eager backward launches about twice the forward's kernels.
+  The backward is not weighed, though an eager block's backward costs 4-10x the host time of a graphed
+  block's bridge backward (docs/reports/verdict_probe.md): a block whose eager forward costs about the
+  graphed call's toll can be judged slower although its step is faster graphed, and a GPU-bound block is
+  judged on noise (neither way pays there). A verdict that weighs both needs the eager backward of one key
+  (the engine runs every node of a step in one walk) and the graphs' device time.
 * **Eager samples before the capture.** A judged key takes its SAMPLES eager samples before it
   captures: its first calls are timed eager calls (TIMED_EAGER), then come its warmup calls (which
   count among the eager samples), then the capture; its replays are timed after (the first replay,
