@@ -329,6 +329,14 @@ class CallStateReadsTest(unittest.TestCase):
                 return False
 
         self.assertIn("the compiled read of grad mode and autocast gave", native._check_state(Wrong()))
+        core = paddle.base.core
+        amp_level = core.AmpLevel
+        del core.AmpLevel  # a Paddle without the enum: checked at its current level only
+        try:
+            self.assertIsNone(native._check_state(self.reads))
+            self.assertIn("the compiled read of grad mode and autocast gave", native._check_state(Wrong()))
+        finally:
+            core.AmpLevel = amp_level
         self.assertIn("lacks a getter", native._check_state(Unbound()))
         self.assertIsNone(native._check_state(self.reads))
 

@@ -132,7 +132,8 @@ def _check_state(module):
     tracer = framework._dygraph_tracer()
     if tracer is None:
         return "no dygraph tracer when the module was loaded"
-    levels = list(getattr(paddle.base.core, "AmpLevel", {}).__members__.values()) or [tracer._amp_level]
+    amp_levels = getattr(paddle.base.core, "AmpLevel", None)  # a Paddle without the enum: its current level only
+    levels = list(amp_levels.__members__.values()) if amp_levels is not None else [tracer._amp_level]
     saved = tracer._amp_level, tracer._amp_dtype
     try:
         for grad in (True, False):
@@ -149,7 +150,7 @@ def _check_state(module):
 
 
 def load():
-    """Builds (first use on this machine) and loads the module once per process; sets ``reads``.
+    """Builds (first use on this machine) and loads the module once per process; sets ``reads`` and ``state_read``.
 
     Raises:
         ValueError: for a value of PADDLEFLEET_CUDAGRAPH_NATIVE other than 0, 1, require.

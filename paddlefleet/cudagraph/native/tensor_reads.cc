@@ -436,20 +436,22 @@ long amp_level_seen = 0;           // and its level
 PyObject* amp_seen = nullptr;      // (level, dtype) of the last read
 PyObject* states_seen[2] = {nullptr, nullptr};  // (False, amp_seen), (True, amp_seen)
 
+// Whether this Paddle has every getter state() calls (weak symbols: null where missing).
+bool getters_bound() {
+  return tracer_has_grad != nullptr && tracer_amp_level != nullptr && tracer_amp_dtype != nullptr &&
+         current_tracer != nullptr;
+}
+
 // setup_state(global_var): True where this Paddle has every getter state() calls, else False.
 PyObject* py_setup_state(PyObject*, PyObject* arg) {
   Py_INCREF(arg);
   Py_XSETREF(global_var, arg);
-  bool bound = tracer_has_grad != nullptr && tracer_amp_level != nullptr && tracer_amp_dtype != nullptr &&
-               current_tracer != nullptr;
-  return PyBool_FromLong(bound);
+  return PyBool_FromLong(getters_bound());
 }
 
 // state(): (grad enabled, (int(amp level), amp dtype)), or None (no tracer, a getter missing or failing).
 PyObject* py_state(PyObject*, PyObject*) {
-  if (global_var == nullptr || tracer_has_grad == nullptr || tracer_amp_level == nullptr ||
-      tracer_amp_dtype == nullptr || current_tracer == nullptr)
-    Py_RETURN_NONE;
+  if (global_var == nullptr || !getters_bound()) Py_RETURN_NONE;
   PyObject* python_tracer = PyObject_GetAttr(global_var, tracer_name);
   if (python_tracer == nullptr) return nullptr;
   bool none = python_tracer == Py_None;
