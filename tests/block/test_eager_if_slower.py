@@ -1,8 +1,8 @@
 """NOTE [ Graphed calls that cannot pay ] in core/host_cost.py: a key whose graphed calls cost more
 host time than its eager calls runs eagerly (eager_if_slower), judged on eager calls before the capture and replays alone and
 in chains, with a stand-in clock: each eager forward of a layer costs EAGER_US, and each simulated
-graph replay adds what the test says (the simulated replay re-runs the forward, so a replay costs
-EAGER_US plus that)."""
+forward graph replay adds what the test says (the simulated replay re-runs the forward, so a replay costs
+EAGER_US plus that); a backward costs what the test says, eager and graphed (``Tick``)."""
 
 import contextlib
 import unittest
@@ -14,6 +14,8 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
+from paddlefleet.cudagraph.backends.base import in_rerun_replay, is_capturing
+from paddlefleet.cudagraph.grads import hook_registry
 from paddlefleet.cudagraph.chains import links as chain_links
 from paddlefleet.cudagraph.core import host_cost
 from testkit.common import MatMLP, build, host_tensor, normal
@@ -28,6 +30,8 @@ class StandInClock:
         self.now = 0.0
         self.alone_us = 0.0  # added by a replay outside a chain run (or a callable giving it per replay)
         self.chained_us = 0.0  # added by a replay while a chain run is open
+        self.eager_backward_us = 0.0  # added by an eager layer's backward
+        self.graphed_backward_us = 0.0  # added by a backward graph's replay
 
     def __call__(self):
         return self.now
@@ -36,13 +40,28 @@ class StandInClock:
         self.now += us * 1e-6
 
 
+class Tick(paddle.autograd.PyLayer):
+    """The identity, whose backward adds the stand-in clock's eager backward cost in an eager backward (the
+    simulated backward graph's replay re-runs it: that one adds nothing here)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if TimedMLP.clock is not None and not in_rerun_replay() and not is_capturing():
+            TimedMLP.clock.add(TimedMLP.clock.eager_backward_us)
+        return grad
+
+
 class TimedMLP(MatMLP):
     clock = None
 
     def forward(self, x):
         if TimedMLP.clock is not None:
             TimedMLP.clock.add(EAGER_US)
-        return super().forward(x)
+        return Tick.apply(super().forward(x))
 
 
 def layers(n=4, width=8, seed=0):
@@ -69,6 +88,9 @@ class TestEagerIfSlower(unittest.TestCase):
         clock = self.clock
 
         def replay(graph):
+            if "backward" in getattr(graph._body, "__qualname__", ""):  # a backward graph
+                clock.add(clock.graphed_backward_us)
+                return original(graph)
             alone = clock.alone_us() if callable(clock.alone_us) else clock.alone_us
             clock.add(clock.chained_us if chain_links.current_run() is not None else alone)
             return original(graph)
@@ -113,12 +135,14 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(stats["graphs"], 0)
             [row] = layer.forward.report()
             self.assertEqual(row["fallback_reason"], "its graphed calls cost more host time than its eager calls: 130.0 "
-                             "against 100.0 us per forward call (lower quartiles of its eager calls before its capture and its "
+                             "against 100.0 us per call, forward and backward (lower quartiles of its eager calls before its "
+                             "capture and its "
                              "replays; "
                              "eager_if_slower=False keeps it graphed)")
             text = layer.forward.explain()
             self.assertIn("host us per forward call: eager 100.0 (lower quartile of 8), graphed 130.0 "
-                          "(lower quartile of 8)", text)
+                          "(lower quartile of 8); per backward: eager 0.0 (lower quartile of 8), graphed 0.0 "
+                          "(lower quartile of 7)", text)
         x = host_tensor(normal(2)(6, 8))  # another shape: no key is made for it
         model[0](x)
         self.assertEqual(model[0].forward.stats()["keys"], 1)
@@ -138,13 +162,13 @@ class TestEagerIfSlower(unittest.TestCase):
             self.assertEqual(entry.host_cost.verdict, "graphed")
             if k == 0:  # the chain's first call pays every member's bridge: not judged in chains
                 self.assertEqual(entry.chain.cost.verdict, "head")
-                self.assertIn("graphed 60.0 (lower quartile of 8)\n", layer.forward.explain())  # no chained time
+                self.assertIn("graphed 0.0 (lower quartile of 7)\n", layer.forward.explain())  # no chained time
                 # The verdict says how much faster, measured.
-                self.assertIn("; a graphed forward call takes 1.7x less host time than eager (60.0 against 100.0 us, "
-                              "measured)", layer.forward.explain().splitlines()[0])
+                self.assertIn("; a graphed call (forward and backward) takes 1.7x less host time than eager (60.0 "
+                              "against 100.0 us, measured)", layer.forward.explain().splitlines()[0])
                 continue
             self.assertEqual(entry.chain.cost.verdict, "graphed", layer.forward.explain())
-            self.assertIn("graphed 60.0 (lower quartile of 8), chained 60.0 (lower quartile of 8)",
+            self.assertIn("graphed 0.0 (lower quartile of 7), chained 60.0 (lower quartile of 8)",
                           layer.forward.explain())
         # Steps 1-7 are timed eager calls, 8 warms up, 9 captures, 10-18 replay alone; a chain serves every later step.
         self.assertEqual([layer.forward.stats()["chained_calls"] for layer in model], [0, 22, 22, 22])
@@ -186,6 +210,88 @@ class TestEagerIfSlower(unittest.TestCase):
         # read it twice more a call, forever, timing a replay no verdict would use.
         self.assertEqual(len(reads) - before, 10)
         self.assertEqual(graphed[0].forward.stats()["replays"], 30 - 2 - (host_cost.SAMPLES - 1))
+
+    def assert_no_timing_hooks(self, params):
+        """No hook of the verdict's is left on ``params`` (the registry sees every hook registered since
+        the first wrapper: NOTE [ Grad consumers ] in grads/hook_registry.py)."""
+        for p in params:
+            record = hook_registry._tensors.get(id(p))
+            self.assertEqual(record.hooks if record is not None else {}, {}, p.name)
+
+    def test_the_backward_is_weighed_a_slower_forward_with_a_cheaper_backward_stays_graphed(self):
+        """A graphed forward 130 us against 100 eager, but a graphed backward 20 against 200: 150 against
+        300 us a call, so the key stays graphed (judged on forwards alone it ran eagerly)."""
+        self.clock.alone_us = 30.0
+        self.clock.eager_backward_us = 200.0
+        self.clock.graphed_backward_us = 20.0
+        model, warned = self.run_steps(24, chain_calls=False)
+        self.assertEqual(warned, [])
+        for layer in model:
+            [entry] = layer.forward.entries().values()
+            self.assertEqual((entry.phase.value, entry.host_cost.verdict), ("replay", "graphed"), layer.forward.explain())
+            self.assertEqual([round(v, 6) for v in entry.host_cost.backward_us], [200.0, 20.0, 8, 7])
+            text = layer.forward.explain()
+            self.assertIn("per backward: eager 200.0 (lower quartile of 8), graphed 20.0 (lower quartile of 7)", text)
+            self.assertIn("a graphed call (forward and backward) takes 2.0x less host time than eager (150.0 against "
+                          "300.0 us, measured)", text)
+            row = layer.forward.report()[0]["host_us"]
+            self.assertEqual((row["eager_backward"], row["graphed_backward"]), (200.0, 20.0))
+        self.assert_no_timing_hooks(model.parameters())  # removed at the verdict
+
+    def test_a_faster_forward_with_a_dearer_backward_runs_eagerly(self):
+        self.clock.alone_us = -40.0  # forward 60 against 100
+        self.clock.graphed_backward_us = 200.0  # backward 200 against 0
+        model, warned = self.run_steps(24, chain_calls=False)
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("a graphed call costs 260.0 us of host time against 100.0 us for the eager call (forward and "
+                      "backward, lower quartiles)", warned[0])
+        for layer in model:
+            [entry] = layer.forward.entries().values()
+            self.assertEqual(entry.phase.value, "fallback", layer.forward.explain())
+            self.assertIn("260.0 against 100.0 us per call, forward and backward", entry.fallback_reason)
+        self.assert_no_timing_hooks(model.parameters())
+
+    def test_a_backward_that_cannot_be_seen_leaves_the_verdict_to_the_forwards(self):
+        """A plain function (no Layer to see the backward's end on) and a Layer whose parameters need no
+        grad are judged on their forwards, and say so."""
+        self.clock.alone_us = -40.0
+        self.clock.graphed_backward_us = 200.0  # would send them eager if it were weighed
+        for frozen in (False, True):
+            graphed, eager = layers(n=1), layers(n=1)
+            if frozen:
+                for p in list(graphed.parameters()) + list(eager.parameters()):
+                    p.stop_gradient = True
+                run = autocudagraph(graphed[0], backend="simulate")
+            else:
+                run = autocudagraph(lambda h: graphed[0](h), backend="simulate")
+            draw = normal(1)
+            x, dy = host_tensor(draw(4, 8)), host_tensor(draw(4, 8))
+            x.stop_gradient = False
+            for i in range(20):
+                got = run(x)
+                got.backward(dy)
+                want = eager[0](x)
+                want.backward(dy)
+                np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"step {i}")
+            [entry] = (run.forward if frozen else run).entries().values()
+            text = (run.forward if frozen else run).explain()
+            self.assertEqual((entry.host_cost.verdict, entry.host_cost.backward_us), ("graphed", None), text)
+            self.assertIn("graphed 60.0 (lower quartile of 8)\n", text)
+            self.assertIn("a graphed forward call takes 1.7x less host time", text)
+            self.assert_no_timing_hooks(graphed.parameters())
+
+    def test_a_reset_or_a_fall_back_during_the_timed_calls_removes_the_hooks(self):
+        graphed = layers(n=1)
+        autocudagraph(graphed[0], backend="simulate")
+        x, dy = host_tensor(normal(1)(4, 8)), host_tensor(normal(2)(4, 8))
+        for _ in range(3):  # timed eager calls: the hooks are on
+            graphed[0](x).backward(dy)
+        [entry] = graphed[0].forward.entries().values()
+        self.assertTrue(entry.host_cost.backward.armed)
+        self.assertEqual(len(entry.host_cost.backward.eager_s), 2)  # the third call's backward is still open
+        graphed[0].forward.reset()
+        self.assertIsNone(entry.host_cost.backward)
+        self.assert_no_timing_hooks(graphed.parameters())
 
     def test_keys_slower_only_in_chains_run_eagerly(self):
         self.clock.alone_us = -40.0  # alone: 60 us; the head of a chain too (its replay opens the run)

@@ -269,7 +269,7 @@ class StructureTest(unittest.TestCase):
     def test_chain_state_lives_in_chains(self):
         """Chains own their state: outside chains/, no class has a field about chains but the entry's one
         record (GraphEntry.chain, a chains/record.py ChainRecord), the option and the public counter of chained calls;
-        the bridge's token has one watch hook, not the chains' fields."""
+        the bridge's token has one watch hook (and the verdict's backward timer), not the chains' fields."""
         allowed = {("core/entry.py", "GraphEntry", "chain"), ("core/stats.py", "Counters", "chained_calls"),
                    ("options.py", "GraphOptions", "chain_calls")}
         found = set()
@@ -282,7 +282,7 @@ class StructureTest(unittest.TestCase):
         self.assertEqual(sorted(found - allowed), [], "keep a key's chain state in its chains/record.py ChainRecord")
         path, tree = self.modules[f"{NAME}.block.bridge"]
         [token] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Token"]
-        self.assertEqual(set(_fields(token)), {"__weakref__", "done", "hooked", "watch"})
+        self.assertEqual(set(_fields(token)), {"__weakref__", "done", "hooked", "watch", "timer"})
 
     def test_chain_predicates_and_invalidation_have_one_place_each(self):
         """Whether a call or key may chain is decided in chains/eligible.py alone (the only chains module

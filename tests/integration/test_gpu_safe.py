@@ -252,6 +252,52 @@ class KeyCases(TwinCase):
                                                   "key fell back: CudaGraphError: refused by the test": 4})
         self.assertIsNotNone(wrapper._known_eager)
 
+    def test_the_verdict_weighs_real_forwards_and_backwards_and_leaves_no_hook(self):
+        """eager_if_slower on real timing (the suite turns it off elsewhere): three one-Layer wrappers called
+        in a chain for 24 steps, every step bitwise against eager whatever each key's verdict. Where replays are
+        timed (cuda) every key is judged on its forward and backward host times (the backward's end seen on
+        its Layer's parameters: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py); on simulate
+        nothing is timed. Either way no timing hook is left on a parameter afterwards."""
+        from paddlefleet.cudagraph.core import host_cost
+        from paddlefleet.cudagraph.grads import hook_registry
+
+        dims = [32, 32]
+        pairs = [self.twins(lambda: MatMLP(dims * 2), 70 + k) for k in range(3)]
+        graphed, eager = [g for g, _ in pairs], [e for _, e in pairs]
+        draw = normal(16)
+        with unittest.mock.patch("paddlefleet.cudagraph.core.entry.measured", host_cost.measured), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a key judged slower warns
+            for g in graphed:
+                self.graphed(g)
+            for k in range(24):
+                xn, dyn = draw(4, dims[0]), draw(4, dims[-1])
+                ys, grads = [], []
+                for layers in (graphed, eager):
+                    h = self.tensor(xn)
+                    for layer in layers:
+                        h = layer(h)
+                    h.backward(self.tensor(dyn))
+                    ys.append(h)
+                    grads.append([grads_of(layer) for layer in layers])
+                self.assertBitwise(ys[0], ys[1], f"step {k} y")
+                self.assertBitwise(grads[0], grads[1], f"step {k} parameter grads")
+                for g, e in pairs:
+                    release_grads(g, e)
+        for g in graphed:
+            [entry] = g.forward.entries().values()
+            cost = entry.host_cost
+            if self.backend == "cuda":
+                self.assertIn(cost.verdict, ("graphed", "eager"), g.forward.explain())
+                self.assertIsNotNone(cost.backward_us, g.forward.explain())  # both sides' backwards were timed
+                RECORD.notes.append(f"{cost.verdict}: {cost.describe()}")
+            else:
+                self.assertEqual((cost.verdict, cost.backward_us), ("not timed", None))
+            self.assertIsNone(cost.backward)
+            for p in g.parameters():
+                record = hook_registry._tensors.get(id(p))
+                self.assertEqual(record.hooks if record is not None else {}, {}, p.name)
+
     def test_calls_whose_outputs_get_no_backward_take_no_new_slot(self):
         """Three training calls, then calls of another key (inputs without grad) whose outputs get no backward
         (evaluation without no_grad): with each output freed at the next call but one, the key warms up,

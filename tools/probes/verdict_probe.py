@@ -1,15 +1,15 @@
-"""What ``eager_if_slower`` weighs against what a step costs: the forward-only verdict on blocks near its edge (a probe).
+"""What ``eager_if_slower`` weighs against what a step costs: the verdict on blocks near its edge (a probe).
 
     python tools/probes/verdict_probe.py [--configs mlp16x512_b16_4blocks,...] [--repeats 5] [--out report.md]
     python tools/probes/verdict_probe.py --smoke      # CPU: the simulated backend (its keys are not timed), a few steps
 
 The verdict (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py) compares the lower quartiles of a key's
-eager and graphed *forward* host times; the backward, where an eager block launches about twice its forward's
-kernels and a graphed one pays its bridge's grad node and hand-out, is not weighed. This probe measures, on the
-benchmark's block models (tools/benchmark), per config and per fresh build (``--repeats``):
+eager and graphed host times, forward plus backward where it sees the backward's end (a Layer's parameters, as
+here). This probe measures, on the benchmark's block models (tools/benchmark), per config and per fresh build
+(``--repeats``):
 
-* the verdict of each block's key with the default options (``eager_if_slower=True``) and the two numbers it
-  compared (eager and graphed forward, us);
+* the verdict of each block's key with the default options (``eager_if_slower=True``) and the numbers it
+  compared (eager and graphed, forward + backward us);
 * the graphed blocks' backward host time per block (their bridges' backward, GraphedFunction's or a chain's
   ChainFunction's, timed in this process only: the probe wraps them; a step's sum divided by its blocks) and
   each block's eager forward and eager backward host time (the backward of the whole eager model, timed around
@@ -73,12 +73,17 @@ class Rig(BlockRig):
         return y
 
     def verdicts(self):
-        """Per block: (verdict, eager forward us, graphed forward us) of its key."""
+        """Per block: (verdict, eager forward us, graphed forward us, eager backward us, graphed backward us) of
+        its key (the backwards None where the verdict did not weigh them)."""
         out = []
         for block in self.model.blocks:
             entries = list(block.forward._entries.values())
             cost = entries[0].host_cost if entries else None
-            out.append((None, None, None) if cost is None else (cost.verdict, cost.eager_us(), cost.graphed_us()))
+            if cost is None:
+                out.append((None,) * 5)
+                continue
+            backward = cost.backward_us or (None, None)
+            out.append((cost.verdict, cost.eager_us(), cost.graphed_us(), backward[0], backward[1]))
         return out
 
 
@@ -122,7 +127,7 @@ def run_config(cfg, backend, repeats, steps, sync, lines):
     x, dy = host_tensor(draw(cfg.batch, cfg.width)), host_tensor(draw(cfg.batch, cfg.width))
     ok = True
     lines += [f"## {cfg.name}", "",
-              "| build | keys judged slower | per block: verdict, eager fwd / graphed fwd us | "
+              "| build | keys judged slower | per block: verdict, eager fwd + bwd / graphed fwd + bwd us | "
               "eager fwd per block / eager bwd per block / graphed bwd per block us | "
               "step T: eager / default / kept graphed | "
               "step L: eager / default / kept graphed | bitwise |", "|---|---|---|---|---|---|---|"]
@@ -151,14 +156,14 @@ def run_config(cfg, backend, repeats, steps, sync, lines):
         kept = rigs["kept graphed"].verdicts()
         verdicts = rigs["default"].verdicts()
         slower = sum(v[0] == "eager" for v in verdicts)
-        per_block = "; ".join(f"{v[0]}, {fmt(v[1])} / {fmt(v[2])}" for v in verdicts)
+        per_block = "; ".join(f"{v[0]}, {pair(v[1], v[3])} / {pair(v[2], v[4])}" for v in verdicts)
         eager_cols = "; ".join(f"{fmt(f)}" for f in eager_fwd) + f" / {fmt(eager_bwd)} / {fmt(graphed_bwd)}"
         t = " / ".join(fmt(min(timings[(n, False)])) for n in RUNNERS)
         lat = " / ".join(fmt(min(timings[(n, True)])) for n in RUNNERS)
         lines.append(f"| {build_no + 1} | {slower} of {len(verdicts)} | {per_block} | {eager_cols} | {t} | {lat} | "
                      f"{'yes' if same else 'NO'} |")
         lines.append("|  | (kept graphed, measured only) | " + "; ".join(
-            f"{fmt(v[1])} / {fmt(v[2])}" for v in kept) + " |  |  |  |  |")
+            f"{pair(v[1], v[3])} / {pair(v[2], v[4])}" for v in kept) + " |  |  |  |  |")
         del rigs
     lines.append("")
     return ok
@@ -166,6 +171,11 @@ def run_config(cfg, backend, repeats, steps, sync, lines):
 
 def fmt(value):
     return "-" if value is None else f"{value:,.1f}"
+
+
+def pair(forward, backward):
+    """A key's forward + backward host us, or its forward alone where the backward was not weighed."""
+    return fmt(forward) if backward is None else f"{fmt(forward)} + {fmt(backward)}"
 
 
 def main():

@@ -49,14 +49,16 @@ class Token:
     grads hooks on its outputs returned, by output index (NOTE [ Hooks on graphed outputs ] in
     grads/handles.py), or None; ``watch``: what the block's hooks (block/hooks.py) run after this
     replay's backward, ``watch(grad, given)`` with the grad Paddle passed its first output and the
-    grad it gave its first input, or None."""
+    grad it gave its first input, or None; ``timer``: ``(BackwardTimes, call number)``, where this
+    replay's backward marks its start (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), or None."""
 
-    __slots__ = ("__weakref__", "done", "hooked", "watch")
+    __slots__ = ("__weakref__", "done", "hooked", "watch", "timer")
 
     def __init__(self):
         self.done = False
         self.hooked = None
         self.watch = None
+        self.timer = None
 
     def keep_hooked(self, index, grad):
         if self.hooked is None:
@@ -149,6 +151,9 @@ class GraphedFunction(PyLayer):
         if grad_enabled():
             raise CudaGraphError(DOUBLE_BACKWARD)
         graphs, args, token, generation = ctx.held
+        timer = token.timer
+        if timer is not None:  # a timed replay: its backward starts here
+            timer[0].started(timer[1], True)
         try:
             plan = replay_backward(graphs, grads, generation, token)
         except BaseException:

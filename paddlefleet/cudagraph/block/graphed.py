@@ -191,6 +191,13 @@ class BlockBody(Body):
             self.hooks.replayed(self, entry, call, replayed.result)
         return replayed
 
+    def time_backward(self, entry, times):
+        """The bridge's backward of the replay just made marks its start in ``times`` (its Token's ``timer``)."""
+        graphs = entry.graphs.current
+        token = graphs.inflight() if graphs.inflight is not None else None
+        if token is not None and not token.done and grad_enabled():  # a bridged replay's token is the latest
+            token.timer = (times, times.next_call())
+
     def verified_replay(self, entry, call, run_graphs):
         """``run_graphs()`` (which replays and returns the call's result), checked against an eager
         re-run: ``(result, None)``, or ``(None, reason)`` for a mismatch (block/verify.py)."""

@@ -62,7 +62,8 @@ class ChainCost:
     """The host time of one key's calls that chains served, judged as its calls alone are (NOTE
     [ Graphed calls that cannot pay ] in core/host_cost.py): a key joins chains only once judged
     alone; then its first SAMPLES calls a chain served are timed and their lower quartile compared
-    with the same eager quartile. A key whose replay started a chain is not judged in chains (it paid
+    with the same eager quartile (each side's backward added where the key's was timed alone: a chained
+    call's backward is taken to cost what a call alone's did). A key whose replay started a chain is not judged in chains (it paid
     the bridge of every member, a toll the chain pays once): its verdict is "head".
 
     ``verdict``: None while timed, "head", "graphed", "eager", or "not timed" (a backend whose
@@ -102,7 +103,8 @@ class ChainCost:
         return f", chained {self.us():.1f} (lower quartile of {len(self.samples)})" if self.samples else ""
 
     def reason(self, alone):
-        return slower_reason("graphed calls in chains", self.us(), alone.eager_us())
+        return slower_reason("graphed calls in chains", alone.total_us(self.us()), alone.total_us(None), alone.weighed())
 
     def warning(self, label, alone, acted):
-        return slower_message(label, "a graphed call in a chain", self.us(), alone.eager_us(), acted)
+        return slower_message(label, "a graphed call in a chain", alone.total_us(self.us()), alone.total_us(None), acted,
+                              alone.weighed())

@@ -161,6 +161,11 @@ class Body(Protocol):
         """Runs ``entry``'s graphs for ``call`` (``copy``: copy its tensors into the static
         inputs first; False for the capture call, whose tensors are there already)."""
 
+    def time_backward(self, entry, times) -> None:
+        """Tells the backward of ``entry``'s replay just made to mark its start in ``times`` (a
+        BackwardTimes: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py); nothing where a
+        replay has no backward of its own."""
+
     def add_slot(self, entry, call, named: List[Tuple[str, Any]], last_inputs,
                  warn_once: Callable[[Any, str], None]) -> Optional[str]:
         """Captures another slot of ``entry``'s key from ``call`` (a blocker asked for

@@ -176,7 +176,9 @@ class GraphEntry:
 
     def release(self):
         """Drops graphs, pool and static buffers (the entry keeps its counts), and the chain built
-        from this key (chains/record.py: ChainRecord.forget)."""
+        from this key (chains/record.py: ChainRecord.forget); its backwards are no longer timed (the
+        hooks that time them go: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)."""
+        self.host_cost.stop_backward()
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None

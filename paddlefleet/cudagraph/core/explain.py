@@ -38,7 +38,9 @@ def describe_entries(entries):
       ``memory`` (every component a key holding graphs holds, NOTE [ What a key holds ] in core/memory.py;
       None for other keys) and ``holds``, the same in words;
     * ``capture_ms``; ``host_us``: ``{"eager", "graphed", "chained"}`` host microseconds per forward call
-      (lower quartiles, None where not measured) and ``host_cost``, the same in words;
+      and ``{"eager_backward", "graphed_backward"}`` per backward (lower quartiles, None where not
+      measured; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py) and ``host_cost``, the same
+      in words;
     * ``grads``, ``chain``, ``pool``: explain()'s words about the key's grads, its chain and the memory pool its
       forward shares with other keys' ("" for none); ``recapture_reason``: why its graphs were last
       captured again ("" for never).
@@ -69,8 +71,7 @@ def describe_entries(entries):
                 "verified_replays": entry.verified,
                 "no_backward": unanswered,
                 "capture_ms": _round(entry.capture_ms),
-                "host_us": {"eager": _round(cost.eager_us()), "graphed": _round(cost.graphed_us()),
-                            "chained": _round(chain.cost.us() if chain is not None else None)},
+                "host_us": _host_us(cost, chain),
                 "host_cost": cost.describe() + (chain.cost.describe() if chain is not None and cost.describe() else ""),
                 "grads": graphs.describe() if graphs is not None else "",
                 "slot_bytes": list(graphs.slot_bytes()) if hasattr(graphs, "slot_bytes") else [],
@@ -129,15 +130,29 @@ def _verdict(rows, counters, backends):
     return text, said
 
 
+def _host_us(cost, chain):
+    """A key's ``host_us`` row: its HostCost's lower quartiles, and its chain record's (chains/record.py)."""
+    backward = cost.backward_us or (None, None)
+    return {"eager": _round(cost.eager_us()), "graphed": _round(cost.graphed_us()),
+            "chained": _round(chain.cost.us() if chain is not None else None),
+            "eager_backward": _round(backward[0]), "graphed_backward": _round(backward[1])}
+
+
 def _speed(rows, backends):
-    """How much host time a graphed forward call takes against an eager one, for the busiest measured key."""
+    """How much host time a graphed call takes against an eager one (forward, and backward where both were
+    timed), for the busiest measured key."""
     measured = [row for row in rows if row["host_us"]["eager"] and row["host_us"]["graphed"]]
     if not measured:
         return "speed not measured" + (f" on {', '.join(sorted(backends))}" if backends else "")
     row = max(measured, key=lambda r: r["replays"])
-    eager, graphed = row["host_us"]["eager"], row["host_us"]["graphed"]
+    us = row["host_us"]
+    eager, graphed, call = us["eager"], us["graphed"], "forward call"
+    if us["eager_backward"] is not None and us["graphed_backward"] is not None:
+        eager, graphed, call = eager + us["eager_backward"], graphed + us["graphed_backward"], "call (forward and backward)"
+    if graphed <= 0 or eager <= 0:
+        return f"a graphed {call} takes {graphed:.1f} us of host time against {eager:.1f} eager (measured)"
     ratio = f"{eager / graphed:.1f}x less" if graphed <= eager else f"{graphed / eager:.1f}x more"
-    return f"a graphed forward call takes {ratio} host time than eager ({graphed:.1f} against {eager:.1f} us, measured)"
+    return f"a graphed {call} takes {ratio} host time than eager ({graphed:.1f} against {eager:.1f} us, measured)"
 
 
 _STATES = types.MappingProxyType({"replay": "graphed", "warmup": "warming up",

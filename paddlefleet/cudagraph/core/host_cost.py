@@ -16,11 +16,19 @@ graphed calls cost more is run eagerly:
   call the checks keep from replaying (one in flight, one captured again) is no sample. The
   dispatcher decides which call is a sample (``wants_eager``); the runner times it and adds it
   here (``add_eager``, ``add_replay``; a call a chain served: chains/record.py ``ChainCost.add``).
-  The backward is not weighed, though an eager block's backward costs 4-10x the host time of a graphed
-  block's bridge backward (docs/reports/verdict_probe.md): a block whose eager forward costs about the
-  graphed call's toll can be judged slower although its step is faster graphed, and a GPU-bound block is
-  judged on noise (neither way pays there). A verdict that weighs both needs the eager backward of one key
-  (the engine runs every node of a step in one walk) and the graphs' device time.
+* **The backward is timed too** (BackwardTimes), where its end can be seen: a key whose function is
+  a Layer's (or a Layer method's) with parameters that need grad. An eager block's backward costs
+  4-10x the host time of a graphed block's bridge backward (docs/reports/verdict_probe.md), so a
+  verdict on forwards alone sent blocks eager whose steps were faster graphed. A backward starts when
+  autograd reaches the call: a gradient hook on the eager call's outputs, or the bridge's backward of
+  the graphed call; it ends at the last of the Layer's parameters whose grad autograd accumulates
+  (a gradient hook on each, before the accumulation: the last parameter's accumulation is not counted,
+  on either side). Each parameter counts once per backward (a second arrival is another backward: a
+  Layer called twice). The hooks return None (the grads are untouched), are registered on the
+  parameters from the key's first eager sample until its verdict and on an eager sample's outputs,
+  and cost about a microsecond a parameter per backward while they are there. A key whose backward
+  cannot be seen (a plain function, a Layer without such parameters, calls never followed by a
+  backward) is judged on its forwards, as before.
 * **Eager samples before the capture.** A judged key takes its SAMPLES eager samples before it
   captures: its first calls are timed eager calls (TIMED_EAGER), then come its warmup calls (which
   count among the eager samples), then the capture; its replays are timed after (the first replay,
@@ -40,12 +48,19 @@ graphed calls cost more is run eagerly:
   eight calls each). Compared by medians, that first layer ran eagerly as "slower" in 7 of 16
   timed runs. The lower quartile (between the second and third fastest of eight) is near each
   side's own cost, and still no single call, fast or slow, decides.
-* **The decision.** When the graphed quartile is not below the eager quartile the key runs
-  eagerly from then on (its graphs and static buffers are released; explain() gives both
-  numbers and the reason), with one warning per process. Otherwise it keeps its graphs. Once
+* **The decision.** A key's cost on each side is its forward quartile, plus its backward quartile
+  where both sides' backwards were timed (the first graphed backward, which may pay set-up, is
+  dropped as the first replay is). When the graphed cost is not below the eager one the key runs
+  eagerly from then on (its graphs and static buffers are released; explain() gives the numbers
+  and the reason), with one warning per process. Otherwise it keeps its graphs. Once
   every key of a wrapper runs eagerly as slower, its later calls skip the key too (ALL_SLOWER:
   the key costs host time as well; a call of a new shape is then not graphed, reset() measures
   again).
+* **What it does not see.** Host time only: a block whose kernels, not its launches, bound the step
+  (GPU-bound) gains nothing from a graph but the verdict weighs its host time; on the H200 four
+  graphed 8x4096 blocks cost 2-8% more than eager (docs/reports/verdict_probe.md, "kept graphed").
+  Telling such blocks apart needs the graphs' device time against the step's host time, which one
+  key does not see; ``eager_if_slower=False`` or graphing larger blocks is the choice there.
 * **Chained calls** (NOTE [ Chains of graphed calls ] in chains/chain.py) are judged too, by the
   same rule against the same eager quartile, once the key is judged alone (chains/record.py's
   ChainCost, held by the key's chain record). A replay that starts a chain is no sample here
@@ -61,8 +76,9 @@ graphed calls cost more is run eagerly:
 
 import statistics
 import time
+import weakref
 
-__all__ = ["HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us", "slower_message",
+__all__ = ["BackwardTimes", "HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us", "slower_message",
            "slower_reason", "warn_once_per_process"]
 
 #: Timed calls per side (eager, graphed alone, chained) a decision needs.
@@ -104,6 +120,113 @@ def quartile_us(samples):
     return statistics.quantiles(samples, n=4, method="inclusive")[0] * 1e6
 
 
+def _start_hook(ref, serial):
+    """A gradient hook marking where one call's backward starts (``serial``: the call's; its other
+    outputs' hooks, reached later in the same backward, change nothing)."""
+
+    def hook(grad):
+        times = ref()
+        if times is not None:
+            times.started(serial, False)
+        return None
+
+    return hook
+
+
+def _end_hook(ref, index):
+    """A gradient hook on parameter ``index``: its grad arrived (NOTE [ Graphed calls that cannot pay ])."""
+
+    def hook(grad):
+        times = ref()
+        if times is not None:
+            times.ended(index)
+        return None
+
+    return hook
+
+
+class BackwardTimes:
+    """Host seconds of one key's backwards, eager (``eager_s``) and graphed (``graphed_s``), from where
+    autograd reaches the call to the last of its Layer's parameters' grads (NOTE [ Graphed calls that
+    cannot pay ], "The backward is timed too"). Holds its parameters weakly (a hook left by a dropped
+    key does nothing) and no reference from its hooks (they hold it weakly)."""
+
+    __slots__ = ("__weakref__", "eager_s", "graphed_s", "_open", "_hooks", "_serial")
+
+    def __init__(self):
+        self.eager_s = []
+        self.graphed_s = []
+        self._open = None  # [start, end, graphed, serial, parameters seen] of the backward under way
+        self._hooks = None  # [(weak parameter, hook id)] while armed; () once closed
+        self._serial = 0
+
+    @property
+    def armed(self):
+        """True while backwards are timed (the parameters' hooks are registered)."""
+        return bool(self._hooks)
+
+    def arm(self, params):
+        """Registers the end hooks on ``params`` (those that need grad), once per key; nothing when
+        none needs grad (the backward cannot be seen)."""
+        if self._hooks is not None:
+            return
+        ref = weakref.ref(self)
+        self._hooks = [(weakref.ref(p), p._register_grad_hook(_end_hook(ref, i)))
+                       for i, p in enumerate(params) if not p.stop_gradient]
+
+    def next_call(self):
+        """A number for the next timed call: its backward's start is marked once, however many of its
+        outputs autograd reaches."""
+        self._serial += 1
+        return self._serial
+
+    def eager_call(self, outputs):
+        """Marks the start of the backward of an eager call that returned the tensors ``outputs``."""
+        ref, serial = weakref.ref(self), self.next_call()
+        for t in outputs:
+            if not t.stop_gradient:
+                t._register_grad_hook(_start_hook(ref, serial))
+
+    def started(self, serial, graphed):
+        """Autograd reached the call ``serial`` (next_call(); ``graphed``: in the bridge's backward)."""
+        opened = self._open
+        if opened is not None:
+            if opened[3] == serial:
+                return
+            self._finish(opened)
+        self._open = [clock(), None, graphed, serial, set()]
+
+    def ended(self, index):
+        opened = self._open
+        if opened is None or index in opened[4]:  # a second arrival belongs to another backward
+            return
+        opened[4].add(index)
+        opened[1] = clock()
+
+    def _finish(self, opened):
+        if opened[1] is not None:
+            (self.graphed_s if opened[2] else self.eager_s).append(opened[1] - opened[0])
+
+    def close(self):
+        """Stops timing for good: the backward under way is kept if its end was seen, the hooks are removed."""
+        opened, self._open = self._open, None
+        if opened is not None:
+            self._finish(opened)
+        hooks, self._hooks = self._hooks, ()
+        for ref, hook_id in hooks or ():
+            p = ref()
+            if p is not None:
+                p._remove_grad_hook(hook_id)
+
+    def quartiles_us(self):
+        """``(eager, graphed, eager samples, graphed samples)``: the lower quartiles in us (the first
+        graphed backward dropped) and how many each is of, or None unless both sides were timed."""
+        graphed = self.graphed_s[1:] if len(self.graphed_s) > 1 else self.graphed_s
+        if not self.eager_s or not graphed:
+            return None
+        return quartile_us(self.eager_s), quartile_us(graphed), len(self.eager_s), len(graphed)
+
+
 class HostCost:
     """Host seconds of one key's eager forward calls and its graphed calls alone, and the decision
     made on them (its calls chains served: chains/record.py's ChainCost).
@@ -114,7 +237,7 @@ class HostCost:
             calls are slower (``eager_if_slower``); False: measure and warn only.
     """
 
-    __slots__ = ("eager_s", "replay_s", "measure", "judge", "verdict", "skip")
+    __slots__ = ("eager_s", "replay_s", "measure", "judge", "verdict", "skip", "backward", "backward_us")
 
     def __init__(self, measure=True, judge=False):
         self.eager_s = []
@@ -123,6 +246,8 @@ class HostCost:
         self.judge = measure and judge
         self.verdict = None if measure else "not timed"  # None while calls alone are timed
         self.skip = False  # the replay under way is no sample (not_a_sample)
+        self.backward = BackwardTimes() if measure else None  # None once the verdict is made
+        self.backward_us = None  # (eager, graphed) backward lower quartiles the verdict weighed, or None
 
     # ------------------------------------------------------------------ what the lifecycle asks
     @property
@@ -147,6 +272,31 @@ class HostCost:
         if self.verdict is None:
             self.eager_s.append(seconds)
 
+    def eager_backward(self, outputs, layers):
+        """Times the backward of the eager sample that returned the tensors ``outputs``, its end seen on
+        the parameters of ``layers`` (hooked at the first sample)."""
+        times = self.backward
+        if times is None:
+            return
+        if times._hooks is None:
+            times.arm([p for layer in layers for p in layer.parameters()])
+        if times.armed:
+            times.eager_call(outputs)
+
+    def graphed_backward(self):
+        """The BackwardTimes the bridge's backward of the replay under way tells it starts (a replay
+        that is a sample of this key's calls alone), or None."""
+        times = self.backward
+        return times if times is not None and times.armed and not self.skip else None
+
+    def stop_backward(self):
+        """No more backward samples (the verdict, or the key's graphs dropped): the hooks go."""
+        times, self.backward = self.backward, None
+        if times is not None:
+            times.close()
+            if self.backward_us is None:
+                self.backward_us = times.quartiles_us()
+
     def not_a_sample(self):
         """The replay under way is no sample of this key's calls alone (a replay that started a chain
         paid the bridge of every member: chains/record.py)."""
@@ -163,14 +313,24 @@ class HostCost:
     def _judge_alone(self):
         if len(self.replay_s) <= SAMPLES:
             return
+        self.stop_backward()
         if not self.eager_s:  # no eager call was timed (warmup_steps=0, eager_if_slower=False)
             self.verdict = "unmeasured"
             return
         self.verdict = "eager" if self.slower_than_eager(self.replay_s[1:]) else "graphed"
 
     def slower_than_eager(self, graphed):
-        """Whether the lower quartile of ``graphed`` (seconds) is not below the eager one."""
-        return quartile_us(graphed) >= quartile_us(self.eager_s)
+        """Whether a call whose forwards took ``graphed`` (seconds), with this key's graphed backward,
+        costs no less host time than an eager call (lower quartiles; NOTE [ Graphed calls that cannot pay ])."""
+        return self.total_us(quartile_us(graphed)) >= self.total_us(None)
+
+    def total_us(self, graphed_forward):
+        """A graphed call's host us with a forward of ``graphed_forward`` us, or (None) an eager call's:
+        forward plus backward where both sides' backwards were timed."""
+        backward = self.backward_us
+        if graphed_forward is None:
+            return quartile_us(self.eager_s) + (backward[0] if backward is not None else 0.0)
+        return graphed_forward + (backward[1] if backward is not None else 0.0)
 
     # ------------------------------------------------------------------ results
     def graphed_us(self):
@@ -188,32 +348,44 @@ class HostCost:
         eager, graphed = self.eager_us(), self.graphed_us()
         if eager is None or graphed is None:
             return ""
-        return (f"host us per forward call: eager {eager:.1f} (lower quartile of {len(self.eager_s)}), "
+        text = (f"host us per forward call: eager {eager:.1f} (lower quartile of {len(self.eager_s)}), "
                 f"graphed {graphed:.1f} (lower quartile of {len(self.replay_s) - 1})")
+        backward = self.backward_us
+        if backward is not None:
+            text += (f"; per backward: eager {backward[0]:.1f} (lower quartile of {backward[2]}), graphed "
+                     f"{backward[1]:.1f} (lower quartile of {backward[3]})")
+        return text
+
+    def weighed(self):
+        """What the verdict weighed, in words."""
+        return "forward and backward" if self.backward_us is not None else "forward"
 
     def reason(self, alone=None):
         """Why the key runs eagerly (``slower()``): both numbers and the override."""
-        return slower_reason("graphed calls", self.graphed_us(), self.eager_us())
+        return slower_reason("graphed calls", self.total_us(self.graphed_us()), self.total_us(None), self.weighed())
 
     def warning(self, label, alone, acted):
-        return slower_message(label, "a graphed call", self.graphed_us(), self.eager_us(), acted)
+        return slower_message(label, "a graphed call", self.total_us(self.graphed_us()), self.total_us(None), acted,
+                              self.weighed())
 
 
-def slower_reason(calls, graphed, eager):
-    """The fallback reason of a key whose ``calls`` cost ``graphed`` us against ``eager``."""
+def slower_reason(calls, graphed, eager, weighed="forward"):
+    """The fallback reason of a key whose ``calls`` cost ``graphed`` us against ``eager`` (``weighed``:
+    "forward", or "forward and backward")."""
+    per = "per forward call" if weighed == "forward" else "per call, forward and backward"
     return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {eager:.1f} "
-            "us per forward call (lower quartiles of its eager calls before its capture and its replays; "
+            f"us {per} (lower quartiles of its eager calls before its capture and its replays; "
             "eager_if_slower=False keeps it graphed)")
 
 
-def slower_message(label, call, graphed, eager, acted):
-    """The warning for key ``label``, whose ``call`` costs ``graphed`` us against ``eager``; ``acted``:
-    it runs eagerly from now on."""
+def slower_message(label, call, graphed, eager, acted, weighed="forward"):
+    """The warning for key ``label``, whose ``call`` costs ``graphed`` us against ``eager`` (``weighed``:
+    "forward", or "forward and backward"); ``acted``: it runs eagerly from now on."""
     then = ("so it runs eagerly from now on (results are eager's; eager_if_slower=False keeps it graphed)" if acted
             else "so graphing it makes training slower where the host is the bottleneck")
     return (
         f"key {label}: {call} costs {graphed:.1f} us of host "
-        f"time against {eager:.1f} us for the eager call (forward, lower quartiles), {then}. Each "
+        f"time against {eager:.1f} us for the eager call ({weighed}, lower quartiles), {then}. Each "
         "graphed call pays a fixed toll (key, checks, copies and Paddle's autograd bridge, again in backward), more than this "
         "block's kernel launches cost eagerly. Graph larger blocks (several layers in one Layer: autocudagraph "
         "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "

@@ -9,8 +9,10 @@ import time
 from ..backends import is_own_error
 from ..errors import ReplayShapeError
 from ..guards.location import user_location
+from ..io.nested import flatten
 from . import host_cost, memory
 from .budgets import enforce_max_bytes
+from .call_state import grad_enabled
 from .dispatch import dispatch
 from .keys import rekeyed
 
@@ -94,11 +96,11 @@ class Runner:
     def _warmup_call(self, entry, call):
         """One warmup call of ``entry``'s key (it has warmed_up), counted and timed as an eager sample."""
         self.counters.warmup_calls += 1
-        return _eager_sample(entry, self._body.warmup, entry, call)
+        return _eager_sample(self._body, entry, self._body.warmup, entry, call)
 
     def _timed_eager(self, d, args, kwargs):
         """An eager sample of a key still warming up (NOTE [ Graphed calls that cannot pay ])."""
-        return _eager_sample(d.entry, self._eager, d.call, d.reason)
+        return _eager_sample(self._body, d.entry, self._eager, d.call, d.reason)
 
     def _fall_back(self, d, args, kwargs):
         d.entry.fall_back(d.reason)
@@ -169,7 +171,11 @@ class Runner:
         entry = d.entry
         result = self._graph_call(entry, d.call, True)
         if d.start is not None:  # timed: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-            entry.host_cost.add_replay(host_cost.clock() - d.start)
+            cost = entry.host_cost
+            times = cost.graphed_backward()  # asked first: add_replay makes the verdict (and clears skip)
+            cost.add_replay(host_cost.clock() - d.start)
+            if times is not None and times.armed and entry.has_graphs:  # this replay's backward is timed too
+                self._body.time_backward(entry, times)
             self._acted(entry)
         return result
 
@@ -204,12 +210,15 @@ class Runner:
         return result
 
 
-def _eager_sample(entry, run, *args):
-    """``run(*args)``, its host time kept as one of ``entry``'s eager calls (NOTE [ Graphed calls that cannot
-    pay ] in core/host_cost.py)."""
+def _eager_sample(body, entry, run, *args):
+    """``run(*args)``, its host time kept as one of ``entry``'s eager calls, and its backward timed where
+    it can be seen (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)."""
     start = host_cost.clock()
     result = run(*args)
-    entry.host_cost.add_eager(host_cost.clock() - start)
+    cost = entry.host_cost
+    cost.add_eager(host_cost.clock() - start)
+    if cost.backward is not None and grad_enabled():
+        cost.eager_backward(flatten(result)[0], body.layers())
     return result
 
 

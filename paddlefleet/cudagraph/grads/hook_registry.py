@@ -43,6 +43,9 @@ _KEEP_NOTHING = frozenset({
     ("paddle.distributed.fleet.utils.mix_precision_utils", "MixPrecisionLayer._update_main_grad_hook.<locals>.param_hook"),
     # NOTE [ Shared parameters leave the graph ] in grads/accumulate.py: notes that a grad arrived.
     ("paddlefleet.cudagraph.grads.accumulate", "_eager_use_hook.<locals>.hook"),
+    # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py: note when a backward starts and ends.
+    ("paddlefleet.cudagraph.core.host_cost", "_start_hook.<locals>.hook"),
+    ("paddlefleet.cudagraph.core.host_cost", "_end_hook.<locals>.hook"),
 })
 
 
