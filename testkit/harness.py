@@ -192,9 +192,19 @@ def params_of(layer):
     return {n: p.numpy() for n, p in layer.named_parameters()}
 
 
+def hooked_params(params):
+    """The names of ``params`` that still have a gradient hook registered since the first wrapper (the
+    registry sees every one: NOTE [ Grad consumers ] in grads/hook_registry.py), with their hook ids."""
+    from paddlefleet.cudagraph.grads import hook_registry
+
+    records = ((p.name, hook_registry._tensors.get(id(p))) for p in params)
+    return {name: sorted(record.hooks) for name, record in records if record is not None and record.hooks}
+
+
 __all__ = [
     "BACKENDS",
     "add_tracker_state",
+    "hooked_params",
     "RECORD",
     "BackendCase",
     "MatmulOnlyCase",

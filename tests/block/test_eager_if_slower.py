@@ -15,10 +15,10 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.backends import simulated
 from paddlefleet.cudagraph.backends.base import in_rerun_replay, is_capturing
-from paddlefleet.cudagraph.grads import hook_registry
 from paddlefleet.cudagraph.chains import links as chain_links
 from paddlefleet.cudagraph.core import host_cost
 from testkit.common import MatMLP, build, host_tensor, normal
+from testkit.harness import hooked_params
 
 EAGER_US = 100.0
 
@@ -212,11 +212,8 @@ class TestEagerIfSlower(unittest.TestCase):
         self.assertEqual(graphed[0].forward.stats()["replays"], 30 - 2 - (host_cost.SAMPLES - 1))
 
     def assert_no_timing_hooks(self, params):
-        """No hook of the verdict's is left on ``params`` (the registry sees every hook registered since
-        the first wrapper: NOTE [ Grad consumers ] in grads/hook_registry.py)."""
-        for p in params:
-            record = hook_registry._tensors.get(id(p))
-            self.assertEqual(record.hooks if record is not None else {}, {}, p.name)
+        """No hook of the verdict's is left on ``params``."""
+        self.assertEqual(hooked_params(params), {})
 
     def test_the_backward_is_weighed_a_slower_forward_with_a_cheaper_backward_stays_graphed(self):
         """A graphed forward 130 us against 100 eager, but a graphed backward 20 against 200: 150 against

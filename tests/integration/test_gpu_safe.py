@@ -28,7 +28,7 @@ from paddlefleet.cudagraph import autocudagraph
 from paddlefleet.cudagraph.errors import CudaGraphError
 from testkit.common import SPEED_OPTIONS, MatMLP, close_error, cuda_skip_reason, option_unsupported
 
-from testkit.harness import RECORD, MatmulOnlyCase, backend_variants, grads_of, normal, release_grads
+from testkit.harness import RECORD, hooked_params, MatmulOnlyCase, backend_variants, grads_of, normal, release_grads
 
 
 def mm(x, w):
@@ -259,7 +259,6 @@ class KeyCases(TwinCase):
         its Layer's parameters: NOTE [ Graphed calls that cannot pay ] in core/host_cost.py); on simulate
         nothing is timed. Either way no timing hook is left on a parameter afterwards."""
         from paddlefleet.cudagraph.core import host_cost
-        from paddlefleet.cudagraph.grads import hook_registry
 
         dims = [32, 32]
         pairs = [self.twins(lambda: MatMLP(dims * 2), 70 + k) for k in range(3)]
@@ -294,9 +293,7 @@ class KeyCases(TwinCase):
             else:
                 self.assertEqual((cost.verdict, cost.backward_us), ("not timed", None))
             self.assertIsNone(cost.backward)
-            for p in g.parameters():
-                record = hook_registry._tensors.get(id(p))
-                self.assertEqual(record.hooks if record is not None else {}, {}, p.name)
+            self.assertEqual(hooked_params(g.parameters()), {})
 
     def test_calls_whose_outputs_get_no_backward_take_no_new_slot(self):
         """Three training calls, then calls of another key (inputs without grad) whose outputs get no backward

@@ -149,8 +149,6 @@ def _speed(rows, backends):
     eager, graphed, call = us["eager"], us["graphed"], "forward call"
     if us["eager_backward"] is not None and us["graphed_backward"] is not None:
         eager, graphed, call = eager + us["eager_backward"], graphed + us["graphed_backward"], "call (forward and backward)"
-    if graphed <= 0 or eager <= 0:
-        return f"a graphed {call} takes {graphed:.1f} us of host time against {eager:.1f} eager (measured)"
     ratio = f"{eager / graphed:.1f}x less" if graphed <= eager else f"{graphed / eager:.1f}x more"
     return f"a graphed {call} takes {ratio} host time than eager ({graphed:.1f} against {eager:.1f} us, measured)"
 

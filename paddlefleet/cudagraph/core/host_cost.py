@@ -165,12 +165,13 @@ class BackwardTimes:
         """True while backwards are timed (the parameters' hooks are registered)."""
         return bool(self._hooks)
 
-    def arm(self, params):
-        """Registers the end hooks on ``params`` (those that need grad), once per key; nothing when
-        none needs grad (the backward cannot be seen)."""
+    def arm(self, layers):
+        """Registers the end hooks on the parameters of ``layers`` that need grad, once per key; nothing
+        when none does (the backward cannot be seen)."""
         if self._hooks is not None:
             return
         ref = weakref.ref(self)
+        params = [p for layer in layers for p in layer.parameters()]
         self._hooks = [(weakref.ref(p), p._register_grad_hook(_end_hook(ref, i)))
                        for i, p in enumerate(params) if not p.stop_gradient]
 
@@ -278,8 +279,7 @@ class HostCost:
         times = self.backward
         if times is None:
             return
-        if times._hooks is None:
-            times.arm([p for layer in layers for p in layer.parameters()])
+        times.arm(layers)
         if times.armed:
             times.eager_call(outputs)
 
