@@ -8,11 +8,13 @@ parameters and grads bit for bit after every step. The stats show whether calls 
 
 import gc
 import weakref
+from unittest import mock
 
 import paddle
 
 from paddlefleet.cudagraph import CudaGraphError
 from paddlefleet.cudagraph.block import partial_grad
+from paddlefleet.cudagraph.chains import chain as chain_module
 from paddlefleet.cudagraph.chains.table import TABLE
 from testkit.common import MatLayer, build, eager_calls, normal
 from testkit.differential import Trainee, differential_run
@@ -286,6 +288,27 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
 
         model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches())], factory=masked_stack)
         self.assertEqual(chained(model)[3], 3)
+
+    def test_a_member_that_falls_back_for_good_is_no_link_of_a_chain(self):
+        """Layer 1's key falls back after the chain formed: from then on the head replays alone without building
+        a chain at each call to find that out (a link to a key that runs eagerly for good leads nowhere), and
+        layers 2 and 3 chain on, every step bitwise."""
+        built, members = [], chain_module._members
+
+        def step(model, test, x, dy, k):
+            if k == 6 and model is test.graphed_model:
+                [entry] = model[1].forward.entries().values()
+                entry.fall_back("by the test")
+            if k == 7:
+                built.clear()  # step 6 builds the chain of layers 2 and 3
+            return forward_backward(model, test, x, dy)
+
+        with mock.patch.object(chain_module, "_members", lambda *a: built.append(a[1].label) or members(*a)):
+            model = self.run_twins(step, [b + (k,) for k, b in enumerate(self.batches(12))])
+        self.assertEqual(built, [])
+        self.assertEqual(model[1].forward.stats()["eager_reasons"], {"key fell back: by the test": 6})
+        # Steps 4-5 chain all four; from step 6 layer 2 heads a chain of 2 and 3 (a head's call is not counted).
+        self.assertEqual(chained(model), [0, 2, 2, 8], [layer.forward.explain() for layer in model])
 
     def test_without_grad_calls_replay_alone(self):
         def step(model, test, x, dy):

@@ -11,7 +11,8 @@ once for a run of consecutive graphed calls:
   output, that output's inplace version and its other tensors). A replay whose first argument is
   that very output, unchanged, with the very same other tensors, is a *link* from the previous key
   to its own. A link seen CONFIRM times in a row is used; a chain is the longest run of used links
-  from a key (no key twice).
+  from a key (no key twice). A link to a key that runs eagerly for good (it fell back) is not used:
+  otherwise the key before it would build a chain of one at each call to find that out.
 * **The head call** of a chain (a replay of its first key) checks the chain's structure (built
   once and kept on the head key's entry: each member may join - one output, its first argument
   needing grad, no parameter shared with another member, no other argument needing grad - and

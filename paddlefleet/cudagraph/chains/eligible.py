@@ -1,6 +1,6 @@
 """Whether a key or a call may chain (NOTE [ Chains of graphed calls ] in chains/chain.py): every
 predicate chains decide on, in one place. ``why_never``: once per capture, what keeps a key out of
-chains for good; ``member_now``: whether a key may join a chain now; ``may_join``: whether it may follow
+chains for good; ``gone``: whether a key never replays again (it runs eagerly for good); ``member_now``: whether a key may join a chain now; ``may_join``: whether it may follow
 a chain's head; ``current``: whether a member still replays the graphs it joined with; ``given_output``:
 whether a call is a link from the latest replay; ``mismatch``: why a call cannot be served as its chain's
 next call.
@@ -11,7 +11,7 @@ from ..core.entry import Phase
 from ..block.replay import replay_blocker
 from .record import record
 
-__all__ = ["current", "flags", "given_output", "may_join", "member_now", "mismatch", "why_never"]
+__all__ = ["current", "flags", "given_output", "gone", "may_join", "member_now", "mismatch", "why_never"]
 
 
 def flags(graphs):
@@ -24,6 +24,12 @@ def current(member):
     slots = member.entry.graphs
     return (slots is not None and slots.current is member.graphs and len(slots.all) == 1
             and member.entry.phase is Phase.REPLAY and not member.graphs.backward_pending())
+
+
+def gone(entry):
+    """Whether ``entry``'s key runs eagerly for good (it fell back: a capture failed, eager_if_slower judged it
+    slower, ...), so that no chain can reach it again (until reset(), which makes new keys)."""
+    return entry.phase is Phase.FALLBACK
 
 
 def why_never(graphs):

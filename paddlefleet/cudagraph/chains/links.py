@@ -25,7 +25,7 @@ import dataclasses
 import weakref
 from typing import Any, Optional
 
-from .eligible import flags, given_output
+from .eligible import flags, given_output, gone
 from .record import record
 from .table import TABLE
 
@@ -100,12 +100,14 @@ def bar(entry, reason):
 
 
 def confirmed(entry):
-    """``(body, entry, flags)`` of the key a confirmed link from ``entry`` leads to, or None."""
+    """``(body, entry, flags)`` of the key a confirmed link from ``entry`` leads to, or None; None too where
+    that key runs eagerly for good (``gone``): a chain could never reach it, and the head's calls would
+    otherwise build a chain of one at every call to find out."""
     link = TABLE.links.get(entry)
     if link is None or link.barred or link.count < CONFIRM:
         return None
     body, nxt = link.body(), link.entry()
-    return None if body is None or nxt is None else (body, nxt, link.flags)
+    return None if body is None or nxt is None or gone(nxt) else (body, nxt, link.flags)
 
 
 def observe(body, entry, call):
