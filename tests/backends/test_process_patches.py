@@ -83,10 +83,62 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# NOTE [ Traced entry points ] (guards/traced_ops.py): a whole step traces its warmup and capture runs; on a
+# backend whose replays run no Python the wrappers are taken back after each, on the simulated backend they stay.
+# "recording" stands in for such a backend on the CPU: the simulated backend's capture records without executing
+# and its replay does nothing (the static outputs keep what the capture wrote), as tools/cpu_host_time.py's
+# stand-in graph.
+STEP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import paddle
+    import paddlefleet.cudagraph as cg
+    from paddlefleet.cudagraph.backends import simulated
+    from paddlefleet.cudagraph.guards import traced_ops
+
+    if sys.argv[1] == "recording":
+        class Recorded(simulated._SimulatedGraph):
+            def replay(self):
+                pass
+
+        simulated.SimulatedBackend.new_graph = lambda self, pool: Recorded()
+        simulated.SimulatedBackend.capture_executes = False
+    OWNERS = {"Tensor": paddle.Tensor, "_C_ops": paddle._C_ops, "PyLayer": paddle.autograd.PyLayer, "paddle": paddle}
+    OWNERS.update({f"Tensor base {k}": c for k, c in enumerate(paddle.Tensor.__mro__[1:-1])})
+
+    def snapshot():
+        return {f"{owner}.{name}": value for owner, obj in OWNERS.items() for name, value in list(vars(obj).items())}
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 4)
+
+    def step(x, dy):
+        y = model(x)
+        y.backward(dy)
+        for p in model.parameters():
+            p.clear_gradient(False)
+        return y
+
+    graphed = cg.autocudagraph_step(step, optimizers=[], warmup_steps=2, backend="simulate")
+    x, dy = paddle.to_tensor(np.ones([2, 4], "float32")), paddle.to_tensor(np.ones([2, 4], "float32"))
+    before = snapshot()
+    for _ in range(6):
+        graphed(x, dy)
+    after = snapshot()
+    changed = sorted(k for k in set(before) | set(after) if k not in before or k not in after or before[k] is not after[k])
+    stats = graphed.stats()
+    print(json.dumps({"changed": changed, "captures": stats["captures"], "replays": stats["replays"],
+                      "installed": traced_ops.installed()}))
+    """
+)
+
+
 class ProcessPatchesTest(unittest.TestCase):
-    def run_script(self, how):
+    def run_script(self, how, script=SCRIPT):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        out = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, env=env,
+        env.pop("PADDLEFLEET_CUDAGRAPH_BACKEND", None)
+        out = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, env=env,
                              timeout=300, cwd=ROOT)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,6 +166,22 @@ class ProcessPatchesTest(unittest.TestCase):
 
     def test_a_graphed_method_installs_them_when_its_class_is_defined(self):
         self.check("method")
+
+    def test_a_whole_step_on_a_recording_backend_leaves_paddles_ops_unwrapped(self):
+        """Its warmup and capture runs were traced (the capture is checked against the last warmup), yet every
+        op of the process runs Paddle's own function afterwards: a wrapper left would add about 1 us to each."""
+        report = self.run_script("recording", STEP_SCRIPT)
+        self.assertEqual((report["captures"], report["replays"]), (1, 3))
+        self.assertEqual(report["changed"], [], "a whole step on a recording backend left these wrapped")
+        self.assertFalse(report["installed"])
+
+    def test_a_whole_step_on_the_simulated_backend_keeps_the_trace_wrappers(self):
+        """Its replays re-run the step under a trace: the wrappers stay for the process."""
+        report = self.run_script("simulate", STEP_SCRIPT)
+        self.assertEqual((report["captures"], report["replays"]), (1, 3))
+        self.assertIn("_C_ops.matmul", report["changed"])
+        self.assertIn("Tensor.backward", report["changed"])
+        self.assertTrue(report["installed"])
 
 
 if __name__ == "__main__":

@@ -96,6 +96,62 @@ class InstallUnderAPatchTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr[-2000:])
         self.assertIn("ok", done.stdout)
 
+    def test_held_wrappers_are_taken_back_by_the_last_release(self):
+        """hold()/release() nest; the last release puts back what every owner held, beneath a temporary patch
+        made meanwhile too; a wrapper a process-wide patch made later calls stays, and is not wrapped again;
+        install() pins the wrappers for the process (a fresh process: nothing pinned yet)."""
+        script = textwrap.dedent("""
+            import paddle
+            from paddlefleet.cudagraph.guards.paddle_patches import Patches, install_for_process
+            from paddlefleet.cudagraph.guards import traced_ops
+            from paddlefleet.cudagraph.guards.host_reads import OpTrace
+            owners = (paddle.Tensor, paddle._C_ops, paddle, paddle.autograd.PyLayer) + paddle.Tensor.__mro__[1:-1]
+            def snapshot():
+                return [(o, dict(vars(o))) for o in owners]
+            def changed(before):
+                return sorted(n for o, own in before for n in set(own) | set(vars(o))
+                              if own.get(n, None) is not vars(o).get(n, None))
+            before, matmul = snapshot(), paddle._C_ops.matmul
+            x = paddle.ones([2, 2])
+            with traced_ops.held():
+                assert paddle._C_ops.matmul is not matmul and traced_ops.installed()
+                with OpTrace() as t:  # holds them too
+                    paddle._C_ops.matmul(x, x, False, False)
+                assert [o[0] for o in t.ops] == ["_C_ops.matmul"], t.ops
+                assert paddle._C_ops.matmul is not matmul, "an inner release took them back"
+            assert changed(before) == [], changed(before)
+            assert not traced_ops.installed()
+            patch = lambda *a, **k: matmul(*a, **k)
+            with Patches() as p:
+                traced_ops.hold()
+                p.set(paddle._C_ops, "matmul", patch)
+                traced_ops.release()
+                assert paddle._C_ops.matmul is patch
+            assert changed(before) == [], changed(before)
+            traced_ops.hold()
+            wrapped = paddle._C_ops.add
+            cover = lambda *a, **k: wrapped(*a, **k)
+            install_for_process(paddle._C_ops, "add", cover)
+            traced_ops.release()
+            assert changed(before) == ["add"], changed(before)
+            with traced_ops.held():
+                assert paddle._C_ops.add is cover
+                with OpTrace() as t:
+                    paddle._C_ops.add(x, x)
+                assert [o[0] for o in t.ops] == ["_C_ops.add"], t.ops
+            assert float((x + x).sum()) == 8.0
+            traced_ops.install()
+            with traced_ops.held():
+                pass
+            assert paddle._C_ops.matmul is not matmul and traced_ops.installed()
+            print("ok")
+        """)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        self.assertIn("ok", done.stdout)
+
 
 def _constructor_guarded():
     from paddlefleet.cudagraph.guards.host_guard import constructor_guarded

@@ -490,6 +490,34 @@ class PatternCases(TwinCase):
         self.assertIs(Ops.chain, Ops().chain)
         self.assertCounters(Ops.chain, captures=1, replays=2, eager=0)
 
+    def test_a_whole_step_leaves_paddles_ops_unwrapped_where_replays_run_no_python(self):
+        """The step's warmup and capture runs are traced (NOTE [ Traced entry points ] in guards/traced_ops.py);
+        on cuda the trace's wrappers are taken back after them, so every later op of the process runs Paddle's
+        own function; the simulated backend re-runs the step under a trace at every replay and keeps them."""
+        from paddlefleet.cudagraph import autocudagraph_step
+        from paddlefleet.cudagraph.guards import traced_ops
+
+        g, e = self.twins(lambda: MatMLP([64, 128, 64]), 151)
+
+        def make(model):
+            def step(x, dy):
+                y = model(x)
+                y.backward(dy)
+                release_grads(model)
+                return y
+            return step
+
+        graphed, eager = autocudagraph_step(make(g), optimizers=[], warmup_steps=2, backend=self.backend), make(e)
+        draw = normal(16)
+        for k in range(5):
+            xn, dyn = draw(16, 64), draw(16, 64)
+            self.assertBitwise(graphed(self.tensor(xn), self.tensor(dyn)), eager(self.tensor(xn), self.tensor(dyn)),
+                               f"step {k}")
+        self.assertEqual((graphed.stats()["captures"], graphed.stats()["replays"]), (1, 2))
+        self.assertEqual(traced_ops.installed(), self.backend == "simulate")
+        matmul = traced_ops.original(paddle._C_ops, "matmul")
+        self.assertEqual(paddle._C_ops.matmul is matmul, self.backend != "simulate")
+
     def test_graphed_layer_presents_the_signature_it_wraps(self):
         """inspect.signature of a graphed Layer's forward has no ``self`` (recompute binds against it)."""
         import inspect

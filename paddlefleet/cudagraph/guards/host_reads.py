@@ -241,13 +241,14 @@ class OpTrace:
             self.lines.append(None)
 
     def __enter__(self):
-        traced_ops.install()
+        traced_ops.hold()
         self._outer = traced_ops.set_current(self)
         return self
 
     def __exit__(self, *exc):
         traced_ops.set_current(self._outer)
         self._outer = None
+        traced_ops.release()
         self._made, self._seen, self._known = {}, {}, {}
         return False
 

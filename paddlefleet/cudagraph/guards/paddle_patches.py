@@ -26,9 +26,12 @@ import contextlib
 import threading
 
 __all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "on_first_wrapper_with",
-           "install_process_patches", "process_patches_installed", "temporarily_patched", "unpatched", "install_beneath"]
+           "install_process_patches", "process_patches_installed", "temporarily_patched", "unpatched", "install_beneath",
+           "own_beneath", "remove_beneath", "MISSING"]
 
 _MISSING = object()
+#: What own_beneath says of an attribute the owner only inherits.
+MISSING = _MISSING
 # The install functions of the process-wide patches, in order, and whether they ran.
 _PROCESS = {"installs": [], "installed": False, "by_option": {}, "options_installed": set()}
 _PROCESS_LOCK = threading.Lock()
@@ -111,6 +114,40 @@ def install_beneath(owner, name, replacement):
         if own_owner is owner and own_name == name:
             saved[k] = (owner, name, replacement)
             return
+
+
+def own_beneath(owner, name):
+    """What ``owner``'s own ``__dict__`` holds for ``name`` beneath every temporary patch in force now (MISSING
+    where the owner only inherits it)."""
+    holders = _HELD.get((id(owner), name))
+    if holders:
+        for own_owner, own_name, own in holders[0]._saved:
+            if own_owner is owner and own_name == name:
+                return own
+    return owner.__dict__.get(name, _MISSING)
+
+
+def remove_beneath(owner, name, replacement, own):
+    """Undoes ``install_beneath(owner, name, replacement)``: puts back ``own`` (own_beneath's answer before the
+    install; MISSING: the owner inherits the attribute again), beneath any temporary patch in force now. Returns
+    False, changing nothing, where ``replacement`` is no longer what the owner holds there (a patch installed for
+    the process after it calls it now)."""
+    holders = _HELD.get((id(owner), name))
+    if holders:
+        saved = holders[0]._saved
+        for k, (own_owner, own_name, held) in enumerate(saved):
+            if own_owner is owner and own_name == name:
+                if held is not replacement:
+                    return False
+                saved[k] = (owner, name, own)
+                return True
+    if owner.__dict__.get(name, _MISSING) is not replacement:
+        return False
+    if own is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, own)
+    return True
 
 
 def install_for_process(owner, name, replacement):

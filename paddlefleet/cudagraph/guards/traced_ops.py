@@ -1,5 +1,5 @@
-"""The Paddle entry points an op trace sees, wrapped once per process and switched per thread
-(NOTE [ Traced entry points ]).
+"""The Paddle entry points an op trace sees, wrapped while a trace needs them (for the rest of the
+process on the simulated backend) and switched per thread (NOTE [ Traced entry points ]).
 
 NOTE [ Traced entry points ]
 An op trace (guards/host_reads.py) must see every call that launches a kernel or picks the tensor
@@ -16,16 +16,22 @@ by a traced method is not recorded again (one record per call the user's code ma
 inside ``backward``, whose gradient hooks run the user's Python. ``PyLayer.apply`` is
 seen too, without hiding the ops its forward runs: its outputs are the outputs of one record.
 
-The wrappers are installed once per process, by the first capture that executes the function (the
-simulated backend) or the first whole step, at a point where no temporary patch of those
-attributes is in force, and stay: each checks a thread-local (``current()``) and calls the original
-at once when no trace is open on its thread, so an untraced op pays one attribute read. A simulated
-replay opens a trace by setting that thread-local, instead of replacing ~2,200 attributes around
-every replay. What an installed wrapper wraps is the original: patches made later (host_guard,
-DrawGuard, InPlaceWrites) sit above it and run first, so the ops they make for their own purposes
-are traced unless they run under ``paused()``. A harmless or refused method written in Python runs
-paused (a host read's own calls differ between a capture, which runs it, and a simulated replay,
-which hands back the capture's value).
+Where the wrappers stay depends on the backend. A simulated replay re-runs the function under a
+trace, so the simulated backend's first capture (and its first whole step) installs them for the
+rest of the process (``install``): each checks a thread-local (``current()``) and calls the original
+at once when no trace is open on its thread, and a replay opens a trace by setting that thread-local
+instead of replacing ~2,700 attributes around every replay. A backend whose replays run no Python
+(CUDA) traces only a whole step's warmup and capture runs: those hold the wrappers (``held_for``,
+``hold``/``release``; an ``OpTrace`` holds them while open) and the last release takes them back,
+so that the process's later ops, the user's and the package's own around every replay, run Paddle's
+own functions: an installed wrapper adds about 1 us to every op it wraps. A run holds them before
+any temporary patch of the same attributes is made (host_guard, DrawGuard, InPlaceWrites, a step's
+grad scope), so those sit above them and run first, and the ops they make for their own purposes
+are traced unless they run under ``paused()``. A wrapper installed beneath such a patch is taken
+back beneath it too (paddle_patches.remove_beneath); one that a process-wide patch made later now
+calls stays in place. A harmless or refused method written in Python runs paused (a host read's own
+calls differ between a capture, which runs it, and a simulated replay, which hands back the
+capture's value).
 """
 
 import threading
@@ -33,9 +39,9 @@ import types
 
 import paddle
 
-from .paddle_patches import install_beneath, unpatched
+from .paddle_patches import install_beneath, own_beneath, remove_beneath, unpatched
 
-__all__ = ["install", "installed", "current", "paused", "native_tensor_attributes", "HARMLESS", "REFUSED",
+__all__ = ["install", "installed", "hold", "release", "held", "held_for", "current", "paused", "native_tensor_attributes", "HARMLESS", "REFUSED",
            "traced_tensor_methods", "original"]
 
 #: How Paddle's C++ bindings show up among a class's attributes.
@@ -91,7 +97,11 @@ REFUSED = {
 _SEE_INSIDE = ("backward",)
 
 _local = threading.local()
-_STATE = {"installed": False, "originals": {}}
+# installed: the wrappers are in place; pinned: they stay for the process; holds: traces open now (all threads);
+# originals: (id(owner), name) -> what the wrapper wraps; put: (id(owner), name) -> (owner, name, what the owner's
+# own __dict__ held before, the wrapper), for each wrapper in place.
+# entries: _entries() as last made (wrappers reused while what they wrap is unchanged).
+_STATE = {"installed": False, "pinned": False, "holds": 0, "originals": {}, "put": {}, "entries": None}
 _LOCK = threading.Lock()
 
 
@@ -228,22 +238,80 @@ def _entries():
 
 
 def install():
-    """Wraps the traced entry points for the rest of the process (once; NOTE [ Traced entry points ]);
-    each wraps what its attribute is beneath any temporary patch in force now."""
+    """Wraps the traced entry points for the rest of the process (NOTE [ Traced entry points ]): a backend
+    whose replays re-run the function traces every replay. Each wraps what its attribute is beneath any
+    temporary patch in force now."""
+    with _LOCK:
+        _STATE["pinned"] = True
+        _put()
+
+
+def hold():
+    """Wraps the traced entry points until the matching release() (an op trace opens: NOTE [ Traced entry
+    points ]); nested and concurrent holds keep them in place until the last is released."""
+    with _LOCK:
+        _STATE["holds"] += 1
+        _put()
+
+
+def release():
+    """Ends a hold(); the last one takes the wrappers back unless install() pinned them for the process."""
+    with _LOCK:
+        _STATE["holds"] -= 1
+        if not _STATE["holds"] and not _STATE["pinned"]:
+            _take_back()
+
+
+class held:
+    """``with held():`` hold() for the block (entered before any temporary patch of the block is made)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        hold()
+        return self
+
+    def __exit__(self, *exc):
+        release()
+        return False
+
+
+def held_for(backend):
+    """held() around a traced run on ``backend``; install() first where its replays re-run the function
+    (every replay traces: the wrappers stay)."""
+    if backend.replays_python:
+        install()
+    return held()
+
+
+def _put():
     if _STATE["installed"]:
         return
-    with _LOCK:
-        if _STATE["installed"]:
-            return
-        originals = _STATE["originals"]
-        for owner, name, replacement in _entries():
-            originals[(id(owner), name)] = unpatched(owner, name)
-            install_beneath(owner, name, replacement)  # another thread's capture may hold a patch now
-        _STATE["installed"] = True
+    originals, put = _STATE["originals"], _STATE["put"]
+    entries = _STATE["entries"]  # the wrappers made before, while what they wrap is still there
+    if entries is None or any(unpatched(owner, name) is not originals.get((id(owner), name))
+                              for owner, name, _ in entries if (id(owner), name) not in put):
+        entries = _STATE["entries"] = _entries()
+    for owner, name, replacement in entries:
+        key = (id(owner), name)
+        if key in put:  # never taken back: a process-wide patch made after it calls it (_take_back)
+            continue
+        originals[key] = unpatched(owner, name)
+        put[key] = (owner, name, own_beneath(owner, name), replacement)
+        install_beneath(owner, name, replacement)  # another thread's capture may hold a patch now
+    _STATE["installed"] = True
+
+
+def _take_back():
+    put = _STATE["put"]
+    for key, (owner, name, own, replacement) in list(put.items()):
+        if remove_beneath(owner, name, replacement, own):
+            del put[key]
+    _STATE["installed"] = False
 
 
 def installed():
-    """Whether the traced entry points are installed."""
+    """Whether the traced entry points are wrapped now."""
     return _STATE["installed"]
 
 

@@ -27,7 +27,7 @@ from ..errors import CaptureError
 from .capture import StepCapture
 from .grad_slots import CLOSED, FREED_AT_WINDOW_END, GradSlots, grad_ptr, representative_grads
 from ..guards.host_reads import BindingWatch, OpTrace
-from ..guards.traced_ops import install as install_traced_ops
+from ..guards.traced_ops import held_for as traced_ops_held
 from ..core.layers import CAPTURE_LOCK
 from ..guards.layer_attrs import LayerRecorder
 from ..guards.refusals import FREED_GRADS
@@ -139,9 +139,10 @@ class StepBody(Body):
             if not any(o is opt for o in self.optimizers):
                 self._unlisted.setdefault(id(opt), opt)
 
-        install_traced_ops()  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
-        with CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), self._scope(self._lazy_feed(stepped)) as record, OpTrace(
-                on_gpu=entry.backend.cpu_is_host, inputs=call.tensors) as trace, watch_steps(on_step):
+        # NOTE [ Traced entry points ] in guards/traced_ops.py: wrapped before any patch, for this run only
+        with traced_ops_held(entry.backend), CAPTURE_LOCK, LayerRecorder(watch, NO_WATCH), \
+                self._scope(self._lazy_feed(stepped)) as record, \
+                OpTrace(on_gpu=entry.backend.cpu_is_host, inputs=call.tensors) as trace, watch_steps(on_step):
             out = self.fn(*call.args, **call.kwargs)
         warm.stepped = frozenset(stepped)
         mode_changed = self._after_host_run(record)

@@ -39,6 +39,7 @@ from ..io.host_tensors import host_mask
 from ..guards.host_reads import describe_trace_difference
 from ..guards.refusals import CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
 from ..guards.session import CaptureSession
+from ..guards.traced_ops import held_for as traced_ops_held
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
 from ..io.static_inputs import StaticInputs, contiguous_outputs
@@ -150,7 +151,8 @@ class StepCapture:
         # A recording capture changes no tensor, but its Python ran: the scalers' stages advanced.
         stages = [(scaler, scaler.python_state()) for scaler in live_scalers()]
         try:
-            self._capture(graphs, rollback)
+            with traced_ops_held(backend):  # NOTE [ Traced entry points ] in guards/traced_ops.py: before any patch
+                self._capture(graphs, rollback)
         except BaseException:
             if rollback is not None:
                 rollback.restore()
