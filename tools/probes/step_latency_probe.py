@@ -95,20 +95,25 @@ def main():
             rows = {"whole step call": lambda: graphed(x, dy), "eager step (forward, backward, release)":
                     lambda: eager_step(x, dy), "one bare paddle.matmul": lambda: paddle.matmul(x, w)}
             got = {(name, held): [] for name in rows for held in (False, True)}
-            for r in range(6):
+            wrapped = set()
+            for r in range(12):
                 held = r % 2 == 1
                 if held:
                     traced_ops.hold()
                 try:
+                    wrapped.add((held, hasattr(paddle._C_ops.matmul, "__native__")))
                     for name, fn in rows.items():
                         got[(name, held)].append(host_us(fn, False))
                 finally:
                     if held:
                         traced_ops.release()
-            print(f"  op trace wrappers in place (as a whole step left them) against taken back; host us, best of 3 "
-                  f"alternating rounds (back to back); wrappers in place now: {traced_ops.installed()}")
+            print(f"  op trace wrappers in place (as a whole step left them) against taken back; host us, best and "
+                  f"median of 6 alternating rounds of 200 (back to back); matmul wrapped when held, when not: "
+                  f"{sorted(wrapped)}; wrappers in place now: {traced_ops.installed()}")
             for name in rows:
-                print(f"    {name:52s} without {min(got[(name, False)]):8.1f}   with {min(got[(name, True)]):8.1f}")
+                a, b = got[(name, False)], got[(name, True)]
+                print(f"    {name:52s} without {min(a):8.1f} ({statistics.median(a):8.1f})   with {min(b):8.1f} "
+                      f"({statistics.median(b):8.1f})")
 
 
 if __name__ == "__main__":
