@@ -1,6 +1,6 @@
 """Where a whole-step graph's call spends host time after a device sync (latency) against back to back (a probe).
 
-    python tools/probes/step_latency_probe.py
+    python tools/probes/step_latency_probe.py [--cpu]
 
 The benchmark's 16 x 512, batch 16 model as one block and as four, its training step graphed whole
 (``autocudagraph_step``) next to the raw ``replay()`` of one graph of the same step. For each: the host time of a
@@ -8,7 +8,8 @@ call back to back (no sync between calls) and right after a device sync, median 
 replayed call (tools/host_breakdown.py's StepInternals) timed the same two ways; then a cProfile of calls made
 after a sync. Last, side by side in alternating rounds: the whole step's call, an eager step of the same model and
 one bare matmul, with the op trace's wrappers in place (``traced_ops.held()``: every Paddle op of the process wrapped,
-as a whole step left them before they were taken back after its capture) and without.
+as a whole step left them before they were taken back after its capture) and without. ``--cpu`` times only that
+comparison, for single Paddle calls on the CPU.
 """
 
 import argparse
@@ -50,8 +51,40 @@ def host_us(fn, synced, n=200):
     return statistics.median(times) * 1e6
 
 
+def op_rows(rounds=6, calls=20000):
+    """Single Paddle calls on the CPU, with the op trace's wrappers in place and without, alternating rounds:
+    ``[(name, best without, best with)]`` in us per call."""
+    x, w = paddle.ones([4, 4]), paddle.ones([4, 4])
+    ops = {"paddle.matmul(x, w)": lambda: paddle.matmul(x, w), "x + w": lambda: x + w,
+           "paddle._C_ops.assign(x)": lambda: paddle._C_ops.assign(x), "x[0]": lambda: x[0],
+           "x.detach()": lambda: x.detach()}
+    got = {(name, held): [] for name in ops for held in (False, True)}
+    pc = time.perf_counter
+    for r in range(2 * rounds):
+        held = r % 2 == 1
+        if held:
+            traced_ops.hold()
+        try:
+            for name, fn in ops.items():
+                start = pc()
+                for _ in range(calls):
+                    fn()
+                got[(name, held)].append((pc() - start) / calls * 1e6)
+        finally:
+            if held:
+                traced_ops.release()
+    return [(name, min(got[(name, False)]), min(got[(name, True)])) for name in ops]
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true",
+                        help="only time single Paddle calls on the CPU with the op trace's wrappers and without")
+    if parser.parse_args().cpu:
+        print(f"paddle {paddle.__version__}, CPU; us per call, best of 6 alternating rounds of 20,000")
+        for name, without, with_ in op_rows():
+            print(f"  {name:28s} without {without:6.2f}   with {with_:6.2f}   ({with_ - without:+.2f})")
+        return
     with device("gpu"):
         draw = normal(1)
         x, dy = host_tensor(draw(16, 512)), host_tensor(draw(16, 512))
