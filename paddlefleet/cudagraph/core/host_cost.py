@@ -58,7 +58,7 @@ graphed calls cost more is run eagerly:
   again).
 * **What it does not see.** Host time only: a block whose kernels, not its launches, bound the step
   (GPU-bound) gains nothing from a graph but the verdict weighs its host time; on the H200 four
-  graphed 8x4096 blocks tie eager in throughput and lose 7% in latency (docs/reports/benchmarks.md).
+  graphed 8x4096 blocks tie eager in throughput and lose about 9% in latency (docs/reports/benchmarks.md).
   Telling such blocks apart needs the graphs' device time against the step's host time, which one
   key does not see; ``eager_if_slower=False`` or graphing larger blocks is the choice there.
 * **Chained calls** (NOTE [ Chains of graphed calls ] in chains/chain.py) are judged too, by the
