@@ -15,7 +15,7 @@ import warnings
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph_step
-from testkit.common import host_tensor
+from testkit.common import MatMLP, host_tensor
 from testkit.differential import Trainee, differential_run
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, normal
 from testkit.step_gpu import MatmulSGD
@@ -169,6 +169,44 @@ class OutsideTensorFrozenTest(_Steps, MatmulOnlyCase):
         step, messages = self.run_steps(self.build(extra), 6, change)
         self.assertCounters(step, captures=2, replays=2, eager=0)
         self.assertTrue(any("was frozen (stop_gradient False -> True)" in m for m in messages), messages)
+
+
+@for_each_backend
+class OneTensorTwiceTest(MatmulOnlyCase):
+    def test_a_step_given_one_tensor_as_two_arguments_is_captured_and_replays(self):
+        """``step(x, x)`` (an autoencoder's batch as its own target; here the output grad): the last warmup
+        step reads that tensor as both arguments, the capture reads the two static inputs it was copied to,
+        one per argument. The same tensor as two arguments is one input of the dataflow (NOTE [ The dataflow
+        of a trace ] in guards/host_reads.py), so the step is captured and replays, bitwise against eager;
+        called with two different tensors after, it replays too, each read from its own input."""
+        draw = normal(21)
+        model, twin = (MatMLP([8, 8, 8]) for _ in range(2))
+        twin.set_state_dict(model.state_dict())
+
+        def make(m):
+            def step(x, dy):
+                y = m(x)
+                y.backward(dy)
+                for p in m.parameters():
+                    p.clear_gradient(False)
+                return y
+            return step
+
+        graphed, eager = autocudagraph_step(make(model), optimizers=[], warmup_steps=2, backend=self.backend), \
+            make(twin)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a capture refused would warn
+            for k in range(6):
+                xn = draw(4, 8)
+                if k < 4:
+                    x = self.tensor(xn)
+                    got, want = graphed(x, x), eager(self.tensor(xn), self.tensor(xn))
+                else:
+                    dyn = draw(4, 8)
+                    got, want = graphed(self.tensor(xn), self.tensor(dyn)), eager(self.tensor(xn), self.tensor(dyn))
+                self.assertBitwise(got, want, f"step {k}")
+        self.assertCounters(graphed, captures=1, eager=0)
+        self.assertGreaterEqual(graphed.stats()["replays"], 2)
 
 
 if __name__ == "__main__":
