@@ -34,18 +34,18 @@ replay equals its capture only if it would launch the same ops, with the same sc
 the same tensors. ``OpTrace`` records, for every op the function calls (NOTE [ Traced entry points ]
 in guards/traced_ops.py), its name, its non-tensor arguments (floats by their bits, arrays by value)
 and the *role* of each tensor operand: input slot k (``inputs``; a tensor given as several arguments
-is the input of its first slot, and so is each static buffer a capture copied it to: ``same_slots``),
-output k of op j of the same trace (ops returning lists give each element its own k, so
-``paddle.split(x, 3)[k]`` with another k differs), or a tensor from outside numbered by first read
-and kept as a weak reference with its data pointer (where a GPU reads it) - a parameter, a buffer,
-a global, a closure's tensor. Two traces agree when their records are equal and each outside tensor
-is the same object at the same address; where the capture's is gone, the other must be gone too
-(each run's own temporary, made where no traced op shows it: a hook's grad, ``core.eager.Tensor(...)``)
-or carry its lasting name (an optimizer accumulator the package moved to the device before the
-capture). The Python values a block returns are one more record. The difference names the first op
-that differs or reads another tensor, what it got at both and the user's line. The package's own
-ops inside a traced call (buffer snapshots, the learning-rate feed, host_guard's copies) run under
-``traced_ops.paused()``.
+holds all their slots, and agrees with a run that read any one of them, as a capture reads the static
+buffer of one: ``InputSlots``), output k of op j of the same trace (ops returning lists give each
+element its own k, so ``paddle.split(x, 3)[k]`` with another k differs), or a tensor from outside
+numbered by first read and kept as a weak reference with its data pointer (where a GPU reads it) -
+a parameter, a buffer, a global, a closure's tensor. Two traces agree when their records are equal
+and each outside tensor is the same object at the same address; where the capture's is gone, the
+other must be gone too (each run's own temporary, made where no traced op shows it: a hook's grad,
+``core.eager.Tensor(...)``) or carry its lasting name (an optimizer accumulator the package moved to
+the device before the capture). The Python values a block returns are one more record. The
+difference names the first op that differs or reads another tensor, what it got at both and the
+user's line. The package's own ops inside a traced call (buffer snapshots, the learning-rate feed,
+host_guard's copies) run under ``traced_ops.paused()``.
 """
 
 import functools
@@ -61,9 +61,9 @@ import paddle
 from .host_marks import is_marked_host
 from .location import _is_library
 from . import traced_ops
-from .trace_difference import _IN, _OBJ, _OP, describe_trace_difference
+from .trace_difference import _IN, _OBJ, _OP, InputSlots, describe_trace_difference
 
-__all__ = ["OpTrace", "BindingWatch", "same_slots", "describe_trace_difference", "short_repr"]
+__all__ = ["OpTrace", "BindingWatch", "describe_trace_difference", "short_repr"]
 
 _MAX_ELEMENTS = 64  # host arrays larger than this are compared by a digest
 _BY_TEXT = ("paddle", "numpy", "builtins", "enum")  # modules whose objects' text is cheap and says what they are
@@ -143,13 +143,6 @@ def _ref(t):
         return lambda: t
 
 
-def same_slots(tensors):
-    """For each of ``tensors``, the first index that holds the same tensor: the slot a trace records it as (a
-    tensor given as two arguments is read as one input by the call, as two static buffers by a capture)."""
-    first = {}
-    return [first.setdefault(id(t), k) for k, t in enumerate(tensors)]
-
-
 class OpTrace:
     """While active (on its thread), records every Paddle op called: its name, its non-tensor
     arguments and the role of each tensor operand (NOTE [ The dataflow of a trace ]).
@@ -158,9 +151,6 @@ class OpTrace:
         on_gpu: whether the step runs on a GPU (CPU tensors then count as host values).
         where: also record the user's line of each op (for messages; costs a frame walk per op).
         inputs: the tensors that are input slot 0, 1, ... (the same slot across traces compared).
-        slots: the slot each of ``inputs`` is recorded as (``same_slots`` of the call's own tensors, where
-            ``inputs`` are the static buffers they were copied to); by default ``same_slots(inputs)``: one
-            tensor given as several arguments is one input, its first slot.
         names: ``{id(tensor): name}`` of tensors to name in messages (parameters, buffers), or None.
         identities: False records a tensor from outside as such, without which one it is (a
             backward, whose tensors from outside are the forward's, new on every call).
@@ -168,8 +158,7 @@ class OpTrace:
             that ``undo_writes()`` can put it back (a simulated replay that runs eagerly instead).
     """
 
-    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True, keep_writes=False,
-                 slots=None):
+    def __init__(self, on_gpu=False, where=True, inputs=(), names=None, identities=True, keep_writes=False):
         self.ops = []
         self.lines = []
         self.host_ops = []
@@ -178,9 +167,10 @@ class OpTrace:
         self._where = where
         self._names = names
         self._depth = 0
-        self._known = {}
-        for t, k in zip(inputs, same_slots(inputs) if slots is None else slots):
-            self._known.setdefault(id(t), (t, (_IN, k)))
+        slots = {}  # one tensor given as several arguments holds several slots
+        for k, t in enumerate(inputs):
+            slots.setdefault(id(t), (t, []))[1].append(k)
+        self._known = {key: (t, (_IN, InputSlots(ks))) for key, (t, ks) in slots.items()}
         self._made = {}  # id -> (weak reference, role) of op outputs
         self._seen = {}  # id -> index into objects
         self._outer = None

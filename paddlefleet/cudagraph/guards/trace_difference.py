@@ -1,17 +1,41 @@
 """How two op traces differ, in words: the first op that differs or reads another tensor, what it
 got at both runs and the user's line (NOTE [ The dataflow of a trace ] in guards/host_reads.py)."""
 
-__all__ = ["describe_trace_difference"]
+__all__ = ["describe_trace_difference", "InputSlots"]
 
 # Role tags of tensor operands (NOTE [ The dataflow of a trace ] in guards/host_reads.py).
 _IN, _OP, _OBJ = "<in>", "<op>", "<obj>"
+
+
+class InputSlots(frozenset):
+    """The input slots that held one tensor operand of a traced call: one, or several where the call was given
+    one tensor as several arguments. Two agree when they share a slot: a run given ``x`` as both arguments
+    reads it for either, the capture reads the static buffer of one of them (NOTE [ The dataflow of a trace ]
+    in guards/host_reads.py). Compared only: sets that agree may differ, so all hash alike."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return isinstance(other, InputSlots) and not self.isdisjoint(other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return 0
+
+    def __str__(self):
+        slots = sorted(self)
+        if len(slots) == 1:
+            return f"input {slots[0]}"
+        return "inputs " + ", ".join(str(k) for k in slots[:-1]) + f" and {slots[-1]} (one tensor)"
 
 
 def _show(value, trace=None):
     """A readable form of a normalised argument (a tensor by its role)."""
     if isinstance(value, tuple) and value and value[0] in (_IN, _OP, _OBJ):
         if value[0] == _IN:
-            return f"input {value[1]}"
+            return str(value[1])
         if value[0] == _OP:
             return f"output {value[2]} of op #{value[1]}"
         return trace.name_of(value[1]) if trace is not None else "a tensor from outside"

@@ -36,7 +36,7 @@ from .grad_scaler import live_scalers
 from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
-from ..guards.host_reads import describe_trace_difference, same_slots
+from ..guards.host_reads import describe_trace_difference
 from ..guards.refusals import CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
 from ..guards.session import CaptureSession
 from ..guards.traced_ops import held_for as traced_ops_held
@@ -184,8 +184,7 @@ class StepCapture:
         # (its capture is checked against its last warmup step), and it draws in its own backward.
         writes = rollback.writes if rollback is not None else contextlib.nullcontext()
         session = CaptureSession(self.backend, watch, NO_WATCH, backward=True,
-                                 trace={"on_gpu": self.on_gpu, "always": True, "inputs": static.buffers,
-                                        "slots": same_slots(call.tensors)},
+                                 trace={"on_gpu": self.on_gpu, "always": True, "inputs": static.buffers},
                                  guards=(_refuse_paddle_scaler(), watch_steps(on_step), tag_learning_rates(), writes))
         graphs.live = live = session.record
         body._feed(self.warm.stepped)
