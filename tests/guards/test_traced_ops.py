@@ -71,6 +71,14 @@ class TracedOpsTest(unittest.TestCase):
 
 
 class InstallUnderAPatchTest(unittest.TestCase):
+    def run_fresh(self, script):
+        """Runs ``script`` in a fresh Python process (nothing wrapped or pinned yet); it prints ok at its end."""
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        self.assertIn("ok", done.stdout)
+
     def test_installed_while_another_patch_is_in_force_it_goes_beneath(self):
         """A first capture while another thread's capture holds a temporary patch: the trace's wrapper
         goes beneath it, and is what the patch's restore puts back (a fresh process: installs once)."""
@@ -90,11 +98,7 @@ class InstallUnderAPatchTest(unittest.TestCase):
             assert traced_ops.original(paddle._C_ops, "matmul") is orig
             print("ok")
         """)
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
-        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
-        self.assertIn("ok", done.stdout)
+        self.run_fresh(script)
 
     def test_held_wrappers_are_taken_back_by_the_last_release(self):
         """hold()/release() nest; the last release puts back what every owner held, beneath a temporary patch
@@ -146,11 +150,7 @@ class InstallUnderAPatchTest(unittest.TestCase):
             assert paddle._C_ops.matmul is not matmul and traced_ops.installed()
             print("ok")
         """)
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              cwd=repo, env={**os.environ, "PYTHONPATH": repo})
-        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
-        self.assertIn("ok", done.stdout)
+        self.run_fresh(script)
 
 
 def _constructor_guarded():

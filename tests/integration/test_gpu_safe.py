@@ -35,6 +35,16 @@ def mm(x, w):
     return paddle.matmul(x, w)
 
 
+def released_step(model):
+    """A training step of ``model``: ``y = model(x)``, ``y.backward(dy)``, its grads released; returns y."""
+    def step(x, dy):
+        y = model(x)
+        y.backward(dy)
+        release_grads(model)
+        return y
+    return step
+
+
 class TwinCase(MatmulOnlyCase):
     """Runs a graphed callable and its eager twin on the same values and compares every result."""
 
@@ -499,15 +509,8 @@ class PatternCases(TwinCase):
 
         g, e = self.twins(lambda: MatMLP([64, 128, 64]), 151)
 
-        def make(model):
-            def step(x, dy):
-                y = model(x)
-                y.backward(dy)
-                release_grads(model)
-                return y
-            return step
-
-        graphed, eager = autocudagraph_step(make(g), optimizers=[], warmup_steps=2, backend=self.backend), make(e)
+        graphed = autocudagraph_step(released_step(g), optimizers=[], warmup_steps=2, backend=self.backend)
+        eager = released_step(e)
         draw = normal(16)
         for k in range(5):
             xn, dyn = draw(16, 64), draw(16, 64)
@@ -716,16 +719,8 @@ class MemoryCases(TwinCase):
 
         g, e = self.twins(lambda: MatMLP([64, 256, 64]), 150)
 
-        def make(model):
-            def step(x, dy):
-                y = model(x)
-                y.backward(dy)
-                release_grads(model)
-                return y
-            return step
-
-        graphed = autocudagraph_step(make(g), optimizers=[], warmup_steps=1, backend=self.backend)
-        eager = make(e)
+        graphed = autocudagraph_step(released_step(g), optimizers=[], warmup_steps=1, backend=self.backend)
+        eager = released_step(e)
         draw = normal(15)
         for k in range(4):
             xn, dyn = draw(32, 64), draw(32, 64)
