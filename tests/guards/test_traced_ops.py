@@ -153,6 +153,39 @@ class InstallUnderAPatchTest(unittest.TestCase):
         self.run_fresh(script)
 
 
+    def test_a_hold_that_fails_midway_leaves_nothing_wrapped(self):
+        """A wrapper that cannot be put (here the 100th) raises out of hold() with the ones put before taken
+        back and no hold counted, so a later hold and release work as before."""
+        self.run_fresh(textwrap.dedent("""
+            import paddle
+            from paddlefleet.cudagraph.guards import traced_ops
+            owners = (paddle.Tensor, paddle._C_ops, paddle, paddle.autograd.PyLayer) + paddle.Tensor.__mro__[1:-1]
+            before = [(o, dict(vars(o))) for o in owners]
+            def changed():
+                return sorted(n for o, own in before for n in set(own) | set(vars(o))
+                              if own.get(n, None) is not vars(o).get(n, None))
+            real, calls = traced_ops.install_beneath, [0]
+            def failing(owner, name, replacement):
+                calls[0] += 1
+                if calls[0] == 100:
+                    raise RuntimeError("cannot put")
+                real(owner, name, replacement)
+            traced_ops.install_beneath = failing
+            try:
+                traced_ops.hold()
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError("hold() did not raise")
+            traced_ops.install_beneath = real
+            assert changed() == [] and not traced_ops.installed(), changed()
+            with traced_ops.held():
+                assert traced_ops.installed()
+            assert changed() == [] and not traced_ops.installed(), changed()
+            print("ok")
+        """))
+
+
 def _constructor_guarded():
     from paddlefleet.cudagraph.guards.host_guard import constructor_guarded
 

@@ -27,11 +27,9 @@ import threading
 
 __all__ = ["Patches", "patched", "install_for_process", "on_first_wrapper", "on_first_wrapper_with",
            "install_process_patches", "process_patches_installed", "temporarily_patched", "unpatched", "install_beneath",
-           "own_beneath", "remove_beneath", "MISSING"]
+           "own_beneath", "remove_beneath"]
 
 _MISSING = object()
-#: What own_beneath says of an attribute the owner only inherits.
-MISSING = _MISSING
 # The install functions of the process-wide patches, in order, and whether they ran.
 _PROCESS = {"installs": [], "installed": False, "by_option": {}, "options_installed": set()}
 _PROCESS_LOCK = threading.Lock()
@@ -117,8 +115,8 @@ def install_beneath(owner, name, replacement):
 
 
 def own_beneath(owner, name):
-    """What ``owner``'s own ``__dict__`` holds for ``name`` beneath every temporary patch in force now (MISSING
-    where the owner only inherits it)."""
+    """What ``owner``'s own ``__dict__`` holds for ``name`` beneath every temporary patch in force now (a sentinel
+    that remove_beneath understands, where the owner only inherits it)."""
     holders = _HELD.get((id(owner), name))
     if holders:
         for own_owner, own_name, own in holders[0]._saved:
@@ -129,7 +127,7 @@ def own_beneath(owner, name):
 
 def remove_beneath(owner, name, replacement, own):
     """Undoes ``install_beneath(owner, name, replacement)``: puts back ``own`` (own_beneath's answer before the
-    install; MISSING: the owner inherits the attribute again), beneath any temporary patch in force now. Returns
+    install; its sentinel: the owner inherits the attribute again), beneath any temporary patch in force now. Returns
     False, changing nothing, where ``replacement`` is no longer what the owner holds there (a patch installed for
     the process after it calls it now)."""
     holders = _HELD.get((id(owner), name))

@@ -41,8 +41,8 @@ import paddle
 
 from .paddle_patches import install_beneath, own_beneath, remove_beneath, unpatched
 
-__all__ = ["install", "installed", "hold", "release", "held", "held_for", "current", "paused", "native_tensor_attributes", "HARMLESS", "REFUSED",
-           "traced_tensor_methods", "original"]
+__all__ = ["install", "installed", "hold", "release", "held", "held_for", "current", "paused",
+           "native_tensor_attributes", "HARMLESS", "REFUSED", "traced_tensor_methods", "original"]
 
 #: How Paddle's C++ bindings show up among a class's attributes.
 _NATIVE_KINDS = ("method_descriptor", "wrapper_descriptor", "builtin_function_or_method", "getset_descriptor",
@@ -250,8 +250,13 @@ def hold():
     """Wraps the traced entry points until the matching release() (an op trace opens: NOTE [ Traced entry
     points ]); nested and concurrent holds keep them in place until the last is released."""
     with _LOCK:
+        try:
+            _put()
+        except BaseException:  # a wrapper that could not be put: none stays where no other hold or pin wants it
+            if not _STATE["holds"] and not _STATE["pinned"]:
+                _take_back()
+            raise
         _STATE["holds"] += 1
-        _put()
 
 
 def release():
