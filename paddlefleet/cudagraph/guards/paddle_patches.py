@@ -92,12 +92,8 @@ def temporarily_patched(owner, name):
 
 def unpatched(owner, name):
     """What ``owner.name`` is beneath every temporary patch in force now (what it is when none is)."""
-    holders = _HELD.get((id(owner), name))
-    if holders:
-        for own_owner, own_name, own in holders[0]._saved:
-            if own_owner is owner and own_name == name and own is not _MISSING:
-                return own
-    return owner.__dict__.get(name, getattr(owner, name, None))
+    own = own_beneath(owner, name)
+    return own if own is not _MISSING else owner.__dict__.get(name, getattr(owner, name, None))
 
 
 def install_beneath(owner, name, replacement):
