@@ -21,7 +21,8 @@ from paddlefleet.cudagraph.guards import location
 from testkit.common import MatMLP, build
 from testkit.differential import Trainee, differential_run, step_grapher
 from testkit.harness import RECORD, BackendCase, MatmulOnlyCase, clone_leaf, for_each_backend, normal
-from testkit.step_gpu import MatmulSGD
+from testkit.step_gpu import MatmulSGD, MatmulStep
+from paddlefleet.cudagraph import autocudagraph_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.abspath(__file__)
@@ -70,6 +71,11 @@ ROW_TESTS = {
     'input written in place': ("tests/block/test_footguns.py::FootgunTest::test_function_writing_its_input_runs_eagerly",
          "tests/step/test_adopted_inputs.py::AdoptedInputWrittenInPlaceTest::"
          "test_an_input_written_in_place_and_passed_anew_each_call_is_refused"),
+    "grad into a step's argument": tuple(f"{_REFUSALS}::ArgumentGrad::test_{n}" for n in (
+        "a_batch_requiring_grad_is_refused_and_gets_eagers_grad",
+        "the_same_batch_requiring_grad_on_every_step_is_refused",
+        "a_batch_computed_before_the_step_is_refused_and_its_layer_gets_eagers_grads",
+        "a_parameter_passed_as_an_argument_is_refused_by_this_row")),
     'paddle.amp.GradScaler in a whole step': ("tests/step/test_train_step.py::WholeStepRefusalsTest::test_paddle_grad_scaler_is_refused_by_name",
          f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_as_on_a_gpu",
          f"{_REFUSALS}::PaddleScaler::test_a_scaler_paddle_disabled_is_refused_under_a_recording_capture"),
@@ -387,6 +393,129 @@ class PaddleScaler(_Refused, BackendCase):
         with capture_kind:
             differential_run(make, [paddle.randn([3, 6]) for _ in range(4)], graph)
         self.assertRefusedAsTheTableSays(steps[0], "paddle.amp.GradScaler in a whole step")
+
+
+@for_each_backend
+class ArgumentGrad(_Refused, MatmulOnlyCase):
+    """A whole step whose backward reaches one of its tensor arguments: eagerly the grad goes to the caller's
+    tensor, in the capture to the argument's buffer. Refused as the table's row says, every step equal to
+    eager's, the arguments' grads included; ``paddle.grad`` of an argument and an argument the backward does
+    not reach are captured."""
+
+    def check_batches(self, same_batch):
+        """MatmulStep (update, grads released) given a batch requiring grad, a new one per step or the same one
+        (its grad released between steps, as a fill or add kernel may not run on the GPU): output, parameters and
+        the batch's grad bitwise against eager after every step."""
+        draw = normal(23)
+        model, twin = MatMLP([8, 8, 8]), MatMLP([8, 8, 8])
+        twin.set_state_dict(model.state_dict())
+        graphed = autocudagraph_step(MatmulStep(model, 0.1), optimizers=[], warmup_steps=1, backend=self.backend)
+        eager = MatmulStep(twin, 0.1)
+        xg = xe = None
+        for k in range(5):
+            if xg is None or not same_batch:
+                xn = draw(4, 8)
+                xg, xe = self.tensor(xn, grad=True), self.tensor(xn, grad=True)
+            else:
+                xg.clear_gradient(False)
+                xe.clear_gradient(False)
+            dyn = draw(4, 8)
+            self.assertBitwise(graphed(xg, self.tensor(dyn)), eager(xe, self.tensor(dyn)), f"step {k} output")
+            self.assertIsNotNone(xe.grad)
+            self.assertBitwise(xg.grad, xe.grad, f"step {k} grad of the batch")
+            self.assertBitwise(list(model.parameters()), list(twin.parameters()), f"step {k} parameters")
+        self.assertRefusedAsTheTableSays(graphed, "grad into a step's argument", inside=False)
+        self.assertIn("argument(s) 'x'", " ".join(str(w.message) for w in self.caught))
+
+    def test_a_batch_requiring_grad_is_refused_and_gets_eagers_grad(self):
+        self.check_batches(same_batch=False)
+
+    def test_the_same_batch_requiring_grad_on_every_step_is_refused(self):
+        self.check_batches(same_batch=True)
+
+    def test_a_batch_computed_before_the_step_is_refused_and_its_layer_gets_eagers_grads(self):
+        """x = pre(raw) outside the step, step(x, dy): eagerly the step's backward goes on through x into pre's
+        parameters; the capture's would stop at x's buffer. Refused; pre's grads bitwise against eager."""
+        draw = normal(26)
+        model, twin = MatMLP([8, 8, 8]), MatMLP([8, 8, 8])
+        twin.set_state_dict(model.state_dict())
+        pre, pre_twin = MatMLP([8, 8]), MatMLP([8, 8])
+        pre_twin.set_state_dict(pre.state_dict())
+        graphed = autocudagraph_step(MatmulStep(model, 0.1), optimizers=[], warmup_steps=1, backend=self.backend)
+        eager = MatmulStep(twin, 0.1)
+        for k in range(5):
+            rawn, dyn = draw(4, 8), draw(4, 8)
+            self.assertBitwise(graphed(pre(self.tensor(rawn)), self.tensor(dyn)),
+                               eager(pre_twin(self.tensor(rawn)), self.tensor(dyn)), f"step {k} output")
+            self.assertIsNotNone(pre_twin.parameters()[0].grad)
+            self.assertBitwise([p.grad for p in pre.parameters()], [p.grad for p in pre_twin.parameters()],
+                               f"step {k} grads of the Layer before the step")
+            self.assertBitwise(list(model.parameters()), list(twin.parameters()), f"step {k} parameters")
+            for p in pre.parameters() + pre_twin.parameters():
+                p.clear_gradient(False)
+        self.assertRefusedAsTheTableSays(graphed, "grad into a step's argument", inside=False)
+
+    def test_a_parameter_passed_as_an_argument_is_refused_by_this_row(self):
+        """step(x, dy, w) with w a parameter the step updates: eagerly its grad is the parameter's, in the capture
+        the buffer's (the update would skip it). Refused by this row, not as a host value that changes (the capture
+        reads the parameter through its buffer where the warmup read it as an argument)."""
+        draw = normal(24)
+        model, twin = MatMLP([8, 8]), MatMLP([8, 8])
+        twin.set_state_dict(model.state_dict())
+
+        def make(m):
+            [w] = m.parameters()
+            opt = MatmulSGD([w], 0.1)
+
+            def step(x, dy, weight):
+                y = paddle.matmul(x, weight)
+                y.backward(dy)
+                opt.step()
+                opt.clear_grad()
+                return y
+
+            return step, w
+
+        (graphed_fn, wg), (eager, we) = make(model), make(twin)
+        graphed = autocudagraph_step(graphed_fn, optimizers=[], warmup_steps=1, backend=self.backend)
+        for k in range(5):
+            xn, dyn = draw(4, 8), draw(4, 8)
+            self.assertBitwise(graphed(self.tensor(xn), self.tensor(dyn), wg),
+                               eager(self.tensor(xn), self.tensor(dyn), we), f"step {k} output")
+            self.assertBitwise(wg, we, f"step {k} parameter")
+        self.assertRefusedAsTheTableSays(graphed, "grad into a step's argument", inside=False)
+        texts = " ".join(str(w.message) for w in self.caught)
+        self.assertIn("argument(s) 'weight'", texts)
+        self.assertNotIn("host value", texts)
+
+    def test_paddle_grad_of_an_argument_and_an_argument_not_reached_are_captured(self):
+        """A step returning paddle.grad of its batch (a saliency map), and one given a second tensor requiring grad
+        its backward does not reach: captured, replayed, bitwise against eager, the arguments left without grads."""
+        draw = normal(25)
+        model, twin = MatMLP([8, 8, 8]), MatMLP([8, 8, 8])
+        twin.set_state_dict(model.state_dict())
+
+        def make(m):
+            def step(x, dy, unused):
+                y = m(x)
+                (gx,) = paddle.grad([y], [x], [dy])
+                return y, gx
+
+            return step
+
+        graphed = autocudagraph_step(make(model), optimizers=[], warmup_steps=1, backend=self.backend)
+        eager = make(twin)
+        for k in range(5):
+            xn, dyn, un = draw(4, 8), draw(4, 8), draw(4, 8)
+            args_g = (self.tensor(xn, grad=True), self.tensor(dyn), self.tensor(un, grad=True))
+            args_e = (self.tensor(xn, grad=True), self.tensor(dyn), self.tensor(un, grad=True))
+            self.assertBitwise(graphed(*args_g), eager(*args_e), f"step {k} output")
+            self.assertBitwise([t.grad for t in args_g], [t.grad for t in args_e], f"step {k} grads of the arguments")
+            self.assertBitwise([p.grad for p in model.parameters()], [p.grad for p in twin.parameters()],
+                               f"step {k} grads of the parameters")
+        self.assertCounters(graphed, captures=1, replays=3, eager=0)
+        self.assertFalse([w for w in self.caught if "capture of key" in str(w.message)],
+                         [str(w.message) for w in self.caught])
 
 
 @for_each_backend

@@ -21,8 +21,8 @@ from ..errors import CaptureError
 
 __all__ = ["Refusal", "REFUSALS", "NOT_REFUSED", "row", "render", "cell", "page_head", "HOST_READ", "RAW_TENSOR_READ", "HOST_TO_DEVICE",
            "DEVICE_SYNC", "STREAM_WAIT", "GRAD_ASSIGNED", "VALUE_SHAPE", "DEVICE_INDEX", "RANDOM_KERNEL",
-           "RECOMPUTE_DROPOUT", "RNG_REWOUND", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "PADDLE_SCALER",
-           "FREED_GRADS", "CHANGING_HOST_VALUE", "ATTR_WRITTEN"]
+           "RECOMPUTE_DROPOUT", "RNG_REWOUND", "TRACKER_DROPOUT", "DOUBLE_BACKWARD", "LOST_LEAF", "INPUT_WRITTEN", "ARGUMENT_GRAD",
+           "PADDLE_SCALER", "FREED_GRADS", "CHANGING_HOST_VALUE", "ATTR_WRITTEN"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,15 @@ REFUSALS = (
         "refused in Python after the capture", "refused the same way (the simulated capture's write is undone)",
         "in place", "Return the new value instead"),
     Refusal(
+        "grad into a step's argument",
+        "a whole step whose backward computes a grad for one of its tensor arguments (`stop_gradient=False`): a "
+        "batch that requires grad (`x.grad` read after the step), a parameter passed as an argument "
+        "(`step(x, model.w)`), a tensor computed before the step from parameters",
+        "refused in Python after the capture: the capture reads each argument through a buffer of its own, so "
+        "the grad would reach that buffer, and neither the caller's tensor nor what it was computed from",
+        "refused the same way",
+        "computes a grad for its argument", "Pass such a tensor with stop_gradient=True"),
+    Refusal(
         "paddle.amp.GradScaler in a whole step",
         "`paddle.amp.GradScaler.step()`, `.minimize()` or `.update()` inside `autocudagraph_step`, enabled or "
         "not (Paddle turns it off on a CPU, on a GPU it is on)",
@@ -185,8 +194,8 @@ REFUSALS = (
 )
 
 (HOST_READ, RAW_TENSOR_READ, HOST_TO_DEVICE, DEVICE_SYNC, STREAM_WAIT, GRAD_ASSIGNED, VALUE_SHAPE, DEVICE_INDEX,
- RANDOM_KERNEL, RECOMPUTE_DROPOUT, RNG_REWOUND, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, PADDLE_SCALER,
- FREED_GRADS, CHANGING_HOST_VALUE, ATTR_WRITTEN) = REFUSALS
+ RANDOM_KERNEL, RECOMPUTE_DROPOUT, RNG_REWOUND, TRACKER_DROPOUT, DOUBLE_BACKWARD, LOST_LEAF, INPUT_WRITTEN, ARGUMENT_GRAD,
+ PADDLE_SCALER, FREED_GRADS, CHANGING_HOST_VALUE, ATTR_WRITTEN) = REFUSALS
 
 #: What looks like a refusal and is not: captured on both backends, eager's result bit for bit.
 NOT_REFUSED = (

@@ -37,7 +37,7 @@ from .grad_slots import CLOSED
 from .graphs import StepGraphs
 from ..io.host_tensors import host_mask
 from ..guards.host_reads import describe_trace_difference
-from ..guards.refusals import CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
+from ..guards.refusals import ARGUMENT_GRAD, CHANGING_HOST_VALUE, INPUT_WRITTEN, PADDLE_SCALER
 from ..guards.session import CaptureSession
 from ..guards.traced_ops import held_for as traced_ops_held
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
@@ -84,6 +84,46 @@ def _refusing_scaler(name):
         )
 
     return refusing
+
+
+class ArgumentGrads:
+    """Which arguments' buffers the capture's backward gave a grad (a hook on each buffer requiring grad,
+    for the capture only; ``paddle.grad`` of an argument hands its grad out as a value and is not
+    counted). Such a grad eagerly reaches the caller's tensor (its ``.grad``, or through a tensor
+    computed before the step, what it came from); a replay would leave it with the buffer."""
+
+    def __init__(self, static):
+        self._static = static
+        self.reached = []
+        self._hooks = [b.register_hook(self._noting(i)) for i, b in enumerate(static.buffers) if not b.stop_gradient]
+
+    def _noting(self, i):
+        def noting(grad):
+            if i not in self.reached:
+                self.reached.append(i)
+
+        return noting
+
+    def remove(self):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def refuse(self):
+        """Raises CaptureError naming the arguments the backward reached. Checked before the trace
+        comparison: the trace of such a step differs too (a parameter passed as an argument is read as
+        an argument eagerly and from outside at the capture), and says less."""
+        if not self.reached:
+            return
+        names = ", ".join(repr(self._static.name(i)) for i in sorted(self.reached))
+        raise ARGUMENT_GRAD.error(
+            f"autocudagraph_step: the step's backward computes a grad for its argument(s) {names} "
+            "(stop_gradient=False). Eagerly it reaches the tensor the caller passed (its .grad, or what it was "
+            "computed from); the capture reads each argument through a buffer of its own, so every replay would "
+            "leave the caller's tensor without it. Pass such a tensor with stop_gradient=True (x.detach()) where "
+            "its grad is not needed, read a parameter from its Layer inside the step instead of passing it, "
+            "return paddle.grad(...) of an input from the step, or graph the model with autocudagraph, whose "
+            "calls hand grads to their arguments.")
 
 
 def _refuse_written_copies(static, versionless):
@@ -189,8 +229,13 @@ class StepCapture:
         graphs.live = live = session.record
         body._feed(self.warm.stepped)
         graphs.graph = self.backend.new_graph(graphs.pool)
-        outputs = session.capture(graphs.graph, self._step_body(session, call.rebuild(static.buffers)),
-                                  body.options.capture_hooks)
+        reached = ArgumentGrads(static)
+        try:
+            outputs = session.capture(graphs.graph, self._step_body(session, call.rebuild(static.buffers)),
+                                      body.options.capture_hooks)
+        finally:
+            reached.remove()
+        reached.refuse()
         self._check(live, before, watch, graphs)
         _refuse_written_copies(static, session.versionless)
         graphs.static_inputs = static
