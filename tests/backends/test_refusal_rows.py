@@ -64,6 +64,8 @@ def _step(name):
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        elif name == "grad into a step's argument":  # x requires grad: the backward reaches it
+            loss.backward()
         elif name == "host value that changes between steps":
             counter[0] += 1
             loss = loss * float(counter[0])
@@ -83,7 +85,7 @@ def _step(name):
 
 
 _STEP_ROWS = ("grad assigned", "paddle.amp.GradScaler in a whole step", "host value that changes between steps",
-              "grads freed at the end of an accumulation window")
+              "grads freed at the end of an accumulation window", "grad into a step's argument")
 # row -> (the problem DrawGuard found, whether it guards a backward)
 _GUARD_ROWS = {"recompute with dropout": ("after rewind", True), "RNG rewound in the function": ("after rewind", False),
                "tracker dropout without state indices": ("foreign state", False)}
@@ -130,7 +132,7 @@ class RowGuardTest(unittest.TestCase):
             with self.subTest(row=name):
                 step, opt = _step(name)
                 graphed = autocudagraph_step(step, optimizers=[opt], warmup_steps=1, backend="simulate")
-                x = paddle.to_tensor(np.ones((2, 3), np.float32))
+                x = paddle.to_tensor(np.ones((2, 3), np.float32), stop_gradient=name != "grad into a step's argument")
                 made, said = self.raised_rows(lambda: [graphed(x) for _ in range(6)])
                 self.check_row(row, made, said)
                 self.assertEqual(graphed.stats()["captures"], 0, graphed.explain())
