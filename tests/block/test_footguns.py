@@ -188,6 +188,31 @@ class FootgunTest(BackendCase):
         (message,) = self.our_warnings()
         self.assertIn("neither arguments nor parameters of a Layer it calls or is bound to: w", message)
 
+    def test_a_parameter_passed_as_an_argument_and_read_through_its_layer_is_captured(self):
+        """f(x, lin.weight) that also calls lin: the parameter is read through its Layer and, as the argument,
+        through its buffer. Both reads get their grad through the bridge (the argument's and the parameter's),
+        which autograd adds as eager adds its two; every output and grad bitwise, and the key replays."""
+        lin_g, lin_e = twin_layers(lambda: paddle.nn.Linear(4, 4))
+
+        def make(lin):
+            def f(x, w):
+                return paddle.matmul(lin(x), w)
+
+            return f
+
+        graphed, eager = self.graphed(make(lin_g), warmup_steps=1), make(lin_e)
+        for k in range(4):
+            x, dy = data(2, 4, seed=k), data(2, 4, seed=10 + k)
+            y, y_e = graphed(x, lin_g.weight), eager(x, lin_e.weight)
+            self.assertBitwise(y, y_e, f"call {k}")
+            y.backward(dy)
+            y_e.backward(dy)
+            self.assertBitwise(grads_of(lin_g), grads_of(lin_e), f"call {k} grads")
+            for p in lin_g.parameters() + lin_e.parameters():
+                p.clear_gradient(False)
+        self.assertCounters(graphed, captures=1, replays=2, eager=0)
+        self.assertEqual(self.our_warnings(), [])
+
     def test_graphed_call_inside_another_capture_runs_eagerly(self):
         inner = self.graphed(double, warmup_steps=0)
         outer = self.graphed(lambda x: inner(x) + 1.0, warmup_steps=0)

@@ -120,7 +120,7 @@ class CompiledReadsTest(unittest.TestCase):
                  ("freed", lambda: layer[1].bias._clear_data())]
         for label, change in cases:
             with self.subTest(label):
-                params = ParamSet([layer], set())
+                params = ParamSet([layer])
                 change()
                 with native.disabled():
                     want = params.moved()

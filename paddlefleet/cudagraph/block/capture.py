@@ -229,7 +229,7 @@ class _BlockCapture:
             if opts.check_stale_outputs and not opts.clone_outputs:
                 graphs.handed_out = StaleOutputs()
             graphs.layers = bound_layers + [l for l in session.layers if all(l is not b for b in bound_layers)]
-            graphs.params = ParamSet(graphs.layers, {id(t) for t in call.tensors})
+            graphs.params = ParamSet(graphs.layers)
             graphs.attrs = AttrWatch(layers_with_sublayers(graphs.layers))  # NOTE [ Layer attributes a replay freezes ]
             self._backward(graphs, live, grad_enabled)
             graphs.settle()  # NOTE [ Replay work decided at capture ] in block/replay.py

@@ -38,10 +38,12 @@ class ParamSet:
     """The parameters of the Layers one capture used, and where each lives.
 
     Attributes:
-        params: the parameters handed through the bridge (trainable, not call arguments).
+        params: the parameters handed through the bridge: every trainable one. A parameter the call also
+            passes as an argument is read twice, through its Layer and through the argument's buffer, and
+            gets both grads, which autograd adds as it adds eager's two.
     """
 
-    def __init__(self, layers, input_ids):
+    def __init__(self, layers):
         homes = param_homes(layers)
         # NOTE [ The parameter-address check ]
         # moved() runs before every replay, over every parameter the capture saw, so what it reads
@@ -53,7 +55,7 @@ class ParamSet:
         self._compiled_homes = tuple((sub._parameters, name, p, frozen, ptr)
                                      for (_, name, p, frozen, _, ptr), (sub, _, _) in zip(self._homes, homes))
         self._owners = [type(sub).__name__ for sub, _, _ in homes]
-        self.params = [p for _, _, p in homes if not p.stop_gradient and id(p) not in input_ids]
+        self.params = [p for _, _, p in homes if not p.stop_gradient]
 
     def moved(self):
         """Why the graphs no longer fit the parameters (replaced, moved or (un)frozen), or None."""
