@@ -55,6 +55,7 @@ from ..core.grad_nodes import grad_node
 from ..core.layers import CAPTURE_LOCK, ParamSet, accumulation_nodes, name_unknown_leaves
 from ..io.stale_outputs import StaleOutputs
 from ..io.nested import check_rebuild, flatten, holds_tensor, leaf_names
+from ..io.output_aliases import run_aliases
 from ..io.static_inputs import StaticInputs, contiguous_outputs, strided_copy_works
 from ..guards.traced_ops import install as install_traced_ops
 from .replay_fallback import check_replay_trace, traced_backward
@@ -212,7 +213,7 @@ class _BlockCapture:
         session = CaptureSession(backend, snapshot, watch, double_backward=True, writes=self.writes,
                                  trace={"inputs": static.buffers, "names": names, "keep_writes": True})
         live, grad_enabled = session.record, paddle.is_grad_enabled()
-        body = self._forward_body(session, call.rebuild(static.buffers), grad_enabled)
+        body = self._forward_body(session, static.buffers, call.rebuild(static.buffers), grad_enabled)
         rng = state.rng_snapshot()
         captured = False
         try:
@@ -223,6 +224,7 @@ class _BlockCapture:
             graphs.static_inputs, graphs.in_spec = static, call.spec
             graphs.static_outputs = list(outputs)
             graphs.out_spec, graphs.out_consts = live["spec"]
+            graphs.out_aliases = live["aliases"]  # NOTE [ Outputs handed back as they are ] in io/output_aliases.py
             graphs.out_differentiable = [not o.stop_gradient for o in live["outputs"]]
             out_host = host_mask(outputs, on_gpu=backend.cpu_is_host) if outputs else None
             graphs.host_outputs = [i for i, h in enumerate(out_host or ()) if h]
@@ -244,7 +246,7 @@ class _BlockCapture:
             if backend.replays_python or not captured:
                 state.restore_rng(rng)
 
-    def _forward_body(self, session, static_call, grad_enabled):
+    def _forward_body(self, session, buffers, static_call, grad_enabled):
         """The forward the graph captures (and a simulated replay re-runs): the function on the
         static inputs, each run recorded in the session's record and, where the backend's replays run
         it, compared with the capture's run before anything is copied into the static outputs (NOTE
@@ -267,9 +269,10 @@ class _BlockCapture:
                     live.take_replayed()  # compared: not kept (it holds what the run wrote, to undo it)
             if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
-            live["outputs"] = out_tensors
+            kept = run_aliases(out_tensors, buffers, live)  # NOTE [ Outputs handed back as they are ]
+            live["outputs"] = kept
             live["spec"] = (out_spec, out_consts)
-            return contiguous_outputs(out_tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
+            return contiguous_outputs(kept)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         return forward_body
 

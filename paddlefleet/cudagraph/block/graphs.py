@@ -77,6 +77,8 @@ class BlockGraphs(Graphs):
             nothing needs grad).
         static_inputs: StaticInputs of the call's tensors; in_spec: the call's structure.
         static_outputs, out_spec, out_consts: the outputs and how to rebuild the result.
+        out_aliases: OutputAliases where the result holds an input or one tensor twice, else None (NOTE
+            [ Outputs handed back as they are ] in io/output_aliases.py).
         out_differentiable: per output, whether it carries grad.
         host_outputs: indices of host (CPU) outputs (NOTE [ Host tensors ] in io/host_tensors.py).
         clone_outputs: the output policy fixed at capture (NOTE [ Policies fixed at capture ]).
@@ -100,6 +102,7 @@ class BlockGraphs(Graphs):
     static_outputs: List[Any] = dataclasses.field(default_factory=list)
     out_spec: Any = None
     out_consts: Optional[list] = None
+    out_aliases: Any = None
     out_differentiable: List[bool] = dataclasses.field(default_factory=list)
     host_outputs: List[int] = dataclasses.field(default_factory=list)
     clone_outputs: bool = True

@@ -20,7 +20,8 @@ carry a grad (their hooks are routed to the backward, NOTE [ Hooks on graphed ou
 grads/handles.py) and which do not; likewise the parameter-address check
 (NOTE [ The parameter-address check ] in core/layers.py) and the grad hand-out
 (NOTE [ A precomputed hand-out ] in grads/hand_out_plan.py).
-A call still gets new output tensors and new grad tensors every time.
+A call still gets new output tensors and new grad tensors every time (but for an output the function
+returned as it is: NOTE [ Outputs handed back as they are ] in io/output_aliases.py).
 """
 
 import paddle
@@ -104,4 +105,6 @@ def run_graphs(graphs, call, copy, name, label, grad):
         # After the replay: this call's inputs may be the previous outputs (y = f(f(x))).
         graphs.handed_out.overwrite(name, label, user_call_site())
         graphs.handed_out.hand_out(outputs, graphs.host_outputs)
+    if graphs.out_aliases is not None:  # NOTE [ Outputs handed back as they are ] in io/output_aliases.py
+        outputs = graphs.out_aliases.expand(outputs, tensors)
     return _new(Replayed, (unflatten(graphs.out_spec, outputs, graphs.out_consts), copied, skipped, None))

@@ -222,7 +222,8 @@ def _check(graphs, call, run_eager, result, buffers, rng_before, buffers_before)
     pairs = [(f"output {i}", g, e.detach()) for i, (g, e) in enumerate(zip(graph_outputs, eager_outputs))]
     if with_grads:
         leaves = [c for c, need in zip(clones, needs_grad) if need] + graphs.leaf_params()
-        diff_outputs = [eager_outputs[i] for i in diff_index]
+        at = graphs.out_aliases.first if graphs.out_aliases is not None else range(len(graphs.static_outputs))
+        diff_outputs = [eager_outputs[at[i]] for i in diff_index]
         if any(o.stop_gradient for o in diff_outputs):
             return ("an output", "it requires grad in the graph but not in eager"), None
         eager_grads = _eager_grads(diff_outputs, leaves, grad_outputs)

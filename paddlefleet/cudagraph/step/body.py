@@ -231,10 +231,11 @@ class StepBody(Body):
             # A recording replay runs none of the step's Python: the grads are where the blocker
             # (or, on the capture call, the capture) last saw them, so _between stays as it is.
             graphs.graph.replay()
-            return _new(Replayed, (unflatten(graphs.out_spec, graphs.hand_out(), consts), copied, skipped, None))
+            return _new(Replayed, (unflatten(graphs.out_spec, graphs.handed_result(call.tensors), consts), copied,
+                                   skipped, None))
         with CAPTURE_LOCK:  # a simulated replay re-runs the step under the op trace (process-wide patches)
             graphs.graph.replay()
-        result = unflatten(graphs.out_spec, graphs.hand_out(), consts)
+        result = unflatten(graphs.out_spec, graphs.handed_result(call.tensors), consts)
         self._remember_between()
         then = _simulated_replay_check(graphs, graphs.live.take_replayed())
         return Replayed(result, copied, skipped, then)

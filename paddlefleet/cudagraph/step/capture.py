@@ -42,6 +42,7 @@ from ..guards.session import CaptureSession
 from ..guards.traced_ops import held_for as traced_ops_held
 from .optimizer_state import SchedulerWatch, inner_optimizer, move_beta_pows_to_device, optimizer_params, watch_steps
 from ..io.nested import flatten, holds_tensor, unflatten
+from ..io.output_aliases import run_aliases
 from ..io.static_inputs import StaticInputs, contiguous_outputs
 from .replay_checks import ReplayChecks
 from .returned_values import ReturnedValues, tag_learning_rates
@@ -231,7 +232,8 @@ class StepCapture:
         graphs.graph = self.backend.new_graph(graphs.pool)
         reached = ArgumentGrads(static)
         try:
-            outputs = session.capture(graphs.graph, self._step_body(session, call.rebuild(static.buffers)),
+            outputs = session.capture(graphs.graph, self._step_body(session, static.buffers,
+                                                                      call.rebuild(static.buffers)),
                                       body.options.capture_hooks)
         finally:
             reached.remove()
@@ -245,6 +247,7 @@ class StepCapture:
         graphs.stepped = self.warm.stepped
         graphs.feeds = tuple(feed for feed in body._feeds if id(feed.opt) in graphs.stepped)
         graphs.out_spec = live["spec"][0]
+        graphs.out_aliases = live["aliases"]  # NOTE [ Outputs handed back as they are ] in io/output_aliases.py
         graphs.returned = ReturnedValues(graphs.out_spec, live["spec"][1], self.warm.consts, self.call)
         graphs.out_consts = graphs.returned.consts
         graphs.layers = _unique(watch.layers)
@@ -256,9 +259,9 @@ class StepCapture:
         graphs.watched = list(body._between)
         graphs.checks = ReplayChecks(graphs, body._bindings)
         if self.backend.replays_python:  # NOTE [ The capture call of a step ]
-            graphs.pending = unflatten(graphs.out_spec, graphs.hand_out(), graphs.out_consts)
+            graphs.pending = unflatten(graphs.out_spec, graphs.handed_result(self.call.tensors), graphs.out_consts)
 
-    def _step_body(self, session, static_call):
+    def _step_body(self, session, buffers, static_call):
         """The step the graph captures (and a simulated replay re-runs), each run recorded in the
         session's record; the optimizers whose rate Paddle would fill are the record's ``stepped``."""
         (args, kwargs), body, live = static_call, self.body, session.record
@@ -268,8 +271,9 @@ class StepCapture:
             with body._scope(lambda opt: stepped.add(id(opt))) as record, session.function_run(), function_errors():
                 out = body.fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
+            kept = run_aliases(tensors, buffers, live)  # NOTE [ Outputs handed back as they are ]
             live.update(record=record, spec=(spec, consts))
-            return contiguous_outputs(tensors)  # NOTE [ Strided static outputs ] in io/static_inputs.py
+            return contiguous_outputs(kept)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
         return step_body
 

@@ -34,6 +34,8 @@ class StepGraphs(Graphs):
     Attributes:
         graph, pool, backend: the step's graph.
         static_inputs, static_outputs, out_spec, out_consts: the batch buffers and the results.
+        out_aliases: OutputAliases where the result holds an input or one tensor twice, else None (NOTE
+            [ Outputs handed back as they are ] in io/output_aliases.py).
         grad_mode: the grad-slot mode at capture; watched: ``[(param, grad address)]`` checked
             before replays (in persistent mode: the grad storage the graph adds into).
         params: ``[(param, address)]`` the graph updates in place.
@@ -50,6 +52,7 @@ class StepGraphs(Graphs):
     static_outputs: List[Any] = dataclasses.field(default_factory=list)
     out_spec: Any = None
     out_consts: Optional[list] = None
+    out_aliases: Any = None
     layers: list = dataclasses.field(default_factory=list)
     read_leaves: list = dataclasses.field(default_factory=list)
     grad_mode: str = CLOSED
@@ -88,6 +91,12 @@ class StepGraphs(Graphs):
         for c in copies:
             c.stop_gradient = True
         return copies
+
+    def handed_result(self, tensors):
+        """The result's tensors for a call of ``tensors``: hand_out(), with the call's own tensors and repeated
+        outputs where the step returned them (NOTE [ Outputs handed back as they are ] in io/output_aliases.py)."""
+        copies = self.hand_out()
+        return copies if self.out_aliases is None else self.out_aliases.expand(copies, tensors)
 
     def release(self):
         if self.graph is not None:
