@@ -1,7 +1,8 @@
 """Outputs handed back as they are (NOTE [ Outputs handed back as they are ] in io/output_aliases.py): a graphed
-block or whole step that returns its own argument hands back the caller's tensor, and one that returns a tensor
-at several places of its result hands back one object there, as eager does, on every replay; values and grads
-bitwise against eager. The matmul-only cases also run on a GPU (tools/gpu_check.py). On the simulated backend a
+block or whole step that returns its own argument hands back the caller's tensor, one that returns a parameter
+of its Layers hands back that parameter (a reference the caller keeps follows its updates), and one that returns
+a tensor at several places of its result hands back one object there, as eager does, on every replay; values and
+grads bitwise against eager. The matmul-only cases also run on a GPU (tools/gpu_check.py). On the simulated backend a
 replay whose result holds its inputs otherwise than the capture's runs eagerly from then on."""
 
 import unittest
@@ -12,6 +13,7 @@ import paddle
 from paddlefleet.cudagraph import autocudagraph, autocudagraph_step
 from testkit.common import MatMLP
 from testkit.harness import MatmulOnlyCase, for_each_backend, normal
+from testkit.step_gpu import MatmulSGD
 
 
 def _flat(result):
@@ -24,7 +26,7 @@ class OutputAliasCases(MatmulOnlyCase):
     def run_block(self, body, calls=4):
         """``body(model, x)`` graphed and eager on twin MatMLPs; per call: the results bitwise, each result tensor
         the call's input exactly where eager's is, one object exactly where eager's is; y.backward(dy) and the
-        parameters' grads bitwise (then released). Returns the graphed wrapper."""
+        parameters' grads bitwise (then released). Returns the graphed wrapper and its model."""
         draw = normal(41)
         model, twin = MatMLP([8, 8, 8]), MatMLP([8, 8, 8])
         twin.set_state_dict(model.state_dict())
@@ -45,10 +47,10 @@ class OutputAliasCases(MatmulOnlyCase):
                                    f"call {k} grads")
                 for p in model.parameters() + twin.parameters():
                     p.clear_gradient(False)
-        return graphed
+        return graphed, model
 
     def test_a_block_returning_its_input_hands_back_the_callers_tensor(self):
-        graphed = self.run_block(lambda m, x: (m(x), x))
+        graphed, _ = self.run_block(lambda m, x: (m(x), x))
         self.assertCounters(graphed, captures=1, replays=2, eager=0)
 
     def test_a_tensor_returned_at_several_places_is_one_object(self):
@@ -56,8 +58,48 @@ class OutputAliasCases(MatmulOnlyCase):
             y = m(x)
             return {"y": y, "more": [y, x, x, y]}
 
-        graphed = self.run_block(body)
+        graphed, _ = self.run_block(body)
         self.assertCounters(graphed, captures=1, replays=2, eager=0)
+
+    def test_a_block_returning_a_parameter_hands_back_the_parameter(self):
+        """f(x) = (m(x), m's first weight): the parameter itself on every call, as eagerly."""
+        graphed, model = self.run_block(lambda m, x: (m(x), m.parameters()[0]))
+        self.assertCounters(graphed, captures=1, replays=2, eager=0)
+        self.assertIs(graphed(self.tensor(normal(44)(4, 8)))[1], model.parameters()[0])
+
+    def test_a_whole_step_returning_the_parameter_it_updates(self):
+        """A step updating its parameter (MatmulSGD) and returning it: the caller keeps each step's result, and
+        after the last step every kept one equals eager's kept one (eagerly they are the parameter, updated)."""
+        draw = normal(43)
+        model, twin = MatMLP([8, 8]), MatMLP([8, 8])
+        twin.set_state_dict(model.state_dict())
+
+        def make(m):
+            opt = MatmulSGD(m.parameters(), 0.1)
+
+            def step(x, dy):
+                y = m(x)
+                y.backward(dy)
+                opt.step()
+                opt.clear_grad()
+                return y, m.parameters()[0]
+
+            return step
+
+        graphed, eager = autocudagraph_step(make(model), optimizers=[], warmup_steps=1, backend=self.backend), \
+            make(twin)
+        kept_g, kept_e = [], []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for k in range(5):
+                xn, dyn = draw(4, 8), draw(4, 8)
+                (yg, wg), (ye, we) = graphed(self.tensor(xn), self.tensor(dyn)), eager(self.tensor(xn), self.tensor(dyn))
+                self.assertBitwise(yg, ye, f"step {k}")
+                self.assertIs(wg, model.parameters()[0])
+                kept_g.append(wg)
+                kept_e.append(we)
+        self.assertBitwise(kept_g, kept_e, "the kept results after the last step")
+        self.assertCounters(graphed, captures=1, replays=3, eager=0)
 
     def test_a_whole_step_returning_its_input_and_an_output_twice(self):
         """A whole step returning (y, x, y, dy): the caller's x and dy back, y one object; every step bitwise."""
@@ -112,7 +154,7 @@ class SimulatedAliasReplayTest(unittest.TestCase):
                 self.assertIs(graphed(x)[1], other)
         self.assertEqual(graphed.stats()["captures"], 1)
         messages = " ".join(str(w.message) for w in caught)
-        self.assertIn("returned its inputs or repeated outputs otherwise than the capture", messages)
+        self.assertIn("returned its inputs, its Layers' tensors or repeated outputs otherwise than the capture", messages)
         self.assertIn("result tensor 1 is input 0", messages)
 
     def test_a_step_replay_returning_another_tensor_than_its_input_runs_eagerly(self):

@@ -269,7 +269,8 @@ class _BlockCapture:
                     live.take_replayed()  # compared: not kept (it holds what the run wrote, to undo it)
             if not replay:  # the capture run: NOTE [ Containers keep their type ] in io/nested.py
                 check_rebuild(out, "the result")
-            kept = run_aliases(out_tensors, buffers, live)  # NOTE [ Outputs handed back as they are ]
+            # NOTE [ Outputs handed back as they are ] in io/output_aliases.py
+            kept = run_aliases(out_tensors, buffers, live, lambda: self._bound_layers() + session.layers)
             live["outputs"] = kept
             live["spec"] = (out_spec, out_consts)
             return contiguous_outputs(kept)  # NOTE [ Strided static outputs ] in io/static_inputs.py

@@ -1,95 +1,131 @@
-"""Outputs a call hands back as they are: the call's own inputs, and one tensor at several places of the result.
+"""Outputs a call hands back as they are: the call's own inputs, the state of its Layers, and one tensor at
+several places of the result.
 
 NOTE [ Outputs handed back as they are ]
-Eagerly, a function that returns its argument returns the caller's tensor itself, and one that returns a
-tensor twice returns one object twice: ``out is x`` holds, an in-place write through one name shows through
-the others, and autograd sees one tensor (its grad goes straight to the caller's tensor). A capture sees
-the argument's static buffer, or the repeated tensor, as static outputs, and a replay would hand out a new
-tensor at each place. So a capture keeps each output tensor once, and none that is one of its inputs
-(``output_aliases``: ``kept``, what the graphs hand out and differentiate), and a replay rebuilds the result
-from those with the caller's own tensor where the function returned its argument and one object where it
-returned one tensor several times (``OutputAliases.expand``). A result with neither has no OutputAliases,
-and its calls pay nothing. A simulated replay whose re-run returns another pattern than the capture's is
-refused (a GPU would hand out the capture's).
+Eagerly, a function that returns its argument returns the caller's tensor itself; one that returns a
+parameter or a buffer of its Layers (``self.weight``, a BatchNorm mean) returns that tensor, which later
+updates change; and one that returns a tensor twice returns one object twice: ``out is x`` holds, an
+in-place write through one name shows through the others, a reference kept by the caller follows the
+parameter's updates, and autograd sees one tensor (its grad goes straight to the caller's tensor or the
+parameter). A capture sees the argument's static buffer, the parameter, or the repeated tensor as static
+outputs, and a replay would hand out a new tensor holding a copy at each place. So a capture keeps each
+output tensor once, and none that is one of its inputs or its Layers' state (``output_aliases``: ``kept``,
+what the graphs hand out and differentiate), and a replay rebuilds the result from those with the caller's
+own tensor, the state tensor, and one object where the function returned one tensor several times
+(``OutputAliases.expand``). A result with none of these has no OutputAliases, and its calls pay nothing.
+A simulated replay whose re-run returns another pattern than the capture's is refused (a GPU would hand
+out the capture's).
 """
 
 from ..errors import ReplayTraceError
 
-__all__ = ["OutputAliases", "describe_aliases", "output_aliases", "run_aliases"]
+__all__ = ["OutputAliases", "describe_aliases", "layer_state", "output_aliases", "run_aliases"]
+
+_OUT, _IN, _STATE = 0, 1, 2
 
 
 class OutputAliases:
     """How a result is rebuilt from the outputs a capture kept.
 
     Attributes:
-        index: per result tensor, the kept output's index (>= 0) or ``-1 - k`` for the call's input ``k``.
+        index: per result tensor, ``(_OUT, j)`` (kept output ``j``), ``(_IN, k)`` (the call's input ``k``) or
+            ``(_STATE, m)`` (``state[m]``).
+        state: the Layers' tensors the result holds, by reference.
         first: per kept output, the first result position holding it.
     """
 
-    __slots__ = ("index", "first")
+    __slots__ = ("index", "state", "first")
 
-    def __init__(self, index):
+    def __init__(self, index, state=()):
         self.index = tuple(index)
+        self.state = tuple(state)
         first = {}
-        for i, j in enumerate(self.index):
-            if j >= 0:
+        for i, (kind, j) in enumerate(self.index):
+            if kind == _OUT:
                 first.setdefault(j, i)
         self.first = tuple(first[j] for j in range(len(first)))
 
     def __eq__(self, other):
-        return isinstance(other, OutputAliases) and other.index == self.index
+        return (isinstance(other, OutputAliases) and other.index == self.index and len(other.state) == len(self.state)
+                and all(a is b for a, b in zip(other.state, self.state)))
 
     def __hash__(self):
         return hash(self.index)
 
     def expand(self, outputs, inputs):
-        """The result's tensors: ``outputs`` (one per kept output) and the call's ``inputs`` where they go."""
-        return [outputs[j] if j >= 0 else inputs[-1 - j] for j in self.index]
+        """The result's tensors: ``outputs`` (one per kept output), the call's ``inputs`` and the state where
+        they go."""
+        sources = (outputs, inputs, self.state)
+        return [sources[kind][j] for kind, j in self.index]
 
     def describe(self):
-        """Words for messages: which result tensors are inputs or repeat another."""
+        """Words for messages: which result tensors are inputs, state, or repeat another."""
         said = []
-        for i, j in enumerate(self.index):
-            if j < 0:
-                said.append(f"result tensor {i} is input {-1 - j}")
+        for i, (kind, j) in enumerate(self.index):
+            if kind == _IN:
+                said.append(f"result tensor {i} is input {j}")
+            elif kind == _STATE:
+                said.append(f"result tensor {i} is the Layer tensor {self.state[j].name}")
             elif self.first[j] != i:
                 said.append(f"result tensor {i} is result tensor {self.first[j]}")
         return ", ".join(said)
 
 
-def output_aliases(out_tensors, inputs):
-    """``(kept, aliases)``: the output tensors a capture keeps, each once and none of ``inputs`` (the call's
-    tensors as the function saw them), and the OutputAliases rebuilding ``out_tensors`` from them; where
-    nothing is an input or repeated, ``(out_tensors, None)``."""
-    where = {id(t): -1 - k for k, t in enumerate(inputs)}
-    kept, index = [], []
-    for t in out_tensors:
-        j = where.get(id(t))
-        if j is None:
-            j = where[id(t)] = len(kept)
-            kept.append(t)
-        index.append(j)
-    if len(kept) == len(out_tensors) and all(j >= 0 for j in index):
-        return out_tensors, None
-    return kept, OutputAliases(index)
-
-
 def describe_aliases(aliases):
     """Words for messages of an OutputAliases or None."""
-    return aliases.describe() if aliases is not None else "no input and no repeated tensor"
+    return aliases.describe() if aliases is not None else "no input, no Layer tensor and no repeated tensor"
 
 
-def run_aliases(out_tensors, inputs, record):
+def layer_state(layers):
+    """``{id: tensor}`` of every parameter and buffer of ``layers`` and their sublayers."""
+    found = {}
+    for layer in layers:
+        for _, sub in layer.named_sublayers(include_self=True):
+            for tensors in (sub._parameters, sub._buffers):
+                for t in tensors.values():
+                    if t is not None:
+                        found[id(t)] = t
+    return found
+
+
+def output_aliases(out_tensors, inputs, layers=None):
+    """``(kept, aliases)``: the output tensors a capture keeps, each once, none of ``inputs`` (the call's tensors
+    as the function saw them) and none of the parameters and buffers of ``layers()`` (asked only where an
+    output is persistable, as those are), and the OutputAliases rebuilding ``out_tensors`` from them; where
+    there is nothing to rebuild, ``(out_tensors, None)``."""
+    where = {id(t): (_IN, k) for k, t in enumerate(inputs)}
+    state_of = None
+    if layers is not None and any(t.persistable for t in out_tensors):
+        state_of = layer_state(layers())
+    kept, index, state = [], [], []
+    for t in out_tensors:
+        at = where.get(id(t))
+        if at is None:
+            if state_of is not None and id(t) in state_of:
+                at = (_STATE, len(state))
+                state.append(t)
+            else:
+                at = (_OUT, len(kept))
+                kept.append(t)
+            where[id(t)] = at
+        index.append(at)
+    if len(kept) == len(out_tensors):
+        return out_tensors, None
+    return kept, OutputAliases(index, state)
+
+
+def run_aliases(out_tensors, inputs, record, layers=None):
     """output_aliases() of one run of a captured function; ``record``: its capture's CaptureRecord, whose
     ``aliases`` a simulated replay's run must match (before anything is copied into the static outputs).
 
     Raises:
-        ReplayTraceError: a replay's run holds its inputs or repeats its outputs otherwise than the capture's.
+        ReplayTraceError: a replay's run holds its inputs, its Layers' tensors or repeats its outputs otherwise
+            than the capture's.
     """
-    kept, aliases = output_aliases(out_tensors, inputs)
+    kept, aliases = output_aliases(out_tensors, inputs, layers)
     if record.captured and aliases != record["aliases"]:
         raise ReplayTraceError(
-            f"a replay returned its inputs or repeated outputs otherwise than the capture "
+            f"a replay returned its inputs, its Layers' tensors or repeated outputs otherwise than the capture "
             f"({describe_aliases(aliases)} against {describe_aliases(record['aliases'])}). On a GPU this replay "
             "would hand out the capture's; this call runs eagerly instead")
     record["aliases"] = aliases

@@ -232,7 +232,7 @@ class StepCapture:
         graphs.graph = self.backend.new_graph(graphs.pool)
         reached = ArgumentGrads(static)
         try:
-            outputs = session.capture(graphs.graph, self._step_body(session, static.buffers,
+            outputs = session.capture(graphs.graph, self._step_body(session, static.buffers, watch,
                                                                       call.rebuild(static.buffers)),
                                       body.options.capture_hooks)
         finally:
@@ -261,7 +261,7 @@ class StepCapture:
         if self.backend.replays_python:  # NOTE [ The capture call of a step ]
             graphs.pending = unflatten(graphs.out_spec, graphs.handed_result(self.call.tensors), graphs.out_consts)
 
-    def _step_body(self, session, buffers, static_call):
+    def _step_body(self, session, buffers, watch, static_call):
         """The step the graph captures (and a simulated replay re-runs), each run recorded in the
         session's record; the optimizers whose rate Paddle would fill are the record's ``stepped``."""
         (args, kwargs), body, live = static_call, self.body, session.record
@@ -271,7 +271,7 @@ class StepCapture:
             with body._scope(lambda opt: stepped.add(id(opt))) as record, session.function_run(), function_errors():
                 out = body.fn(*args, **kwargs)
             tensors, consts, spec = flatten(out)
-            kept = run_aliases(tensors, buffers, live)  # NOTE [ Outputs handed back as they are ]
+            kept = run_aliases(tensors, buffers, live, lambda: watch.layers)  # NOTE [ Outputs handed back as they are ]
             live.update(record=record, spec=(spec, consts))
             return contiguous_outputs(kept)  # NOTE [ Strided static outputs ] in io/static_inputs.py
 
