@@ -93,7 +93,8 @@ class OutputAliasCases(MatmulOnlyCase):
             warnings.simplefilter("error")
             for k in range(5):
                 xn, dyn = draw(4, 8), draw(4, 8)
-                (yg, wg), (ye, we) = graphed(self.tensor(xn), self.tensor(dyn)), eager(self.tensor(xn), self.tensor(dyn))
+                yg, wg = graphed(self.tensor(xn), self.tensor(dyn))
+                ye, we = eager(self.tensor(xn), self.tensor(dyn))
                 self.assertBitwise(yg, ye, f"step {k}")
                 self.assertIs(wg, model.parameters()[0])
                 kept_g.append(wg)
@@ -150,7 +151,8 @@ class SimulatedAliasReplayTest(unittest.TestCase):
                 self.assertIs(graphed(x)[1], other)
         self.assertEqual(graphed.stats()["captures"], 1)
         messages = " ".join(str(w.message) for w in caught)
-        self.assertIn("returned its inputs, its Layers' tensors or repeated outputs otherwise than the capture", messages)
+        self.assertIn("returned its inputs, its Layers' tensors or repeated outputs otherwise than the capture",
+                      messages)
         self.assertIn("result tensor 1 is input 0", messages)
 
     def test_a_replay_returning_another_tensor_than_its_input_runs_eagerly(self):

@@ -46,7 +46,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16x512", help="ROWSxCOLS of the copied float32 tensor (default 16x512)")
     parser.add_argument("--calls", type=int, default=2000, help="copies per timed round (default 2000)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; best and median are shown (default 7)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="interleaved rounds; best and median are shown (default 7)")
     args = parser.parse_args()
     rows, cols = (int(v) for v in args.shape.split("x"))
     src = host_tensor(normal(3)(rows, cols))

@@ -77,7 +77,7 @@ class BlockGraphs(Graphs):
             nothing needs grad).
         static_inputs: StaticInputs of the call's tensors; in_spec: the call's structure.
         static_outputs, out_spec, out_consts: the outputs and how to rebuild the result.
-        out_aliases: OutputAliases where the result holds an input or one tensor twice, else None (NOTE
+        out_aliases: OutputAliases where the result holds an input, a Layer tensor or one tensor twice, else None (NOTE
             [ Outputs handed back as they are ] in io/output_aliases.py).
         out_differentiable: per output, whether it carries grad.
         host_outputs: indices of host (CPU) outputs (NOTE [ Host tensors ] in io/host_tensors.py).

@@ -40,7 +40,7 @@ def why_never(graphs):
     if backward.accumulators is not None or backward.anchor is not None:
         return "accumulate_in_graph"
     if graphs.out_aliases is not None:  # NOTE [ Outputs handed back as they are ] in io/output_aliases.py
-        return "an output that is an input or repeats another"
+        return "an output that is an input, a Layer tensor or repeats another"
     if len(graphs.static_outputs) != 1 or not graphs.out_differentiable[0] or graphs.host_outputs:
         return "not one differentiable output"
     if graphs.handed_out is not None:

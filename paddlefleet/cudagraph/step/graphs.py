@@ -34,7 +34,7 @@ class StepGraphs(Graphs):
     Attributes:
         graph, pool, backend: the step's graph.
         static_inputs, static_outputs, out_spec, out_consts: the batch buffers and the results.
-        out_aliases: OutputAliases where the result holds an input or one tensor twice, else None (NOTE
+        out_aliases: OutputAliases where the result holds an input, a Layer tensor or one tensor twice, else None (NOTE
             [ Outputs handed back as they are ] in io/output_aliases.py).
         grad_mode: the grad-slot mode at capture; watched: ``[(param, grad address)]`` checked
             before replays (in persistent mode: the grad storage the graph adds into).
