@@ -70,6 +70,16 @@ class OutputAliasCases(MatmulOnlyCase):
     def test_a_whole_step_returning_the_parameter_it_updates(self):
         """A step updating its parameter (MatmulSGD) and returning it: the caller keeps each step's result, and
         after the last step every kept one equals eager's kept one (eagerly they are the parameter, updated)."""
+        self.check_kept_parameter(lambda w: w, same=True)
+
+    def test_a_whole_step_returning_a_detach_of_the_parameter_it_updates(self):
+        """The same with ``w.detach()`` returned: eagerly a new tensor per step sharing the parameter's storage, so
+        every kept one follows the updates too; a replay hands out a new detach() of the parameter per call."""
+        self.check_kept_parameter(lambda w: w.detach(), same=False)
+
+    def check_kept_parameter(self, returned, same):
+        """A MatmulSGD step returning ``(y, returned(its parameter))``, graphed and eager; after the last step every
+        kept second result bitwise eager's; it is the parameter itself exactly when ``same``."""
         draw = normal(43)
         model, twin = MatMLP([8, 8]), MatMLP([8, 8])
         twin.set_state_dict(model.state_dict())
@@ -82,7 +92,7 @@ class OutputAliasCases(MatmulOnlyCase):
                 y.backward(dy)
                 opt.step()
                 opt.clear_grad()
-                return y, m.parameters()[0]
+                return y, returned(m.parameters()[0])
 
             return step
 
@@ -96,7 +106,8 @@ class OutputAliasCases(MatmulOnlyCase):
                 yg, wg = graphed(self.tensor(xn), self.tensor(dyn))
                 ye, we = eager(self.tensor(xn), self.tensor(dyn))
                 self.assertBitwise(yg, ye, f"step {k}")
-                self.assertIs(wg, model.parameters()[0])
+                self.assertEqual(wg is model.parameters()[0], same)
+                self.assertEqual(wg.data_ptr(), model.parameters()[0].data_ptr())
                 kept_g.append(wg)
                 kept_e.append(we)
         self.assertBitwise(kept_g, kept_e, "the kept results after the last step")

@@ -6,13 +6,15 @@ Eagerly, a function that returns its argument returns the caller's tensor itself
 parameter or a buffer of its Layers (``self.weight``, a BatchNorm mean) returns that tensor, which later
 updates change; and one that returns a tensor twice returns one object twice: ``out is x`` holds, an
 in-place write through one name shows through the others, a reference kept by the caller follows the
-parameter's updates, and autograd sees one tensor (its grad goes straight to the caller's tensor or the
+parameter's updates (so does one to ``self.weight.detach()``, which shares its storage), and autograd sees one
+tensor (its grad goes straight to the caller's tensor or the
 parameter). A capture sees the argument's static buffer, the parameter, or the repeated tensor as static
 outputs, and a replay would hand out a new tensor holding a copy at each place. So a capture keeps each
 output tensor once, and none that is one of its inputs or its Layers' state (``output_aliases``: ``kept``,
 what the graphs hand out and differentiate), and a replay rebuilds the result from those with the caller's
-own tensor, the state tensor, and one object where the function returned one tensor several times
-(``OutputAliases.expand``). A result with none of these has no OutputAliases, and its calls pay nothing.
+own tensor, the state tensor (a new ``detach()`` of it where the function returned one), and one object where
+the function returned one tensor several times (``OutputAliases.expand``). Other views of a Layer tensor (a slice,
+a reshape) are handed out as copies, as any output. A result with none of these has no OutputAliases, and its calls pay nothing.
 A simulated replay whose re-run returns another pattern than the capture's is refused (a GPU would hand
 out the capture's).
 """
@@ -21,24 +23,25 @@ from ..errors import ReplayTraceError
 
 __all__ = ["OutputAliases", "describe_aliases", "layer_state", "output_aliases", "run_aliases"]
 
-_OUT, _IN, _STATE = 0, 1, 2
+_OUT, _IN, _STATE, _DETACHED = 0, 1, 2, 3
 
 
 class OutputAliases:
     """How a result is rebuilt from the outputs a capture kept.
 
     Attributes:
-        index: per result tensor, ``(_OUT, j)`` (kept output ``j``), ``(_IN, k)`` (the call's input ``k``) or
-            ``(_STATE, m)`` (``state[m]``).
+        index: per result tensor, ``(_OUT, j)`` (kept output ``j``), ``(_IN, k)`` (the call's input ``k``),
+            ``(_STATE, m)`` (``state[m]``) or ``(_DETACHED, m)`` (a new ``state[m].detach()``).
         state: the Layers' tensors the result holds, by reference.
         first: per kept output, the first result position holding it.
     """
 
-    __slots__ = ("index", "state", "first")
+    __slots__ = ("index", "state", "first", "detached")
 
     def __init__(self, index, state=()):
         self.index = tuple(index)
         self.state = tuple(state)
+        self.detached = any(kind == _DETACHED for kind, _ in self.index)
         first = {}
         for i, (kind, j) in enumerate(self.index):
             if kind == _OUT:
@@ -55,8 +58,10 @@ class OutputAliases:
     def expand(self, outputs, inputs):
         """The result's tensors: ``outputs`` (one per kept output), the call's ``inputs`` and the state where
         they go."""
-        sources = (outputs, inputs, self.state)
-        return [sources[kind][j] for kind, j in self.index]
+        sources = (outputs, inputs, self.state, self.state)
+        if not self.detached:
+            return [sources[kind][j] for kind, j in self.index]
+        return [sources[kind][j] if kind != _DETACHED else self.state[j].detach() for kind, j in self.index]
 
     def describe(self):
         """Words for messages: which result tensors are inputs, state, or repeat another."""
@@ -66,6 +71,8 @@ class OutputAliases:
                 said.append(f"result tensor {i} is input {j}")
             elif kind == _STATE:
                 said.append(f"result tensor {i} is the Layer tensor {self.state[j].name}")
+            elif kind == _DETACHED:
+                said.append(f"result tensor {i} is a detach() of the Layer tensor {self.state[j].name}")
             elif self.first[j] != i:
                 said.append(f"result tensor {i} is result tensor {self.first[j]}")
         return ", ".join(said)
@@ -88,13 +95,18 @@ def layer_state(layers):
     return found
 
 
+def _storage(t):
+    """What a detach() shares with its tensor: the address, shape, dtype and contiguity."""
+    return t.data_ptr(), tuple(t.shape), int(t.dtype), t.is_contiguous()
+
+
 def output_aliases(out_tensors, inputs, layers=None):
     """``(kept, aliases)``: the output tensors a capture keeps, each once, none of ``inputs`` (the call's tensors
     as the function saw them) and none of the parameters and buffers of ``layers()`` (asked only where an
     output is persistable, as those are), and the OutputAliases rebuilding ``out_tensors`` from them; where
     there is nothing to rebuild, ``(out_tensors, None)``."""
     where = {id(t): (_IN, k) for k, t in enumerate(inputs)}
-    state_of = None
+    state_of = detached_of = None
     if layers is not None and any(t.persistable for t in out_tensors):
         state_of = layer_state(layers())
     kept, index, state = [], [], []
@@ -104,7 +116,14 @@ def output_aliases(out_tensors, inputs, layers=None):
             if state_of is not None and id(t) in state_of:
                 at = (_STATE, len(state))
                 state.append(t)
-            else:
+            elif state_of is not None and t.persistable and t.stop_gradient:
+                if detached_of is None:  # a detach() shares the tensor's storage, shape and dtype, and is persistable
+                    detached_of = {_storage(s): s for s in state_of.values()}
+                source = detached_of.get(_storage(t))
+                if source is not None:
+                    at = (_DETACHED, len(state))
+                    state.append(source)
+            if at is None:
                 at = (_OUT, len(kept))
                 kept.append(t)
             where[id(t)] = at
