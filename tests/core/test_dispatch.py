@@ -216,7 +216,7 @@ class DispatchTest(unittest.TestCase):
         self.assertEqual((decision.action, decision.reason), (Action.EAGER, "key fell back: capture failed"))
 
     def test_calls_without_a_key(self):
-        self.wrapper._keyless = keyless_rule(("passes through", lambda: True))
+        self.wrapper._keyless = keyless_rule(("passes through", lambda: True), self.wrapper.counters)
         decision = self.decide()
         self.assertEqual((decision.action, decision.reason, decision.entry, decision.call),
                          (Action.EAGER, "passes through", None, None))

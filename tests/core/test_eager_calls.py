@@ -171,7 +171,7 @@ class EagerCallsTest(unittest.TestCase):
             before = self.dispatched
             self.layer(self.x)
             self.assertEqual(self.dispatched, before + 1)
-        self.wrapper._keyless = keyless_rule(("every key slower", lambda: True))
+        self.wrapper._keyless = keyless_rule(("every key slower", lambda: True), self.wrapper.counters)
         self.layer(self.x)
         self.assertEqual(self.wrapper.stats()["eager_reasons"]["every key slower"], 1)
 

@@ -16,6 +16,7 @@ import paddle
 
 from paddlefleet.cudagraph import StaleOutputError, autocudagraph
 from paddlefleet.cudagraph.backends import cuda as cuda_backend
+from paddlefleet.cudagraph.core.stats import Counters
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.options import ENV_BACKEND
 
@@ -36,6 +37,38 @@ def best_us(fn, calls):
     for _ in range(calls):
         fn()
     return (time.thread_time() - start) / calls * 1e6
+
+
+class TallyTest(unittest.TestCase):
+    def test_calls_counted_in_a_tally_are_seen_by_every_reader(self):
+        """NOTE [ Tallies of calls without a Decision ] in core/stats.py: a tally's calls are folded into
+        eager_calls and eager_reasons on every read and write, snapshot() and expect() included."""
+        counters = Counters()
+        counters.eager("a")
+        cell = counters.tally("b")
+        cell[0] += 3
+        snapshot = counters.snapshot()
+        self.assertEqual((snapshot["eager_calls"], snapshot["eager_reasons"]), (4, {"a": 1, "b": 3}))
+        cell[0] += 2
+        with counters.expect(eager_calls=1):
+            counters.eager("a")
+        self.assertEqual((counters.eager_calls, dict(counters.eager_reasons)), (7, {"a": 2, "b": 5}))
+        cell[0] += 1
+        counters.eager_calls += 1  # a write folds first
+        self.assertEqual((counters.eager_calls, counters.eager_reasons["b"], cell[0]), (9, 6, 0))
+        self.assertIs(counters.tally("b"), cell)
+
+    def test_a_wrapper_passing_calls_through_counts_each_in_stats_and_explain(self):
+        paddle.seed(0)
+        wrapped = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
+        x = paddle.randn([2, 4])
+        for _ in range(7):
+            wrapped(x)
+        self.assertEqual(wrapped.forward.stats()["eager_calls"], 7)
+        self.assertIn("7 of 7 calls", wrapped.forward.explain())
+        wrapped(x)
+        self.assertEqual(wrapped.forward.counters.eager_reasons["max_graphs=0: no key may hold graphs, every call "
+                                                                 "runs eagerly"], 8)
 
 
 class PassThroughCase(unittest.TestCase):

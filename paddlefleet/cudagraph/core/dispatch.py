@@ -127,10 +127,12 @@ _EAGER, _REPLAY, _CHAINED = Action.EAGER, Action.REPLAY, Action.CHAINED
 _FALLBACK = Phase.FALLBACK
 
 
-def keyless_rule(rule):
-    """``(reason, when, Decision)`` for a wrapper's keyless ``rule`` = ``(reason, when)`` (core/pass_through.py:
-    its calls run eagerly for reason, without a key, while ``when()`` holds), the Decision made once; or None."""
-    return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]))
+def keyless_rule(rule, counters):
+    """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)`` (core/pass_through.py:
+    its calls run eagerly for reason, without a key, while ``when()`` holds), the Decision made once, the wrapper's
+    ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies of calls without a Decision ] in core/stats.py);
+    or None."""
+    return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0]))
 
 
 def nested_reason(wrapper):
@@ -176,7 +178,7 @@ def dispatch(wrapper, args, kwargs):
             decision = _fell_back(entry)
             known = wrapper._known_eager
             if known is None or known.entry is not entry:
-                wrapper._known_eager = KnownEager(entry, decision.reason)
+                wrapper._known_eager = KnownEager(entry, decision.reason, wrapper.counters)
             return decision
         call = Call(args, kwargs, spec)
     else:
@@ -198,7 +200,7 @@ def dispatch(wrapper, args, kwargs):
             if spec is not None:  # NOTE [ Calls of a key that runs eagerly ]: the front path
                 known = wrapper._known_eager
                 if not isinstance(known, KnownRefused) or known.key != key:
-                    wrapper._known_eager = KnownRefused(key)
+                    wrapper._known_eager = KnownRefused(key, wrapper.counters)
             return Decision(Action.EAGER, call=call, reason=MAX_GRAPHS)
         entry = _new_entry(wrapper, key, call)
         if entry is None:
@@ -230,10 +232,11 @@ class KnownEager:
     """The key that fell back whose call came last through dispatch(), as the front of a call checks it
     (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with."""
 
-    __slots__ = ("entry", "reason", "fallback_reason")
+    __slots__ = ("entry", "reason", "fallback_reason", "tally")
 
-    def __init__(self, entry, reason):
+    def __init__(self, entry, reason, counters):
         self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
+        self.tally = counters.tally(reason)  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
@@ -252,11 +255,12 @@ class KnownRefused:
     """The key refused under max_graphs, without an entry, whose call came last through dispatch(), as the front
     of a call checks it (NOTE [ Calls of a key that runs eagerly ])."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "tally")
     reason = MAX_GRAPHS
 
-    def __init__(self, key):
+    def __init__(self, key, counters):
         self.key = key
+        self.tally = counters.tally(MAX_GRAPHS)  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would refuse the call
@@ -326,7 +330,7 @@ def _new_entry(wrapper, key, call):
     if backend is None:
         wrapper._last_refusal = reason
         if not wrapper._tick:  # no key held yet: NOTE [ Pass-through wrappers ] in core/pass_through.py
-            wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason))
+            wrapper._keyless = keyless_rule(passes_through(wrapper._options, reason), wrapper.counters)
         return None
     keys = wrapper._keys
     # A call of tensors only whose signature's defaults are plain: nothing to refuse, no host array to check,

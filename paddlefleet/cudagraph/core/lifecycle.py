@@ -53,14 +53,14 @@ class Lifecycle(Reports, Views, Runner):
         self._last_refusal = None
         self._tick = 0
         self._latest = None  # the entry of the latest call, last in _entries' order
-        # (reason, when, Decision): calls run eagerly for reason, without a key, while when() holds
-        self._keyless = keyless_rule(no_places(body.options))
+        self.counters = Counters()
+        # (reason, when, Decision, tally): calls run eagerly for reason, without a key, while when() holds
+        self._keyless = keyless_rule(no_places(body.options), self.counters)
         self._known_eager = None  # KnownEager: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         self._growth = memory.growth()  # graphs added to keys after their capture, last seen (core/memory.py)
         self._places = Places()  # max_graphs: NOTE [ Places under max_graphs ] in core/budgets.py
         self._keys = KeyMaker(fn, body.options.dispatch_key_fn, bound=body.bound, layers=body.layers())
         self._keys.who = body.api  # names the wrapper in messages: autocudagraph_step(name)
-        self.counters = Counters()
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = body.name
@@ -78,7 +78,7 @@ class Lifecycle(Reports, Views, Runner):
     def _options(self, options):
         self._body.options = options
         if not self._entries:
-            self._keyless = keyless_rule(no_places(options))
+            self._keyless = keyless_rule(no_places(options), self.counters)
 
     def reset(self):
         """Drops every graph, pool and static buffer, and zeroes the counters (a slot whose backward
@@ -87,23 +87,21 @@ class Lifecycle(Reports, Views, Runner):
             entry.release()
         self._entries.clear()
         self._latest = None
-        self._keyless = keyless_rule(no_places(self._options))
+        self.counters = Counters()
+        self._keyless = keyless_rule(no_places(self._options), self.counters)
         self._known_eager = None
         self._places.clear()
         self._warned.clear()
-        self.counters = Counters()
 
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
         keyless = self._keyless  # NOTE [ Pass-through wrappers ] in core/pass_through.py: no key, no Decision
         if keyless is not None and keyless[1]():
-            counters = self.counters  # Counters.eager, inlined: a pass-through call costs every frame it makes
-            counters.eager_calls += 1
-            counters.eager_reasons[keyless[0]] += 1
+            keyless[3][0] += 1  # its tally: NOTE [ Tallies of calls without a Decision ] in core/stats.py
             return self._run_eager(args, kwargs)
         known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
         if known is not None and not kwargs and known.take(self, args):
-            self.counters.eager(known.reason)
+            known.tally[0] += 1  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
             return self._run_eager(args, kwargs)
         decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
         action = decision.action
@@ -116,8 +114,8 @@ class Lifecycle(Reports, Views, Runner):
         return self._run(decision, args, kwargs)
 
     def _acted(self, entry):  # NOTE [ Graphed calls that cannot pay ] in core/host_cost.py
-        self._keyless = keyless_rule(all_slower(host_cost.act(entry, self._warn_once, self._entries.values()))) or \
-            self._keyless
+        self._keyless = keyless_rule(all_slower(host_cost.act(entry, self._warn_once, self._entries.values())),
+                                     self.counters) or self._keyless
 
     def _eager(self, call, reason):
         self.counters.eager(reason)
