@@ -128,11 +128,13 @@ _FALLBACK = Phase.FALLBACK
 
 
 def keyless_rule(rule, counters):
-    """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)`` (core/pass_through.py:
-    its calls run eagerly for reason, without a key, while ``when()`` holds), the Decision made once, the wrapper's
-    ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies of calls without a Decision ] in core/stats.py);
-    or None."""
-    return None if rule is None else (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0]))
+    """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)``
+    (core/pass_through.py: its calls run eagerly for reason, without a key, while ``when()`` holds), the
+    Decision made once, the wrapper's ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies of calls
+    without a Decision ] in core/stats.py); or None."""
+    if rule is None:
+        return None
+    return rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0])
 
 
 def nested_reason(wrapper):
