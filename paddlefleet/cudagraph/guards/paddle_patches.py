@@ -96,28 +96,35 @@ def unpatched(owner, name):
     return own if own is not _MISSING else owner.__dict__.get(name, getattr(owner, name, None))
 
 
+def _beneath(owner, name):
+    """``(saved, k)``: the outermost temporary patch's saved list for ``owner.name`` and the index of its entry
+    (None where it has none), or None where no temporary patch holds ``owner.name`` now."""
+    holders = _HELD.get((id(owner), name))
+    if not holders:
+        return None
+    saved = holders[0]._saved
+    for k, (own_owner, own_name, _) in enumerate(saved):
+        if own_owner is owner and own_name == name:
+            return saved, k
+    return saved, None
+
+
 def install_beneath(owner, name, replacement):
     """``install_for_process``, where a temporary patch may be in force: the replacement goes beneath
     it (the patch's restore puts the replacement back, not what it replaced)."""
-    holders = _HELD.get((id(owner), name))
-    if not holders:
+    slot = _beneath(owner, name)
+    if slot is None:
         setattr(owner, name, replacement)
-        return
-    saved = holders[0]._saved
-    for k, (own_owner, own_name, own) in enumerate(saved):
-        if own_owner is owner and own_name == name:
-            saved[k] = (owner, name, replacement)
-            return
+    elif slot[1] is not None:
+        slot[0][slot[1]] = (owner, name, replacement)
 
 
 def own_beneath(owner, name):
     """What ``owner``'s own ``__dict__`` holds for ``name`` beneath every temporary patch in force now (a sentinel
     that remove_beneath understands, where the owner only inherits it)."""
-    holders = _HELD.get((id(owner), name))
-    if holders:
-        for own_owner, own_name, own in holders[0]._saved:
-            if own_owner is owner and own_name == name:
-                return own
+    slot = _beneath(owner, name)
+    if slot is not None and slot[1] is not None:
+        return slot[0][slot[1]][2]
     return owner.__dict__.get(name, _MISSING)
 
 
@@ -126,15 +133,13 @@ def remove_beneath(owner, name, replacement, own):
     install; its sentinel: the owner inherits the attribute again), beneath any temporary patch in force now. Returns
     False, changing nothing, where ``replacement`` is no longer what the owner holds there (a patch installed for
     the process after it calls it now)."""
-    holders = _HELD.get((id(owner), name))
-    if holders:
-        saved = holders[0]._saved
-        for k, (own_owner, own_name, held) in enumerate(saved):
-            if own_owner is owner and own_name == name:
-                if held is not replacement:
-                    return False
-                saved[k] = (owner, name, own)
-                return True
+    slot = _beneath(owner, name)
+    if slot is not None and slot[1] is not None:
+        saved, k = slot
+        if saved[k][2] is not replacement:
+            return False
+        saved[k] = (owner, name, own)
+        return True
     if owner.__dict__.get(name, _MISSING) is not replacement:
         return False
     if own is _MISSING:
