@@ -81,9 +81,9 @@ class Counters:
     eagerly ] in core/dispatch.py), costs about the function's own call, and counting it as ``eager_calls``
     and ``eager_reasons`` (an attribute and a Counter entry) was a third of what the wrapper added to it
     (0.28 of 0.91 us on the CPU machine, all keys slower). Such a call adds one to a tally (``tally(reason)``:
-    a one-item list the rule or the known key holds) instead, and the
-    tallies are folded into ``eager_calls`` and ``eager_reasons`` whenever either is read or written, so
-    every reader (stats(), explain(), ``expect``) sees them counted.
+    a one-item list the rule or the known key holds) instead, and the tallies are folded into ``eager_calls``
+    and ``eager_reasons`` whenever either is read or written, so every reader (stats(), explain(), ``expect``)
+    sees them counted.
     """
 
     captures: int = 0
@@ -102,8 +102,8 @@ class Counters:
     _tallies: dict = dataclasses.field(default_factory=dict)  # reason -> [calls not yet folded]
 
     def tally(self, reason):
-        """The one-item list the calls of a keyless rule for ``reason`` are counted in (NOTE [ Tallies of calls
-        without a Decision ])."""
+        """The one-item list the calls that run eagerly for ``reason`` without a Decision (a keyless rule's, the
+        key known to run eagerly's) are counted in (NOTE [ Tallies of calls without a Decision ])."""
         cell = self._tallies.get(reason)
         if cell is None:
             cell = self._tallies[reason] = [0]
