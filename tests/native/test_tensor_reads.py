@@ -228,6 +228,84 @@ class KeysWithAndWithoutTest(unittest.TestCase):
             self.key((p, p))
 
 
+class CallOfKeyTest(unittest.TestCase):
+    """key_of (the tensors, grad mode, autocast and the Layers' training flags of a call against a key, in one
+    compiled call) answers as the Python reads answer, through KeyMaker.is_key_of and is_call_of alike."""
+
+    def setUp(self):
+        loaded()
+        self.layers = [paddle.nn.Linear(2, 2), paddle.nn.Linear(2, 2)]
+        self.keys = KeyMaker(lambda *a: None, None, bound=False, layers=self.layers)
+
+    def key(self, args):
+        return self.keys.key(args, {}, args, positional_spec(args, {}))
+
+    def answers(self, key, args):
+        """is_key_of and is_call_of of ``args`` against ``key``, with the module and in Python."""
+        spec = positional_spec(args, None)
+        with native.disabled():
+            python = (self.keys.is_key_of(key, spec, args), self.keys.is_call_of(key, args))
+        return (self.keys.is_key_of(key, spec, args), self.keys.is_call_of(key, args)), python
+
+    def assert_answer(self, key, args, expected, label):
+        compiled, python = self.answers(key, args)
+        self.assertEqual(compiled, python, label)
+        self.assertEqual(compiled, (expected, expected), label)
+
+    def test_each_part_of_the_call(self):
+        from paddlefleet.cudagraph.guards.host_marks import mark_host
+
+        x, y = paddle.zeros([2, 3]), paddle.ones([4])
+        key = self.key((x, y))
+        self.assert_answer(key, (x, y), True, "the call the key was made from")
+        self.assert_answer(key, (paddle.zeros([2, 3]), paddle.zeros([4])), True, "other tensors, same metadata")
+        self.assert_answer(key, (x,), False, "fewer arguments")
+        self.assert_answer(key, (x, y, y), False, "more arguments")
+        self.assert_answer(key, (x, 1.0), False, "a number for a tensor")
+        self.assert_answer(key, (x, paddle.zeros([5])), False, "another shape")
+        self.assert_answer(key, (x, paddle.zeros([4], "float64")), False, "another dtype")
+        z = paddle.zeros([4])
+        z.stop_gradient = False
+        self.assert_answer(key, (x, z), False, "stop_gradient")
+        self.assert_answer(key, (y, x), False, "the arguments swapped")
+        with paddle.no_grad():
+            self.assert_answer(key, (x, y), False, "grad mode off")
+            self.assert_answer(self.key((x, y)), (x, y), True, "a key made with grad mode off")
+        with tracer_set(list(paddle.base.core.AmpLevel.__members__.values())[-1], "bfloat16"):
+            self.assert_answer(key, (x, y), False, "another autocast level")
+        self.layers[1].eval()
+        self.assert_answer(key, (x, y), False, "a Layer in eval mode")
+        evaluating = self.key((x, y))
+        self.layers[1].train()
+        self.assert_answer(evaluating, (x, y), False, "a key made in eval mode")
+        self.keys.track([paddle.nn.Linear(2, 2)])  # a capture added a Layer: a key made before lacks its flag
+        self.assert_answer(key, (x, y), False, "a key without the added Layer's flag")
+        self.assert_answer(self.key((x, y)), (x, y), True, "a key with it")
+        four = paddle.zeros([1, 2, 3, 4])  # left to Python by the module: the same answers
+        self.assert_answer(self.key((x, four)), (x, paddle.zeros([1, 2, 3, 4])), True, "a 4-D tensor")
+        marked = mark_host(paddle.zeros([4]))  # keyed by value: never a part of a key of tensors by metadata
+        self.assert_answer(key, (x, marked), False, "a tensor marked host")
+
+    def test_every_tensor_against_every_key(self):
+        calls = [(t,) for _, t in tensors()[::3]]
+        for args in calls:
+            key = self.key(args)
+            for other in calls:
+                compiled, python = self.answers(key, other)
+                self.assertEqual(compiled, python, (args, other))
+            self.assertEqual(self.answers(key, args)[0], (True, True))
+
+    def test_a_layer_without_its_flag_raises_as_in_python(self):
+        x = paddle.zeros([2])
+        key = self.key((x,))
+        del self.layers[0].training
+        with native.disabled():
+            with self.assertRaises(AttributeError):
+                self.keys.is_call_of(key, (x,))
+        with self.assertRaises(AttributeError):
+            self.keys.is_call_of(key, (x,))
+
+
 @contextlib.contextmanager
 def tracer_set(level, dtype):
     """The tracer's autocast level and dtype set inside (as paddle.amp.auto_cast sets them on a GPU build)."""

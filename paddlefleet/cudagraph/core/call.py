@@ -4,7 +4,7 @@ import paddle
 
 from ..io.nested import flatten, unflatten
 
-__all__ = ["Call", "positional_spec"]
+__all__ = ["Call", "positional_form", "positional_spec"]
 
 # Number of positional tensor arguments -> their spec.
 _POSITIONAL = {}
@@ -21,6 +21,11 @@ def positional_spec(args, kwargs):
     if spec is None:
         spec = _POSITIONAL[len(args)] = flatten((args, {}))[2]
     return spec
+
+
+def positional_form(n):
+    """The spec positional_spec gives a call of ``n`` tensors, or None before any such call was made."""
+    return _POSITIONAL.get(n)
 
 
 class Call:

@@ -34,10 +34,13 @@ but the key decides such a call, so two things make it cost little more than the
   fell back whose call came last) whether the call is one of that key, and if so counts it and runs the
   function without dispatch(). ``KnownEager.take`` answers yes only where dispatch() would decide the same
   (each a test in tests/core/test_eager_calls.py): the key is still in FALLBACK with the same reason; no
-  keyless rule; no capture, whole step or re-running replay in this thread, no saved-tensors hooks (the
-  nested reasons), no chain open (``Body.idle``: a chain's claim acts on an open chain), no stale output
-  alive (check_fresh would look); no dispatch_key_fn and no keyword argument; and ``KeyMaker.is_key_of`` the
-  entry's key: no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
+  keyless rule (the front path is asked only without one); no capture, whole step or re-running replay in this
+  thread, no saved-tensors hooks (the nested reasons), no chain open (``Body.idle``: a chain's claim acts on an
+  open chain), no stale output alive (check_fresh would look); no dispatch_key_fn (armed only by a call without
+  one, and dropped when the wrapper's options are set) and no keyword argument; and ``KeyMaker.is_call_of`` the
+  entry's key (is_key_of without making the spec; the tensors, grad mode, autocast and the training flags read
+  and compared in one compiled call where it can: ``key_of``, NOTE [ Compiled tensor reads ] in
+  native/__init__.py): no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
   int, or the very dtype object read before with that int), place key and stop_gradient are the key's, read
   from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
   changes them on the same object); and grad mode, the autocast state and the training flag of every tracked
@@ -245,9 +248,8 @@ class KnownEager:
         ``wrapper(*args)`` eagerly as a call of this key, without asking the body anything; else False."""
         entry = self.entry
         if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
-                or wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
-                or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
-                or not wrapper._keys.is_key_of(entry.key, positional_spec(args, None), args)):
+                or not plain_thread() or saved_hooks.active() or any_stale() or not wrapper._body.idle()
+                or not wrapper._keys.is_call_of(entry.key, args)):
             return False
         _used(wrapper, entry.key, entry)
         return True
@@ -268,9 +270,8 @@ class KnownRefused:
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would refuse the call
         ``wrapper(*args)`` as a call of this key; else False."""
         key = self.key
-        if (wrapper._keyless is not None or not plain_thread() or saved_hooks.active() or any_stale()
-                or not wrapper._body.idle() or wrapper._body.options.dispatch_key_fn is not None
-                or not wrapper._keys.is_key_of(key, positional_spec(args, None), args)
+        if (not plain_thread() or saved_hooks.active() or any_stale() or not wrapper._body.idle()
+                or not wrapper._keys.is_call_of(key, args)
                 or key in wrapper._entries or not wrapper._places.refused_again(
                     wrapper._entries, key, wrapper._tick, wrapper._options.max_graphs)):
             return False

@@ -31,6 +31,7 @@ from ..errors import CudaGraphError
 from ..options import call_key_fn
 from ..io.nested import leaf_names
 from ..io.static_inputs import place_key
+from .call import positional_form, positional_spec
 from .stats import describe_call
 
 __all__ = ["Key", "StateKey", "KeyMaker", "BoundSignature", "rekeyed"]
@@ -194,6 +195,11 @@ class KeyMaker:
             return False
         marked = any_marked()  # a tensor marked host is keyed by value: never this key's part
         compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py: None where it cannot tell
+        if compiled is not None and not marked:
+            grad, amp, training = key.state  # the tensors, the state and the training flags in one call
+            same = compiled.key_of(args, metas, grad, amp, self.layers, training)
+            if same is not None:
+                return same
         same = None if compiled is None or marked else compiled.match(args, metas)
         if same is False:
             return False
@@ -216,6 +222,22 @@ class KeyMaker:
             read = (_grad_enabled(), _amp_state())
         return (read[0] is grad and read[1] == amp
                 and tuple([layer.training for layer in self.layers]) == training)
+
+    def is_call_of(self, key, args):
+        """``is_key_of(key, positional_spec(args, None), args)``, the spec made only where the compiled reads
+        cannot tell (a call of a key known to run eagerly: NOTE [ Calls of a key that runs eagerly ] in
+        core/dispatch.py). The compiled ``key_of`` answers False for an argument that is not a tensor."""
+        if key.user:
+            return False
+        metas = key.arguments[1]
+        compiled = native.reads
+        if (compiled is not None and len(args) == len(metas) and key.arguments[0] is positional_form(len(args))
+                and not any_marked()):
+            grad, amp, training = key.state
+            same = compiled.key_of(args, metas, grad, amp, self.layers, training)
+            if same is not None:
+                return same
+        return self.is_key_of(key, positional_spec(args, None), args)
 
     def track(self, layers):
         """Adds Layers found during a capture to those whose training flag keys every call;

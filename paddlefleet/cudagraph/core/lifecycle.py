@@ -77,6 +77,7 @@ class Lifecycle(Reports, Views, Runner):
     @_options.setter
     def _options(self, options):
         self._body.options = options
+        self._known_eager = None  # its calls were judged under the options before (dispatch_key_fn among them)
         if not self._entries:
             self._keyless = keyless_rule(no_places(options), self.counters)
 
@@ -96,13 +97,15 @@ class Lifecycle(Reports, Views, Runner):
     # ------------------------------------------------------------------ phases
     def __call__(self, *args, **kwargs):
         keyless = self._keyless  # NOTE [ Pass-through wrappers ] in core/pass_through.py: no key, no Decision
-        if keyless is not None and keyless[1]():
-            keyless[3][0] += 1  # its tally: NOTE [ Tallies of calls without a Decision ] in core/stats.py
-            return self._run_eager(args, kwargs)
-        known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
-        if known is not None and not kwargs and known.take(self, args):
-            known.tally[0] += 1  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
-            return self._run_eager(args, kwargs)
+        if keyless is not None:
+            if keyless[1]():
+                keyless[3][0] += 1  # its tally: NOTE [ Tallies of calls without a Decision ] in core/stats.py
+                return self._run_eager(args, kwargs)
+        else:
+            known = self._known_eager  # NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py
+            if known is not None and not kwargs and known.take(self, args):
+                known.tally[0] += 1  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
+                return self._run_eager(args, kwargs)
         decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
         action = decision.action
         if action is _REPLAY:  # the most frequent decisions straight to their method (no warning to give)

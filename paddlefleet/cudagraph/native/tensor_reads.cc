@@ -449,26 +449,32 @@ PyObject* py_setup_state(PyObject*, PyObject* arg) {
   return PyBool_FromLong(getters_bound());
 }
 
-// state(): (grad enabled, (int(amp level), amp dtype)), or None (no tracer, a getter missing or failing).
-PyObject* py_state(PyObject*, PyObject*) {
-  if (global_var == nullptr || !getters_bound()) Py_RETURN_NONE;
+// The current (grad enabled, (int(amp level), amp dtype)) of state(), a borrowed reference; nullptr with
+// ``*unknown`` set where it cannot tell (no tracer, a getter missing or failing), nullptr with an error set.
+PyObject* current_state(bool* unknown) {
+  *unknown = true;
+  if (global_var == nullptr || !getters_bound()) return nullptr;
   PyObject* python_tracer = PyObject_GetAttr(global_var, tracer_name);
-  if (python_tracer == nullptr) return nullptr;
+  if (python_tracer == nullptr) {
+    *unknown = false;
+    return nullptr;
+  }
   bool none = python_tracer == Py_None;
   Py_DECREF(python_tracer);
-  if (none) Py_RETURN_NONE;
+  if (none) return nullptr;
   bool grad;
   long level;
   std::string dtype;
   try {
     void* const* current = current_tracer();
-    if (current == nullptr || *current == nullptr) Py_RETURN_NONE;
+    if (current == nullptr || *current == nullptr) return nullptr;
     grad = tracer_has_grad(*current);
     level = tracer_amp_level(*current);
     dtype = tracer_amp_dtype(*current);
   } catch (...) {
-    Py_RETURN_NONE;
+    return nullptr;
   }
+  *unknown = false;
   bool same = amp_seen != nullptr && level == amp_level_seen && dtype == amp_dtype_seen;
   if (!same) {
     PyObject* level_int = PyLong_FromLong(level);
@@ -491,9 +497,81 @@ PyObject* py_state(PyObject*, PyObject*) {
     amp_dtype_seen = dtype;
     amp_level_seen = level;
   }
-  PyObject* result = states_seen[grad ? 1 : 0];
+  return states_seen[grad ? 1 : 0];
+}
+
+// state(): (grad enabled, (int(amp level), amp dtype)), or None (no tracer, a getter missing or failing).
+PyObject* py_state(PyObject*, PyObject*) {
+  bool unknown;
+  PyObject* result = current_state(&unknown);
+  if (result == nullptr) {
+    if (unknown) Py_RETURN_NONE;
+    return nullptr;
+  }
   Py_INCREF(result);
   return result;
+}
+
+// ---------------------------------------------------------------- a call against a key
+// key_of(args, metas, grad, amp, layers, training): KeyMaker.is_key_of of a call of positional arguments whose
+// key's argument part is the positional form with ``metas`` and whose state is (grad, amp, training), the
+// training flags those of ``layers``, read in one call: True, False, or None where a tensor or the state cannot
+// be read here (the caller reads them in Python). A non-tensor argument answers False (the call has another form).
+PyObject* training_name = nullptr;  // "training"
+
+PyObject* py_key_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "key_of(args, metas, grad, amp, layers, training)");
+    return nullptr;
+  }
+  PyObject* call = args[0];
+  PyObject* metas = args[1];
+  PyObject* layers = args[4];
+  PyObject* training = args[5];
+  if (tensor_type == nullptr || !PyTuple_Check(call) || !PyTuple_Check(metas) || !PyList_Check(layers) ||
+      !PyTuple_Check(training))
+    Py_RETURN_NONE;  // read in Python
+  Py_ssize_t n = PyTuple_GET_SIZE(call);
+  if (n != PyTuple_GET_SIZE(metas)) Py_RETURN_FALSE;
+  bool unknown = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(call, i);
+    if (!PyObject_TypeCheck(obj, tensor_type)) Py_RETURN_FALSE;
+    int r = matches(obj, PyTuple_GET_ITEM(metas, i));
+    if (r == -2) return nullptr;
+    if (r == kNo) Py_RETURN_FALSE;
+    if (r == kUnknown) unknown = true;
+  }
+  if (unknown) Py_RETURN_NONE;
+  bool no_state;
+  PyObject* state = current_state(&no_state);  // borrowed
+  if (state == nullptr) {
+    if (no_state) Py_RETURN_NONE;
+    return nullptr;
+  }
+  if (PyTuple_GET_ITEM(state, 0) != args[2]) Py_RETURN_FALSE;
+  PyObject* amp = PyTuple_GET_ITEM(state, 1);
+  if (amp != args[3]) {
+    int eq = PyObject_RichCompareBool(amp, args[3], Py_EQ);
+    if (eq < 0) return nullptr;
+    if (!eq) Py_RETURN_FALSE;
+  }
+  Py_ssize_t m = PyList_GET_SIZE(layers);
+  if (m != PyTuple_GET_SIZE(training)) Py_RETURN_FALSE;
+  for (Py_ssize_t j = 0; j < m && j < PyList_GET_SIZE(layers); ++j) {
+    PyObject* layer = PyList_GET_ITEM(layers, j);
+    Py_INCREF(layer);  // the list may change while the attribute is read
+    PyObject* flag = PyObject_GetAttr(layer, training_name);
+    Py_DECREF(layer);
+    if (flag == nullptr) return nullptr;
+    PyObject* want = PyTuple_GET_ITEM(training, j);
+    int eq = flag == want ? 1 : PyObject_RichCompareBool(flag, want, Py_EQ);
+    Py_DECREF(flag);
+    if (eq < 0) return nullptr;
+    if (!eq) Py_RETURN_FALSE;
+  }
+  if (PyList_GET_SIZE(layers) != m) Py_RETURN_NONE;  // changed while read: Python reads again
+  Py_RETURN_TRUE;
 }
 
 PyMethodDef methods[] = {
@@ -513,6 +591,8 @@ PyMethodDef methods[] = {
     {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
     {"unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_unchanged)), METH_FASTCALL,
      "unchanged(views, ptrs, versions): True, False, or None (read in Python)."},
+    {"key_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_key_of)), METH_FASTCALL,
+     "key_of(args, metas, grad, amp, layers, training): True, False, or None (read in Python)."},
     {"freed_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_freed_unchanged)),
      METH_FASTCALL, "freed_unchanged(views, versions): True, False, or None (read in Python)."},
     {nullptr, nullptr, 0, nullptr}};
@@ -525,6 +605,8 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   cpu_key = PyUnicode_InternFromString("cpu");
   stop_gradient_name = PyUnicode_InternFromString("stop_gradient");
   tracer_name = PyUnicode_InternFromString("_dygraph_tracer_");
-  if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr) return nullptr;
+  training_name = PyUnicode_InternFromString("training");
+  if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr)
+    return nullptr;
   return PyModule_Create(&module);
 }
