@@ -5,7 +5,9 @@
 The benchmark's one-matmul per-layer model (``--layers`` square matmuls of ``--width``, one graphed Layer per
 layer) built four times with the same parameters: eager; every layer wrapped with the default options, which judge
 every key slower here and then pass calls through (``eager_if_slower``); every layer wrapped with ``max_graphs=0``
-(passed through from the first call, never captured); every layer graphed (``eager_if_slower=False``). Each is
+(passed through from the first call, never captured); every layer graphed (``eager_if_slower=False``); every
+layer's key of the timed batch fallen back (a stand-in refuses its capture) after a key of half the batch was
+captured (``fall_back_beside``: the front path of a key that runs eagerly beside a graphed one). Each is
 compared bit for bit with eager. Then, side by side, runners interleaved, best of 3 rounds:
 
 * us per step in throughput (one sync at the end) and latency (a sync per step), with the forward call's host time;
@@ -35,7 +37,41 @@ from gpu_bound_probe import make, snapshot, step_fn, sync, timed  # noqa: E402
 from testkit.common import device, host_tensor, normal  # noqa: E402
 
 RUNNERS = {"eager": None, "judged (default options)": {"eager_if_slower": True},
-           "max_graphs=0": {"max_graphs": 0}, "graphed (eager_if_slower=False)": {}}
+           "max_graphs=0": {"max_graphs": 0}, "graphed (eager_if_slower=False)": {},
+           "fell back, another key graphed": {"fell_back": True}}
+
+
+def fall_back_beside(model, args, draw, x, dy):
+    """Every block's key of ``x`` falls back (its capture refused by a stand-in that raises, as a failed capture's
+    key does) after a key of another batch size was captured and replayed: the timed calls are then calls of a key
+    that runs eagerly beside a graphed key (NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py)."""
+    from paddlefleet.cudagraph.errors import CudaGraphError
+
+    other = max(args.batch // 2, 1)
+    xo, dyo = host_tensor(draw(other, args.width)), host_tensor(draw(other, args.width))
+    for _ in range(4):  # warmup, capture, replays of the other key
+        y = model(xo)
+        y.backward(dyo)
+    bodies = [b.forward._body for b in model.blocks]
+
+    def refuse(*a, **k):
+        raise CudaGraphError("refused by the probe (a failed capture's stand-in)")
+
+    for body in bodies:
+        body.capture = refuse
+    try:
+        for _ in range(4):  # warmup, the refused capture, eager calls of the key that fell back
+            y = model(x)
+            y.backward(dy)
+    finally:
+        for body in bodies:
+            del body.capture  # the class's own again
+    for p in model.parameters():
+        p.clear_gradient(False)
+    entries = [e for b in model.blocks for e in b.forward._entries.values()]
+    phases = sorted({e.phase.name for e in entries})
+    if len(entries) != 2 * len(bodies) or phases != ["FALLBACK", "REPLAY"]:
+        raise SystemExit(f"fall_back_beside: expected one graphed and one fallen key per block, got {phases}")
 
 
 class Events:
@@ -141,7 +177,11 @@ def main():
         reference = snapshot(make(args, None)[0], x, dy)
         built = {}
         for name, options in RUNNERS.items():
-            model, params = make(args, options)
+            fell_back = options is not None and options.get("fell_back", False)
+            model, params = make(args, None if options is None else {k: v for k, v in options.items()
+                                                                      if k != "fell_back"})
+            if fell_back:
+                fall_back_beside(model, args, draw, x, dy)
             host = []
             step = step_fn(model, params, x, dy, host)
             for _ in range(args.warmup):
