@@ -50,16 +50,14 @@ _ENV_KEY = _ENVIRON.encodekey(ENV_BACKEND) if isinstance(_ENV_DATA, dict) and ha
 def plain_thread():
     """True when this thread is inside no capture, whole step or re-running replay (what a call of a key that
     runs eagerly asks of the backends: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py)."""
-    state = _THREAD
-    return not (state.depth or state.steps or state.rerun_replays)
+    return not _THREAD.nested
 
 
 def plain_call():
     """True when this thread is inside no capture, whole step or re-running replay and the environment
     names no backend: what a pass-through wrapper's call asks of the backends (NOTE [ Pass-through
     wrappers ] in core/lifecycle.py), in one call."""
-    state = _THREAD
-    if state.depth or state.steps or state.rerun_replays:
+    if _THREAD.nested:
         return False
     if _ENV_KEY is not None and os.environ is _ENVIRON:
         return not _ENV_DATA.get(_ENV_KEY)

@@ -34,6 +34,7 @@ class _PerThread(threading.local):
     depth = 0
     steps = 0
     rerun_replays = 0
+    nested = 0  # depth + steps + rerun_replays: the one read of a call that asks whether it runs inside any
     own_grads = 0
     asked = False
 
@@ -78,10 +79,12 @@ def _counted(name):
     this thread while the block runs."""
     fields = vars(_state)  # this thread's own fields (the class gives the defaults)
     fields[name] = getattr(_state, name) + 1
+    fields["nested"] = _state.nested + 1
     try:
         yield
     finally:
         fields[name] -= 1
+        fields["nested"] -= 1
 
 
 @contextlib.contextmanager

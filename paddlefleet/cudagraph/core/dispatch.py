@@ -142,6 +142,8 @@ def keyless_rule(rule, counters):
 
 def nested_reason(wrapper):
     """Why a call of ``wrapper`` runs eagerly whatever its key (it runs inside something else), or None."""
+    if plain_thread() and not saved_hooks.active():  # the common call: one read of this thread's nesting
+        return None
     if in_whole_step():  # the step's own graph captures it (in every phase of the step: first)
         return WHOLE_STEP
     if capture_open():
