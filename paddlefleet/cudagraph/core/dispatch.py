@@ -185,7 +185,7 @@ def dispatch(wrapper, args, kwargs):
             decision = _fell_back(entry)
             known = wrapper._known_eager
             if known is None or known.entry is not entry:
-                wrapper._known_eager = KnownEager(entry, decision.reason, wrapper.counters)
+                wrapper._known_eager = KnownEager(entry, decision.reason, wrapper.counters, wrapper)
             return decision
         call = Call(args, kwargs, spec)
     else:
@@ -239,21 +239,25 @@ class KnownEager:
     """The key that fell back whose call came last through dispatch(), as the front of a call checks it
     (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with."""
 
-    __slots__ = ("entry", "reason", "fallback_reason", "tally")
+    __slots__ = ("entry", "reason", "fallback_reason", "tally", "_idle", "_call_of")
 
-    def __init__(self, entry, reason, counters):
+    def __init__(self, entry, reason, counters, wrapper):
         self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
         self.tally = counters.tally(reason)  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
+        self._idle, self._call_of = wrapper._body.idle, wrapper._keys.is_call_of  # the wrapper's own, looked up once
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
         ``wrapper(*args)`` eagerly as a call of this key, without asking the body anything; else False."""
         entry = self.entry
-        if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason
-                or not plain_thread() or saved_hooks.active() or any_stale() or not wrapper._body.idle()
-                or not wrapper._keys.is_call_of(entry.key, args)):
+        if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason or not plain_thread()
+                or saved_hooks.active() or any_stale() or not self._idle() or not self._call_of(entry.key, args)):
             return False
-        _used(wrapper, entry.key, entry)
+        wrapper._tick += 1  # _used(), the entry already the latest where it is
+        entry.last_used = wrapper._tick
+        if entry is not wrapper._latest:
+            wrapper._entries.move_to_end(entry.key)
+            wrapper._latest = entry
         return True
 
 
