@@ -8,6 +8,7 @@ import paddle
 
 from .guards.paddle_patches import install_process_patches
 from .block.graphed import GraphedCallable
+from .core.front import behind, front
 from .chains.entry import CHAINS
 from .options import GraphOptions, check_option_names
 
@@ -156,7 +157,7 @@ def _wrap(target, options):
             "paddle.DataParallel(autocudagraph(model)) or fleet.distributed_model(...)."
         )
     if isinstance(target, paddle.nn.Layer):
-        if isinstance(target.__dict__.get("forward"), GraphedCallable) or isinstance(
+        if isinstance(behind(target.__dict__.get("forward")), GraphedCallable) or isinstance(
             getattr(type(target), "forward", None), _GraphedMethod
         ):
             raise TypeError(
@@ -167,8 +168,9 @@ def _wrap(target, options):
         forward = type(target).forward
         wrapper = _graphed(forward, options, owner=target)
         # An instance attribute: Layer.__call__ finds it before the class's forward, hooks still
-        # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor).
-        object.__setattr__(target, "forward", wrapper)
+        # run around it, and state_dict is unchanged (the wrapper is neither Layer nor Tensor). A
+        # compiled front door where it can (NOTE [ The front door ] in core/front.py).
+        object.__setattr__(target, "forward", front(wrapper))
         _attach_reports(target, wrapper)
         return target
     if isinstance(target, type):

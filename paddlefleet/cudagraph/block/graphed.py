@@ -78,6 +78,11 @@ class BlockBody(Body):
         about the function's own call (NOTE [ Pass-through wrappers ] in core/pass_through.py)."""
         return self._runners[1]
 
+    def eager_parts(self):
+        """``(fn, owner weakref, CALLS)`` of a bound block (what run_bound does, for a compiled front door: NOTE
+        [ The front door ] in core/front.py), else None."""
+        return None if self._owner_ref is None else (self.fn, self._owner_ref, CALLS)
+
     def _runner(self, count):
         """The function called eagerly on ``(args, kwargs)``, counted as a call of the block (``count``) or not."""
         fn, ref, calls, name = self.fn, self._owner_ref, CALLS, self.name  # no reference to self: no cycle

@@ -125,6 +125,12 @@ class Body(Protocol):
         (a pass-through or keyless rule, a key known to run eagerly): a body may lay out its work once."""
         return self.run
 
+    def eager_parts(self) -> Optional[Tuple[Callable, Any, list]]:
+        """``(fn, owner weakref, calls)`` where a call that runs eagerly without a Decision is ``fn(owner, *args,
+        **kwargs)`` counted in ``calls[0]`` (what eager_runner() does), for a compiled front door (NOTE [ The front
+        door ] in core/front.py); None: such calls go through eager_runner()."""
+        return None
+
     def warmup(self, entry, call) -> Any:
         """One eager warmup call of ``entry``'s key."""
         return self.run(call.args, call.kwargs)

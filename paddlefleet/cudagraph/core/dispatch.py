@@ -132,7 +132,8 @@ _FALLBACK = Phase.FALLBACK
 
 def keyless_rule(rule, counters):
     """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)``
-    (core/pass_through.py: its calls run eagerly for reason, without a key, while ``when()`` holds), the
+    (core/pass_through.py: its calls run eagerly for reason, without a key, while ``when`` is None or ``when()``
+    holds), the
     Decision made once, the wrapper's ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies of calls
     without a Decision ] in core/stats.py); or None."""
     if rule is None:
@@ -160,7 +161,7 @@ def dispatch(wrapper, args, kwargs):
     ``wrapper`` is the Lifecycle (core/lifecycle.py): its ``_keyless``, ``_body``, ``_keys``,
     ``_options``, ``_entries``, ``_tick``, ``_latest`` and ``_places`` are read and kept."""
     keyless = wrapper._keyless  # NOTE [ Pass-through wrappers ], NOTE [ Graphed calls that cannot pay ]
-    if keyless is not None and keyless[1]():
+    if keyless is not None and (keyless[1] is None or keyless[1]()):
         return keyless[2]
     nested = nested_reason(wrapper)
     if nested is not None:

@@ -4,6 +4,7 @@
 import collections
 import types
 
+from .front import behind
 from .stats import summarize
 
 __all__ = ["Reports", "describe_entries", "distinct_labels", "explain", "explain_model", "report_model"]
@@ -279,6 +280,7 @@ def _graphed_layers(model):
     found = []
     for place, layer in model.named_sublayers(include_self=True):
         for value in vars(layer).values():
+            value = behind(value)  # a Layer graphed in place holds a front door: NOTE [ The front door ]
             if isinstance(value, Reports):
                 found.append((place, value))
     return found

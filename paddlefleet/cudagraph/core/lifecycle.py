@@ -48,6 +48,7 @@ class Lifecycle(Reports, Views, Runner):
         native.load()  # NOTE [ Compiled tensor reads ] in native/__init__.py: built or loaded once per process
         self._body = body
         self._run_eager = body.eager_runner()  # body.run, laid out once: the calls that run eagerly without a Decision
+        self._eager_parts = body.eager_parts()  # the same for a compiled front door: NOTE [ The front door ] in core/front.py
         self._entries = collections.OrderedDict()
         self._warned = set()
         self._last_refusal = None
@@ -98,7 +99,8 @@ class Lifecycle(Reports, Views, Runner):
     def __call__(self, *args, **kwargs):
         keyless = self._keyless  # NOTE [ Pass-through wrappers ] in core/pass_through.py: no key, no Decision
         if keyless is not None:
-            if keyless[1]():
+            when = keyless[1]  # None: always (NOTE [ Pass-through wrappers ] in core/pass_through.py)
+            if when is None or when():
                 keyless[3][0] += 1  # its tally: NOTE [ Tallies of calls without a Decision ] in core/stats.py
                 return self._run_eager(args, kwargs)
         else:

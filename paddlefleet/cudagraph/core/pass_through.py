@@ -20,16 +20,13 @@ __all__ = ["NO_PLACES", "all_slower", "no_places", "passes_through"]
 # give it another reason (a capture, a whole step, a replay that re-runs Python, saved-tensors hooks), and no
 # stale output exists that it would have to refuse. Not cached: a wrapper with dispatch_key_fn (its key
 # function is called on every call, and may say None), with a backend option, in a CUDA build (a call's
-# tensors decide), or that ever held a key (a chain may still name its body).
+# tensors decide), or that ever held a key (a chain may still name its body). A Layer graphed in place runs such
+# calls from its compiled front door, without the wrapper's Python (NOTE [ The front door ] in core/front.py).
 
 
 def _untouched():
     """True when a pass-through wrapper's call may skip the key (NOTE [ Pass-through wrappers ])."""
     return plain_call() and not saved_hooks.active() and not any_stale()
-
-
-def _always():
-    return True
 
 
 def _unnested():
@@ -51,8 +48,9 @@ def no_places(options):
 
 def all_slower(reason):
     """The keyless rule of a wrapper whose every key runs eagerly as slower (host_cost.act's
-    ``reason``; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), or None."""
-    return None if reason is None else (reason, _always)
+    ``reason``; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), or None. Its ``when`` is None:
+    it always holds (read without a call)."""
+    return None if reason is None else (reason, None)
 
 
 def passes_through(options, reason):

@@ -6,7 +6,9 @@
 // autotune may permute, a place other than CPU or GPU, a dtype missing from the table): the caller
 // then reads the tensor in Python as before, errors included.
 #include <Python.h>
+#include <structmember.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 
@@ -574,6 +576,245 @@ PyObject* py_key_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// ---------------------------------------------------------------- the front door of a Layer graphed in place
+// Front(target): what a Layer graphed in place holds as its forward, in front of its wrapper ``target`` (a
+// Lifecycle): NOTE [ The front door ] in core/front.py. A call reads ``target._keyless`` and, where it is a keyless
+// rule ``(reason, when, Decision, tally)`` whose ``when`` is None or when() is true, and ``target._eager_parts``
+// is ``(fn, owner weakref, calls)`` with the owner alive, adds one to the tally's and to calls' first item and
+// returns fn(owner, *args, **kwargs), as the wrapper's own pass-through does; every other call is
+// target(*args, **kwargs). Every other attribute is the target's (read, set, deleted).
+
+struct FrontObject {
+  PyObject_HEAD PyObject* target;
+  vectorcallfunc vectorcall;
+  PyObject* weakrefs;
+};
+
+PyObject* one = nullptr;               // 1
+PyObject* keyless_name = nullptr;      // "_keyless"
+PyObject* eager_parts_name = nullptr;  // "_eager_parts"
+
+// cell[0] += 1 for a one-item list; -1 with an error set.
+int bump(PyObject* cell) {
+  if (!PyList_CheckExact(cell) || PyList_GET_SIZE(cell) < 1) {
+    PyErr_SetString(PyExc_TypeError, "a tally is a one-item list");
+    return -1;
+  }
+  PyObject* next = PyNumber_Add(PyList_GET_ITEM(cell, 0), one);
+  if (next == nullptr) return -1;
+  return PyList_SetItem(cell, 0, next);  // steals next, releases the old count
+}
+
+// fn(owner, *args, **kwargs) for a call of the front whose keyless rule holds, or nullptr without an error set
+// where the call goes to the target (no rule, its condition false, no eager parts, the owner collected).
+PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, bool* failed) {
+  *failed = false;
+  PyObject* keyless = PyObject_GetAttr(target, keyless_name);
+  if (keyless == nullptr) {
+    *failed = true;
+    return nullptr;
+  }
+  PyObject* result = nullptr;
+  PyObject* parts = nullptr;
+  PyObject* owner = nullptr;
+  if (PyTuple_CheckExact(keyless) && PyTuple_GET_SIZE(keyless) == 4) {
+    PyObject* when = PyTuple_GET_ITEM(keyless, 1);
+    int go = 1;
+    if (when != Py_None) {
+      PyObject* holds = PyObject_CallNoArgs(when);
+      go = holds == nullptr ? -1 : PyObject_IsTrue(holds);
+      Py_XDECREF(holds);
+    }
+    if (go < 0) {
+      *failed = true;
+    } else if (go) {
+      parts = PyObject_GetAttr(target, eager_parts_name);
+      if (parts == nullptr) {
+        *failed = true;
+      } else if (PyTuple_CheckExact(parts) && PyTuple_GET_SIZE(parts) == 3 &&
+                 PyWeakref_Check(PyTuple_GET_ITEM(parts, 1))) {
+        owner = PyWeakref_GetObject(PyTuple_GET_ITEM(parts, 1));  // borrowed; Py_None once collected
+        if (owner != nullptr && owner != Py_None) {
+          Py_INCREF(owner);
+          if (bump(PyTuple_GET_ITEM(keyless, 3)) < 0 || bump(PyTuple_GET_ITEM(parts, 2)) < 0) {
+            *failed = true;
+          } else {
+            Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+            PyObject* small[8];
+            PyObject** stack = small;
+            if (nargs + nkw + 1 > 8) {
+              stack = static_cast<PyObject**>(PyMem_Malloc((nargs + nkw + 1) * sizeof(PyObject*)));
+              if (stack == nullptr) {
+                PyErr_NoMemory();
+                *failed = true;
+              }
+            }
+            if (stack != nullptr) {
+              stack[0] = owner;
+              for (Py_ssize_t i = 0; i < nargs + nkw; ++i) stack[i + 1] = args[i];
+              result = PyObject_Vectorcall(PyTuple_GET_ITEM(parts, 0), stack, nargs + 1, kwnames);
+              if (result == nullptr) *failed = true;
+              if (stack != small) PyMem_Free(stack);
+            }
+          }
+          Py_DECREF(owner);
+        } else if (owner == nullptr) {
+          *failed = true;
+        }
+      }
+    }
+  }
+  Py_XDECREF(parts);
+  Py_DECREF(keyless);
+  return result;
+}
+
+PyObject* front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* target = reinterpret_cast<FrontObject*>(self)->target;
+  Py_INCREF(target);  // a call may replace the Layer's forward, dropping this front
+  bool failed;
+  PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames, &failed);
+  if (result == nullptr && !failed) result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+  Py_DECREF(target);
+  return result;
+}
+
+PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* target;
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "Front(target) takes no keyword arguments");
+    return nullptr;
+  }
+  if (!PyArg_UnpackTuple(args, "Front", 1, 1, &target)) return nullptr;
+  if (!PyCallable_Check(target)) {
+    PyErr_SetString(PyExc_TypeError, "Front(target): target must be callable");
+    return nullptr;
+  }
+  FrontObject* self = PyObject_GC_New(FrontObject, type);
+  if (self == nullptr) return nullptr;
+  Py_INCREF(target);
+  self->target = target;
+  self->vectorcall = front_call;
+  self->weakrefs = nullptr;
+  PyObject_GC_Track(self);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int front_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(reinterpret_cast<FrontObject*>(self)->target);
+  return 0;
+}
+
+int front_clear(PyObject* self) {
+  Py_CLEAR(reinterpret_cast<FrontObject*>(self)->target);
+  return 0;
+}
+
+void front_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  if (reinterpret_cast<FrontObject*>(self)->weakrefs != nullptr) PyObject_ClearWeakRefs(self);
+  front_clear(self);
+  PyObject_GC_Del(self);
+}
+
+PyObject* front_target(PyObject* self) {
+  PyObject* target = reinterpret_cast<FrontObject*>(self)->target;
+  if (target == nullptr) {
+    PyErr_SetString(PyExc_ReferenceError, "the front's wrapper is gone");
+    return nullptr;
+  }
+  return target;
+}
+
+PyObject* front_getattro(PyObject* self, PyObject* name) {
+  PyObject* found = PyObject_GenericGetAttr(self, name);  // the front's own: __class__, _front_target, ...
+  if (found != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
+  PyErr_Clear();
+  PyObject* target = front_target(self);
+  return target == nullptr ? nullptr : PyObject_GetAttr(target, name);
+}
+
+int front_setattro(PyObject* self, PyObject* name, PyObject* value) {
+  PyObject* target = front_target(self);
+  return target == nullptr ? -1 : PyObject_SetAttr(target, name, value);
+}
+
+PyObject* front_repr(PyObject* self) {
+  PyObject* target = front_target(self);
+  return target == nullptr ? nullptr : PyObject_Repr(target);
+}
+
+PyObject* front_get_target(PyObject* self, void*) {
+  PyObject* target = front_target(self);
+  Py_XINCREF(target);
+  return target;
+}
+
+PyObject* front_get_doc(PyObject* self, void*) {
+  PyObject* target = front_target(self);
+  return target == nullptr ? nullptr : PyObject_GetAttrString(target, "__doc__");
+}
+
+// __deepcopy__(memo): a front in front of the target's copy (NOTE [ Copies of a graphed Layer ] in block/graphed.py).
+PyObject* front_deepcopy(PyObject* self, PyObject* memo) {
+  PyObject* target = front_target(self);
+  if (target == nullptr) return nullptr;
+  PyObject* copy = PyObject_CallMethod(target, "__deepcopy__", "O", memo);
+  if (copy == nullptr) return nullptr;
+  PyObject* wrapped = PyObject_CallOneArg(reinterpret_cast<PyObject*>(Py_TYPE(self)), copy);
+  Py_DECREF(copy);
+  return wrapped;
+}
+
+// __reduce__(): (core.front.unpickled, (target,)): the wrapper pickled as itself (once, however many of its
+// bound methods the Layer holds too), a front made again in front of it where the loading process can.
+PyObject* front_reduce(PyObject* self, PyObject*) {
+  PyObject* target = front_target(self);
+  if (target == nullptr) return nullptr;
+  PyObject* module = PyImport_ImportModule("paddlefleet.cudagraph.core.front");
+  if (module == nullptr) return nullptr;
+  PyObject* remake = PyObject_GetAttrString(module, "unpickled");
+  Py_DECREF(module);
+  if (remake == nullptr) return nullptr;
+  return Py_BuildValue("(N(O))", remake, target);
+}
+
+PyMethodDef front_methods[] = {
+    {"__deepcopy__", front_deepcopy, METH_O, "A front in front of a copy of the wrapper."},
+    {"__reduce__", front_reduce, METH_NOARGS, "(core.front.unpickled, (the wrapper,))."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef front_getset[] = {
+    {"_front_target", front_get_target, nullptr, "The wrapper this front calls.", nullptr},
+    {"__doc__", front_get_doc, nullptr, "The wrapper's docstring.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject* front_type = nullptr;
+
+PyMemberDef front_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(FrontObject, vectorcall), READONLY, nullptr},
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(FrontObject, weakrefs), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject* make_front_type() {
+  PyType_Slot slots[] = {
+      {Py_tp_members, front_members},
+      {Py_tp_new, reinterpret_cast<void*>(front_new)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(front_dealloc)},
+      {Py_tp_traverse, reinterpret_cast<void*>(front_traverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(front_clear)},
+      {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+      {Py_tp_getattro, reinterpret_cast<void*>(front_getattro)},
+      {Py_tp_setattro, reinterpret_cast<void*>(front_setattro)},
+      {Py_tp_repr, reinterpret_cast<void*>(front_repr)},
+      {Py_tp_methods, front_methods},
+      {Py_tp_getset, front_getset},
+      {0, nullptr}};
+  PyType_Spec spec = {"_tensor_reads.Front", sizeof(FrontObject), 0,
+                      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, slots};
+  return reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+}
+
 PyMethodDef methods[] = {
     {"setup_state", py_setup_state, METH_O,
      "setup_state(global_var): True where the tracer's getters state() calls are bound, else False."},
@@ -606,7 +847,19 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   stop_gradient_name = PyUnicode_InternFromString("stop_gradient");
   tracer_name = PyUnicode_InternFromString("_dygraph_tracer_");
   training_name = PyUnicode_InternFromString("training");
-  if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr)
+  one = PyLong_FromLong(1);
+  keyless_name = PyUnicode_InternFromString("_keyless");
+  eager_parts_name = PyUnicode_InternFromString("_eager_parts");
+  if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
+      one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr)
     return nullptr;
-  return PyModule_Create(&module);
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  front_type = make_front_type();
+  if (front_type == nullptr || PyModule_AddObject(m, "Front", reinterpret_cast<PyObject*>(front_type)) < 0) {
+    Py_XDECREF(reinterpret_cast<PyObject*>(front_type));
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }

@@ -1,0 +1,47 @@
+"""The front door of a Layer graphed in place: a compiled callable in front of its wrapper (NOTE [ The front door ]).
+
+NOTE [ The front door ]
+A Layer graphed in place holds its wrapper (a Lifecycle) as its ``forward``, and Paddle's ``Layer.__call__`` calls
+it. A wrapper whose calls pass straight through (a keyless rule: every key slower graphed than eager, max_graphs=0,
+backend=None without a CUDA build: NOTE [ Pass-through wrappers ] in core/pass_through.py) costs what its Python
+costs around the Layer's own forward: the wrapper's ``__call__``, the rule's check, the body's eager runner, three
+frames measured at 1.3-1.9 us a call on an H200 host (docs/reports/pass_through_probe.md), which for a model of
+one-matmul layers that eager_if_slower sent eager left the step 3% slower than eager's. Where the compiled module
+is loaded (NOTE [ Compiled tensor reads ] in native/__init__.py) the Layer holds a ``Front`` instead: a C callable
+that reads the wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` and ``_eager_parts`` ``(fn, owner
+weakref, calls)`` (the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or
+``when()`` true: the same function the wrapper asks) and the owner is alive, counts the call in the rule's tally and
+in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns; any other call
+goes to the wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
+.stats()``, ``.explain()``, ``.reset()``, ``inspect.signature(layer.forward)`` and the wrapper's internals read as
+before; ``copy.deepcopy`` of the Layer gives its copy a front in front of the wrapper's copy, and a pickled Layer
+gets a front again in front of its unpickled wrapper (``unpickled``). ``behind(obj)`` is the wrapper behind a front (``obj`` itself otherwise). Without the
+module the Layer holds the wrapper itself, as before: the pure-Python path stays the fallback, and tests/native
+compares the two.
+"""
+
+from .. import native
+
+__all__ = ["behind", "front", "is_front", "unpickled"]
+
+
+def front(wrapper):
+    """What a Layer graphed in place holds as its forward: a Front in front of ``wrapper`` where the compiled module
+    is loaded, else ``wrapper`` itself."""
+    made = getattr(native.reads, "Front", None)
+    return wrapper if made is None else made(wrapper)
+
+
+def is_front(obj):
+    """True for a Front (of any loaded module)."""
+    return type(obj).__name__ == "Front" and hasattr(type(obj), "_front_target")
+
+
+def behind(obj):
+    """The wrapper behind the front ``obj``, or ``obj`` itself."""
+    return obj._front_target if is_front(obj) else obj
+
+
+def unpickled(wrapper):
+    """A Front's pickle: ``front(wrapper)`` again, in the loading process."""
+    return front(wrapper)

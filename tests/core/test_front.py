@@ -1,0 +1,164 @@
+"""The front door of a Layer graphed in place (NOTE [ The front door ] in core/front.py): where the compiled module is
+loaded the Layer's forward is a Front that runs a keyless rule's calls itself, in C, as the wrapper's own
+pass-through runs them (same result, same counts, same errors), sends every other call and every attribute to the
+wrapper, and survives copies and pickles; without the module the Layer holds the wrapper itself."""
+
+import copy
+import inspect
+import pickle
+import unittest
+import warnings
+
+import paddle
+
+from paddlefleet.cudagraph import autocudagraph, native
+from paddlefleet.cudagraph.block.graphed import GraphedCallable
+from paddlefleet.cudagraph.core.front import behind, is_front
+from paddlefleet.cudagraph.core.host_cost import ALL_SLOWER, HostCost
+from paddlefleet.cudagraph.core.pass_through import NO_PLACES
+from paddlefleet.cudagraph.grads.accumulate import CALLS
+
+from testkit.harness import BackendCase
+
+
+def loaded():
+    native.load()
+    active, why = native.status()
+    if not active:
+        raise unittest.SkipTest(f"compiled module unavailable here: {why}")
+
+
+class Scaled(paddle.nn.Layer):
+    """A Layer whose forward takes a keyword and can raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0, fail=False):
+        """Scaled's own forward."""
+        if fail:
+            raise ValueError("the Layer's own error")
+        return self.lin(x) * scale
+
+
+def all_slower(layer, x):
+    """``layer`` graphed (simulate), its one key judged slower than eager: every later call passes through."""
+    graphed = autocudagraph(layer, backend="simulate", warmup_steps=1, eager_if_slower=True)
+    wrapper = behind(graphed.forward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # warmup, capture
+            graphed(x)
+        [entry] = wrapper._entries.values()
+        entry.host_cost = cost = HostCost(measure=True, judge=True)
+        cost.eager_s, cost.replay_s, cost.verdict = [1e-5] * 8, [2e-5] * 9, "eager"
+        wrapper._acted(entry)
+    assert wrapper._keyless is not None and wrapper._keyless[0] == ALL_SLOWER, wrapper._keyless
+    return graphed, wrapper
+
+
+class FrontDoorTest(BackendCase):
+    backend = "simulate"  # its calls run on the CPU; the front is the same on every backend
+    def setUp(self):
+        super().setUp()
+        loaded()
+        paddle.seed(0)
+        self.x = paddle.randn([2, 4])
+
+    def test_a_layer_graphed_in_place_holds_a_front_that_answers_as_its_wrapper(self):
+        layer = autocudagraph(Scaled(), backend="simulate")
+        self.assertTrue(is_front(layer.forward))
+        wrapper = behind(layer.forward)
+        self.assertIsInstance(wrapper, GraphedCallable)
+        self.assertEqual(inspect.signature(layer.forward), inspect.signature(wrapper))
+        self.assertEqual(list(inspect.signature(layer.forward).parameters), ["x", "scale", "fail"])
+        self.assertEqual(layer.forward.__doc__, "Scaled's own forward.")
+        self.assertEqual(repr(layer.forward), repr(wrapper))
+        self.assertIs(layer.forward._body, wrapper._body)
+        self.assertIs(layer.forward.__wrapped__, wrapper.__wrapped__)
+        self.assertIs(layer.stats.__self__, wrapper)
+        layer.forward.probe_attribute = 5  # set and deleted on the wrapper
+        self.assertEqual(wrapper.probe_attribute, 5)
+        del layer.forward.probe_attribute
+        self.assertFalse(hasattr(wrapper, "probe_attribute"))
+        for _ in range(4):
+            layer(self.x, scale=2.0)
+        self.assertEqual(layer.forward.stats(), wrapper.stats())
+        self.assertEqual(layer.forward.stats()["replays"], 2)
+        with self.assertRaises(TypeError):  # Layers hold one wrapper: the check sees through the front
+            autocudagraph(layer)
+
+    def test_calls_a_keyless_rule_passes_through_run_in_c_as_the_wrapper_runs_them(self):
+        paddle.seed(1)
+        own = Scaled()
+        twin = Scaled()
+        twin.set_state_dict(own.state_dict())
+        graphed, wrapper = all_slower(twin, self.x)
+        wrapper._run_eager = None  # the front does not use the wrapper's eager runner (a call through it fails)
+        before = (wrapper.stats()["eager_calls"], wrapper.counters.eager_reasons[ALL_SLOWER], CALLS[0])
+        for scale in (1.0, 3.0):
+            self.assertBitwise(graphed(self.x, scale=scale), own(self.x, scale=scale))
+            self.assertBitwise(graphed(self.x, scale), own(self.x, scale))
+        after = (wrapper.stats()["eager_calls"], wrapper.counters.eager_reasons[ALL_SLOWER], CALLS[0])
+        self.assertEqual([a - b for a, b in zip(after, before)], [4, 4, 4])
+        with self.assertRaisesRegex(ValueError, "the Layer's own error"):
+            graphed(self.x, fail=True)
+        self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], before[1] + 5)  # counted before it ran
+
+    def test_a_call_whose_rule_does_not_hold_goes_to_the_wrapper(self):
+        graphed = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
+        wrapper = behind(graphed.forward)
+        self.assertIsNotNone(wrapper._keyless[1])  # max_graphs=0: a rule with a condition
+        graphed(self.x)
+        self.assertEqual(dict(wrapper.counters.eager_reasons), {NO_PLACES: 1})
+        with paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graphed(self.x)  # the rule's condition fails: the dispatcher gives its own reason
+        reasons = dict(wrapper.counters.eager_reasons)
+        self.assertEqual(reasons.pop(NO_PLACES), 1)
+        self.assertEqual(len(reasons), 1, reasons)
+        self.assertIn("saved", next(iter(reasons)).lower())
+
+    def test_a_wrapper_without_eager_parts_runs_its_own_pass_through(self):
+        graphed, wrapper = all_slower(Scaled(), self.x)
+        ran = []
+        runner = wrapper._run_eager
+        wrapper._run_eager = lambda args, kwargs: ran.append(1) or runner(args, kwargs)
+        wrapper._eager_parts = None  # a body that lays none out (Body.eager_parts): the wrapper's __call__ runs it
+        graphed(self.x)
+        self.assertEqual(ran, [1])
+        self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], 1)
+
+    def test_copies_and_pickles_hold_a_front_of_their_own_wrapper(self):
+        layer = autocudagraph(Scaled(), backend="simulate")
+        layer(self.x)
+        twin = copy.deepcopy(layer)
+        self.assertTrue(is_front(twin.forward))
+        self.assertIsNot(behind(twin.forward), behind(layer.forward))
+        self.assertIs(behind(twin.forward).body().owner(), twin)
+        self.assertIs(twin.stats.__self__, behind(twin.forward))
+        self.assertBitwise(twin(self.x), layer(self.x))
+        gain = autocudagraph(Gain(), backend="simulate")
+        loaded_ = pickle.loads(pickle.dumps(gain))
+        self.assertTrue(is_front(loaded_.forward))
+        self.assertIs(behind(loaded_.forward).body().owner(), loaded_)
+        self.assertIs(loaded_.stats.__self__, behind(loaded_.forward))
+
+    def test_without_the_module_the_layer_holds_its_wrapper(self):
+        with native.disabled():
+            layer = autocudagraph(paddle.nn.Linear(4, 4))
+        self.assertIsInstance(layer.forward, GraphedCallable)
+        self.assertFalse(is_front(layer.forward))
+        self.assertIs(behind(layer.forward), layer.forward)
+
+
+class Gain(paddle.nn.Layer):
+    """A Layer without parameters (picklable on every Paddle)."""
+
+    def forward(self, x):
+        return x * 3.0
+
+
+if __name__ == "__main__":
+    unittest.main()
