@@ -106,6 +106,38 @@ class FrontDoorTest(BackendCase):
             graphed(self.x, fail=True)
         self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], before[1] + 5)  # counted before it ran
 
+    def test_calls_of_a_key_known_to_run_eagerly_run_in_c_with_the_wrappers_books(self):
+        from paddlefleet.cudagraph.errors import CudaGraphError
+
+        paddle.seed(2)
+        own, twin = Scaled(), Scaled()
+        twin.set_state_dict(own.state_dict())
+        graphed = autocudagraph(twin, backend="simulate", warmup_steps=1)
+        wrapper = behind(graphed.forward)
+        other = paddle.randn([3, 4])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                graphed(other)  # a key captured and replayed
+            capture = wrapper._body.capture
+            wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
+            for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
+                graphed(self.x)
+            wrapper._body.capture = capture
+        self.assertIsNotNone(wrapper._known_eager)
+        wrapper._run_eager = None  # the front runs the call itself once take() says so
+        reason = wrapper._known_eager.reason
+        before = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0])
+        for _ in range(3):
+            self.assertBitwise(graphed(self.x), own(self.x))
+        after = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0])
+        self.assertEqual([a - b for a, b in zip(after, before)], [3, 3, 3])
+        wrapper._run_eager = wrapper._body.eager_runner()
+        self.assertBitwise(graphed(self.x, scale=2.0), own(self.x, scale=2.0))  # a keyword: the wrapper decides
+        replays = wrapper.stats()["replays"]
+        self.assertBitwise(graphed(other), own(other))  # the graphed key: replayed
+        self.assertEqual(wrapper.stats()["replays"], replays + 1)
+
     def test_a_call_whose_rule_does_not_hold_goes_to_the_wrapper(self):
         graphed = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
         wrapper = behind(graphed.forward)

@@ -11,8 +11,11 @@ is loaded (NOTE [ Compiled tensor reads ] in native/__init__.py) the Layer holds
 that reads the wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` and ``_eager_parts`` ``(fn, owner
 weakref, calls)`` (the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or
 ``when()`` true: the same function the wrapper asks) and the owner is alive, counts the call in the rule's tally and
-in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns; any other call
-goes to the wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
+in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns. Without a rule,
+a call of positional arguments that the wrapper's key known to run eagerly takes (``KnownEager.take``, Python, which
+decides and keeps the books exactly as the wrapper's ``__call__`` asks it to: NOTE [ Calls of a key that runs
+eagerly ] in core/dispatch.py) is counted in that key's tally and run the same way. Any other call goes to the
+wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
 .stats()``, ``.explain()``, ``.reset()``, ``inspect.signature(layer.forward)`` and the wrapper's internals read as
 before; ``copy.deepcopy`` of the Layer gives its copy a front in front of the wrapper's copy, and a pickled Layer
 gets a front again in front of its unpickled wrapper (``unpickled``). ``behind(obj)`` is the wrapper behind a front (``obj`` itself otherwise). Without the

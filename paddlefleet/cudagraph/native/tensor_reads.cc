@@ -593,6 +593,9 @@ struct FrontObject {
 PyObject* one = nullptr;               // 1
 PyObject* keyless_name = nullptr;      // "_keyless"
 PyObject* eager_parts_name = nullptr;  // "_eager_parts"
+PyObject* known_name = nullptr;        // "_known_eager"
+PyObject* tally_name = nullptr;        // "tally"
+PyObject* take_name = nullptr;         // "take"
 
 // cell[0] += 1 for a one-item list; -1 with an error set.
 int bump(PyObject* cell) {
@@ -605,66 +608,82 @@ int bump(PyObject* cell) {
   return PyList_SetItem(cell, 0, next);  // steals next, releases the old count
 }
 
-// fn(owner, *args, **kwargs) for a call of the front whose keyless rule holds, or nullptr without an error set
-// where the call goes to the target (no rule, its condition false, no eager parts, the owner collected).
-PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, bool* failed) {
-  *failed = false;
-  PyObject* keyless = PyObject_GetAttr(target, keyless_name);
-  if (keyless == nullptr) {
-    *failed = true;
+// The owner of ``parts`` = target._eager_parts ``(fn, owner weakref, calls)`` as a new reference, or nullptr (no
+// parts, the owner collected; an error set only where reading failed).
+PyObject* live_owner(PyObject* parts) {
+  if (!PyTuple_CheckExact(parts) || PyTuple_GET_SIZE(parts) != 3 || !PyWeakref_Check(PyTuple_GET_ITEM(parts, 1)))
     return nullptr;
-  }
-  PyObject* result = nullptr;
+  PyObject* owner = PyWeakref_GetObject(PyTuple_GET_ITEM(parts, 1));  // borrowed; Py_None once collected
+  if (owner == nullptr || owner == Py_None) return nullptr;
+  Py_INCREF(owner);
+  return owner;
+}
+
+// tally[0] += 1, calls[0] += 1, then fn(owner, *args, **kwargs): a call run eagerly without a Decision.
+PyObject* run_counted(PyObject* tally, PyObject* parts, PyObject* owner, PyObject* const* args, Py_ssize_t nargs,
+                      PyObject* kwnames) {
+  if (bump(tally) < 0 || bump(PyTuple_GET_ITEM(parts, 2)) < 0) return nullptr;
+  Py_ssize_t n = nargs + (kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames));
+  PyObject* small[8];
+  PyObject** stack = n + 1 > 8 ? static_cast<PyObject**>(PyMem_Malloc((n + 1) * sizeof(PyObject*))) : small;
+  if (stack == nullptr) return PyErr_NoMemory();
+  stack[0] = owner;
+  for (Py_ssize_t i = 0; i < n; ++i) stack[i + 1] = args[i];
+  PyObject* result = PyObject_Vectorcall(PyTuple_GET_ITEM(parts, 0), stack, nargs + 1, kwnames);
+  if (stack != small) PyMem_Free(stack);
+  return result;
+}
+
+// The result of a call the front runs itself (the wrapper's own answer, without its Python), or nullptr: with an
+// error set where it failed, else the call goes to the target. A keyless rule whose ``when`` is None or true runs the
+// call as the wrapper's pass-through does (NOTE [ Pass-through wrappers ]); without a rule, a call of positional
+// arguments that the key known to run eagerly takes (``target._known_eager.take(target, args)``, which keeps the
+// wrapper's books: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py) runs as the wrapper runs it.
+PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  PyObject* keyless = PyObject_GetAttr(target, keyless_name);
+  if (keyless == nullptr) return nullptr;
+  PyObject* tally = nullptr;  // borrowed from keyless or known
+  PyObject* known = nullptr;
   PyObject* parts = nullptr;
   PyObject* owner = nullptr;
+  PyObject* result = nullptr;
+  bool run = false;
   if (PyTuple_CheckExact(keyless) && PyTuple_GET_SIZE(keyless) == 4) {
     PyObject* when = PyTuple_GET_ITEM(keyless, 1);
-    int go = 1;
+    int holds = 1;
     if (when != Py_None) {
-      PyObject* holds = PyObject_CallNoArgs(when);
-      go = holds == nullptr ? -1 : PyObject_IsTrue(holds);
-      Py_XDECREF(holds);
+      PyObject* answer = PyObject_CallNoArgs(when);
+      holds = answer == nullptr ? -1 : PyObject_IsTrue(answer);
+      Py_XDECREF(answer);
     }
-    if (go < 0) {
-      *failed = true;
-    } else if (go) {
+    if (holds > 0) {
       parts = PyObject_GetAttr(target, eager_parts_name);
-      if (parts == nullptr) {
-        *failed = true;
-      } else if (PyTuple_CheckExact(parts) && PyTuple_GET_SIZE(parts) == 3 &&
-                 PyWeakref_Check(PyTuple_GET_ITEM(parts, 1))) {
-        owner = PyWeakref_GetObject(PyTuple_GET_ITEM(parts, 1));  // borrowed; Py_None once collected
-        if (owner != nullptr && owner != Py_None) {
-          Py_INCREF(owner);
-          if (bump(PyTuple_GET_ITEM(keyless, 3)) < 0 || bump(PyTuple_GET_ITEM(parts, 2)) < 0) {
-            *failed = true;
-          } else {
-            Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
-            PyObject* small[8];
-            PyObject** stack = small;
-            if (nargs + nkw + 1 > 8) {
-              stack = static_cast<PyObject**>(PyMem_Malloc((nargs + nkw + 1) * sizeof(PyObject*)));
-              if (stack == nullptr) {
-                PyErr_NoMemory();
-                *failed = true;
-              }
-            }
-            if (stack != nullptr) {
-              stack[0] = owner;
-              for (Py_ssize_t i = 0; i < nargs + nkw; ++i) stack[i + 1] = args[i];
-              result = PyObject_Vectorcall(PyTuple_GET_ITEM(parts, 0), stack, nargs + 1, kwnames);
-              if (result == nullptr) *failed = true;
-              if (stack != small) PyMem_Free(stack);
-            }
-          }
-          Py_DECREF(owner);
-        } else if (owner == nullptr) {
-          *failed = true;
-        }
+      owner = parts == nullptr ? nullptr : live_owner(parts);
+      tally = PyTuple_GET_ITEM(keyless, 3);
+      run = owner != nullptr;
+    }
+  } else if (keyless == Py_None && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0)) {
+    known = PyObject_GetAttr(target, known_name);
+    if (known != nullptr && known != Py_None) {
+      parts = PyObject_GetAttr(target, eager_parts_name);
+      owner = parts == nullptr ? nullptr : live_owner(parts);  // before take(), which keeps the books
+      tally = owner == nullptr ? nullptr : PyObject_GetAttr(known, tally_name);
+      PyObject* call = tally == nullptr ? nullptr : PyTuple_New(nargs);
+      for (Py_ssize_t i = 0; call != nullptr && i < nargs; ++i) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(call, i, args[i]);
       }
+      PyObject* took = call == nullptr ? nullptr : PyObject_CallMethodObjArgs(known, take_name, target, call, nullptr);
+      Py_XDECREF(call);
+      run = took != nullptr && PyObject_IsTrue(took) == 1;
+      Py_XDECREF(took);
+      if (tally != nullptr) Py_DECREF(tally);  // still held by known
     }
   }
+  if (run && !PyErr_Occurred()) result = run_counted(tally, parts, owner, args, nargs, kwnames);
+  Py_XDECREF(owner);
   Py_XDECREF(parts);
+  Py_XDECREF(known);
   Py_DECREF(keyless);
   return result;
 }
@@ -672,9 +691,8 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
 PyObject* front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* target = reinterpret_cast<FrontObject*>(self)->target;
   Py_INCREF(target);  // a call may replace the Layer's forward, dropping this front
-  bool failed;
-  PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames, &failed);
-  if (result == nullptr && !failed) result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+  PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames);
+  if (result == nullptr && !PyErr_Occurred()) result = PyObject_Vectorcall(target, args, nargsf, kwnames);
   Py_DECREF(target);
   return result;
 }
@@ -850,8 +868,12 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   one = PyLong_FromLong(1);
   keyless_name = PyUnicode_InternFromString("_keyless");
   eager_parts_name = PyUnicode_InternFromString("_eager_parts");
+  known_name = PyUnicode_InternFromString("_known_eager");
+  tally_name = PyUnicode_InternFromString("tally");
+  take_name = PyUnicode_InternFromString("take");
   if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
-      one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr)
+      one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr || known_name == nullptr ||
+      tally_name == nullptr || take_name == nullptr)
     return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
