@@ -4,11 +4,13 @@ pass-through runs them (same result, same counts, same errors), sends every othe
 wrapper, and survives copies and pickles; without the module the Layer holds the wrapper itself."""
 
 import copy
+import dataclasses
 import inspect
 import pickle
 import unittest
 import warnings
 
+import numpy as np
 import paddle
 
 from paddlefleet.cudagraph import autocudagraph, native
@@ -18,7 +20,8 @@ from paddlefleet.cudagraph.core.host_cost import ALL_SLOWER, HostCost
 from paddlefleet.cudagraph.core.pass_through import NO_PLACES
 from paddlefleet.cudagraph.grads.accumulate import CALLS
 
-from testkit.harness import BackendCase
+from testkit.common import MatLayer, build, host_tensor
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend
 
 
 def loaded():
@@ -183,6 +186,71 @@ class FrontDoorTest(BackendCase):
         self.assertIsInstance(layer.forward, GraphedCallable)
         self.assertFalse(is_front(layer.forward))
         self.assertIs(behind(layer.forward), layer.forward)
+
+
+@for_each_backend
+class FrontOnDeviceTest(MatmulOnlyCase):
+    """On the device too: a matmul Layer's calls that eager_if_slower sent eager, and those of a key that fell back
+    beside a graphed key, run through the front bit for bit as the Layer's own calls (grads included)."""
+
+    def setUp(self):
+        super().setUp()
+        loaded()
+
+    def twins(self):
+        own = build(lambda: MatLayer(8, 8), seed=3)
+        twin = build(lambda: MatLayer(8, 8), seed=3)
+        return own, twin
+
+    def step(self, layer, x, dy):
+        y = layer(x)
+        y.backward(dy)
+        out = [y.numpy(), layer.w.grad.numpy()]
+        layer.w.clear_gradient(False)
+        return out
+
+    def test_calls_passed_through_and_of_a_key_known_eager(self):
+        from paddlefleet.cudagraph.errors import CudaGraphError
+
+        own, twin = self.twins()
+        graphed = self.graphed(twin, warmup_steps=1, eager_if_slower=False)
+        wrapper = behind(graphed.forward)
+        self.assertTrue(is_front(graphed.forward))
+        x, other, dy, dyo = (self.tensor(n, 8) for n in (4, 3, 4, 3))
+        x.stop_gradient = other.stop_gradient = True
+        for _ in range(3):  # the other key captured and replayed
+            self.assertBitwise(self.step(graphed, other, dyo), self.step(own, other, dyo))
+        wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(3):  # warmup, the refused capture, a call arming the front path
+                    self.assertBitwise(self.step(graphed, x, dy), self.step(own, x, dy))
+        finally:
+            del wrapper._body.capture
+        self.assertIsNotNone(wrapper._known_eager)
+        wrapper._run_eager = None  # the front runs these calls itself
+        for _ in range(3):
+            self.assertBitwise(self.step(graphed, x, dy), self.step(own, x, dy))
+        wrapper._run_eager = wrapper._body.eager_runner()
+        replays = wrapper.stats()["replays"]
+        self.assertBitwise(self.step(graphed, other, dyo), self.step(own, other, dyo))
+        self.assertEqual(wrapper.stats()["replays"], replays + 1)
+        for entry in wrapper._entries.values():  # both keys judged slower: every call passes through
+            entry.host_cost = cost = HostCost(measure=True, judge=True)
+            cost.eager_s, cost.replay_s, cost.verdict = [1e-5] * 8, [2e-5] * 9, "eager"
+        wrapper._options = dataclasses.replace(wrapper.options, eager_if_slower=True)
+        for entry in list(wrapper._entries.values()):
+            if entry.has_graphs:
+                wrapper._acted(entry)
+        self.assertEqual(wrapper._keyless[0], ALL_SLOWER)
+        wrapper._run_eager = None
+        for t, g in ((x, dy), (other, dyo)):
+            self.assertBitwise(self.step(graphed, t, g), self.step(own, t, g))
+        self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], 2)
+
+    def tensor(self, rows, cols):
+        return host_tensor(np.random.RandomState(rows).randn(rows, cols).astype("float32"))
 
 
 class Gain(paddle.nn.Layer):
