@@ -15,6 +15,7 @@ import paddle
 from paddlefleet.cudagraph import StaleOutputError, autocudagraph
 from paddlefleet.cudagraph.chains import links
 from paddlefleet.cudagraph.chains.entry import CHAINS
+from paddlefleet.cudagraph.chains.table import TABLE
 from paddlefleet.cudagraph.core import dispatch as dispatch_module
 from paddlefleet.cudagraph.core import lifecycle
 from paddlefleet.cudagraph.core.dispatch import keyless_rule
@@ -167,10 +168,15 @@ class EagerCallsTest(unittest.TestCase):
             self.layer(self.x)
             self.assertEqual(self.dispatched, before + 1)
         self.assertEqual(self.wrapper.stats()["eager_reasons"][saved_hooks.REASON], 1)
-        with mock.patch.object(type(CHAINS), "idle", return_value=False):  # a chain is open: it may claim the call
+        run = mock.Mock(claim=mock.Mock(return_value=None))  # a chain is open: it may claim the call (it does not)
+        TABLE.thread.run = run
+        try:
             before = self.dispatched
             self.layer(self.x)
             self.assertEqual(self.dispatched, before + 1)
+            run.claim.assert_called_once()
+        finally:
+            TABLE.thread.run = None
         self.wrapper._keyless = keyless_rule(("every key slower", lambda: True), self.wrapper.counters)
         self.layer(self.x)
         self.assertEqual(self.wrapper.stats()["eager_reasons"]["every key slower"], 1)

@@ -9,6 +9,7 @@ import inspect
 import pickle
 import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -19,6 +20,7 @@ from paddlefleet.cudagraph.core.front import behind, is_front
 from paddlefleet.cudagraph.core.host_cost import ALL_SLOWER, HostCost
 from paddlefleet.cudagraph.core.pass_through import NO_PLACES
 from paddlefleet.cudagraph.grads.accumulate import CALLS
+from paddlefleet.cudagraph.guards.host_marks import mark_host
 
 from testkit.common import MatLayer, build, host_tensor
 from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend
@@ -127,14 +129,22 @@ class FrontDoorTest(BackendCase):
             for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
                 graphed(self.x)
             wrapper._body.capture = capture
-        self.assertIsNotNone(wrapper._known_eager)
+        known = wrapper._known_eager
+        self.assertIsNotNone(known)
         wrapper._run_eager = None  # the front runs the call itself once take() says so
-        reason = wrapper._known_eager.reason
-        before = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0])
-        for _ in range(3):
+        reason = known.reason
+        before = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0], known.entry.last_used)
+        with mock.patch.object(type(known), "take", side_effect=AssertionError("take() asked")):  # read in C
+            for _ in range(3):
+                self.assertBitwise(graphed(self.x), own(self.x))
+        after = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0], known.entry.last_used)
+        self.assertEqual([a - b for a, b in zip(after, before)], [3, 3, 3, 3])
+        self.assertEqual(known.entry.last_used, wrapper._tick)
+        marked = mark_host(paddle.zeros([1]))  # a tensor marked host alive: the front asks take() itself
+        with mock.patch.object(type(known), "take", autospec=True, side_effect=type(known).take) as asked:
             self.assertBitwise(graphed(self.x), own(self.x))
-        after = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0])
-        self.assertEqual([a - b for a, b in zip(after, before)], [3, 3, 3])
+        self.assertEqual(asked.call_count, 1)  # the front asked take(), which read the marks and took the call
+        del marked
         wrapper._run_eager = wrapper._body.eager_runner()
         self.assertBitwise(graphed(self.x, scale=2.0), own(self.x, scale=2.0))  # a keyword: the wrapper decides
         replays = wrapper.stats()["replays"]

@@ -33,6 +33,7 @@ __all__ = [
     "resolve_backend",
     "cuda_available",
     "pool_sharing_supported",
+    "thread_nesting",
 ]
 
 #: Names accepted by ``backend=`` and by the environment override.
@@ -51,6 +52,12 @@ def plain_thread():
     """True when this thread is inside no capture, whole step or re-running replay (what a call of a key that
     runs eagerly asks of the backends: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py)."""
     return not _THREAD.nested
+
+
+def thread_nesting():
+    """The per-thread object whose ``nested`` plain_thread() reads (a compiled check reads it too: NOTE [ The
+    front door ] in core/front.py)."""
+    return _THREAD
 
 
 def plain_call():

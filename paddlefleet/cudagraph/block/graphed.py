@@ -164,6 +164,10 @@ class BlockBody(Body):
         """True when the hooks claim no call now (no chain is open)."""
         return self.hooks.idle()
 
+    def idle_holder(self):
+        """The hooks' (CallHooks.idle_holder)."""
+        return self.hooks.idle_holder()
+
     def serve(self, plan, args):
         """The Replayed of a call the hooks claimed, or None (it runs alone)."""
         return self.hooks.serve(plan, args)

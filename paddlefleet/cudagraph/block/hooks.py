@@ -24,6 +24,11 @@ class CallHooks:
         """True when ``claim`` would answer None for any call now, acting on nothing."""
         return True
 
+    def idle_holder(self):
+        """What idle() reads, for a compiled check (NOTE [ The front door ] in core/front.py): None where idle()
+        is always true, an object whose ``run`` is None exactly when idle() is true, or False (ask idle())."""
+        return None
+
     def head(self, body, entry, call):
         """The Replayed of a replay of ``entry`` that the hooks ran themselves (the first call of a
         chain), or None: the block replays the call alone. Called for replays through the bridge."""

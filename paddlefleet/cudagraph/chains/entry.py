@@ -4,6 +4,7 @@ hooks the API gives every graphed block (block/hooks.py)."""
 from ..block.hooks import CallHooks
 from .chain import start_chain
 from .links import current_run, observe, remember, watch
+from .table import TABLE
 
 __all__ = ["CHAINS", "ChainHooks"]
 
@@ -21,6 +22,9 @@ class ChainHooks(CallHooks):
 
     def idle(self):
         return current_run() is None  # claim() acts only on an open run
+
+    def idle_holder(self):
+        return TABLE.thread  # current_run() is its run
 
     def serve(self, plan, args):
         run, j = plan

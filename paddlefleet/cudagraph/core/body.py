@@ -156,6 +156,11 @@ class Body(Protocol):
         """True when ``claim`` would answer None for any call now, acting on nothing (no chain is open)."""
         return True
 
+    def idle_holder(self) -> Any:
+        """What idle() reads, for a compiled check (NOTE [ The front door ] in core/front.py): None where idle() is
+        always true, an object whose ``run`` is None exactly when idle() is true, or False (ask idle())."""
+        return None
+
     def serve(self, plan, args: tuple) -> Optional[Replayed]:
         """The Replayed of a call ``claim`` gave ``plan`` for, or None: the call runs as any other."""
         return None

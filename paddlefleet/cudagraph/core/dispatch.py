@@ -70,6 +70,7 @@ from . import host_cost
 from .body import Action as Blocker
 from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
+from .front import known_gate
 from .pass_through import passes_through
 
 __all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule",
@@ -240,12 +241,13 @@ class KnownEager:
     """The key that fell back whose call came last through dispatch(), as the front of a call checks it
     (NOTE [ Calls of a key that runs eagerly ]): its entry, the reason its calls are counted with."""
 
-    __slots__ = ("entry", "reason", "fallback_reason", "tally", "_idle", "_call_of")
+    __slots__ = ("entry", "reason", "fallback_reason", "tally", "gate", "_idle", "_call_of")
 
     def __init__(self, entry, reason, counters, wrapper):
         self.entry, self.reason, self.fallback_reason = entry, reason, entry.fallback_reason
         self.tally = counters.tally(reason)  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
         self._idle, self._call_of = wrapper._body.idle, wrapper._keys.is_call_of  # the wrapper's own, looked up once
+        self.gate = known_gate(entry, wrapper, _FALLBACK)  # take() read in C: NOTE [ The front door ] in core/front.py
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would run the call
@@ -268,6 +270,7 @@ class KnownRefused:
 
     __slots__ = ("key", "tally")
     reason = MAX_GRAPHS
+    gate = None  # the front door asks take() itself (NOTE [ The front door ] in core/front.py)
 
     def __init__(self, key, counters):
         self.key = key

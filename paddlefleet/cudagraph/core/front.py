@@ -12,10 +12,16 @@ that reads the wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` a
 weakref, calls)`` (the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or
 ``when()`` true: the same function the wrapper asks) and the owner is alive, counts the call in the rule's tally and
 in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns. Without a rule,
-a call of positional arguments that the wrapper's key known to run eagerly takes (``KnownEager.take``, Python, which
-decides and keeps the books exactly as the wrapper's ``__call__`` asks it to: NOTE [ Calls of a key that runs
-eagerly ] in core/dispatch.py) is counted in that key's tally and run the same way. Any other call goes to the
-wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
+a call of positional arguments that the wrapper's key known to run eagerly takes is counted in that key's tally and
+run the same way. Whether it takes the call is ``KnownEager.take``'s answer (NOTE [ Calls of a key that runs
+eagerly ] in core/dispatch.py), read in C from the key's ``gate`` (``known_gate``): the entry still in FALLBACK
+with the same reason, this thread's nesting count (backends.thread_nesting), the saved-tensors hooks' state, the
+stale outputs and the host marks (their dicts), what the body's idle() reads (Body.idle_holder: a chain's thread
+state, or nothing), the positional specs by count and the tracked Layers; the key read from the entry on every
+call and compared as ``key_of`` compares it; and the books kept as take() keeps them (the wrapper's tick, the
+entry's last use). Where a value is not what the gate expects (a tensor marked host, an entry not the latest, a
+body whose idle() it cannot read, a tensor the compiled reads leave to Python) the front asks ``take()`` itself.
+Any other call goes to the wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
 .stats()``, ``.explain()``, ``.reset()``, ``inspect.signature(layer.forward)`` and the wrapper's internals read as
 before; ``copy.deepcopy`` of the Layer gives its copy a front in front of the wrapper's copy, and a pickled Layer
 gets a front again in front of its unpickled wrapper (``unpickled``). ``behind(obj)`` is the wrapper behind a front (``obj`` itself otherwise). Without the
@@ -24,8 +30,13 @@ compares the two.
 """
 
 from .. import native
+from ..backends import thread_nesting
+from ..guards import saved_hooks
+from ..guards.host_marks import marks
+from ..io.stale_outputs import stale_registry
+from .call import positional_forms
 
-__all__ = ["behind", "front", "is_front", "unpickled"]
+__all__ = ["behind", "front", "is_front", "known_gate", "unpickled"]
 
 
 def front(wrapper):
@@ -43,6 +54,13 @@ def is_front(obj):
 def behind(obj):
     """The wrapper behind the front ``obj``, or ``obj`` itself."""
     return obj._front_target if is_front(obj) else obj
+
+
+def known_gate(entry, wrapper, fallback_phase):
+    """What the front door reads to answer ``KnownEager.take`` for ``entry`` (a key of ``wrapper`` in
+    ``fallback_phase``) in C (NOTE [ The front door ])."""
+    return (entry, fallback_phase, entry.fallback_reason, thread_nesting(), saved_hooks.registration(),
+            stale_registry(), marks(), wrapper._body.idle_holder(), positional_forms(), wrapper._keys.layers)
 
 
 def unpickled(wrapper):

@@ -7,7 +7,7 @@ them at capture, as a GPU graph does. Marks do not propagate to the results of o
 
 import weakref
 
-__all__ = ["mark_host", "is_marked_host", "any_marked"]
+__all__ = ["mark_host", "is_marked_host", "any_marked", "marks"]
 
 # id -> weakref of the marked tensors.
 _marked = {}
@@ -26,6 +26,11 @@ def is_marked_host(t):
         return False
     ref = _marked.get(id(t))
     return ref is not None and ref() is t
+
+
+def marks():
+    """The dict any_marked() reads (a compiled check reads it too: NOTE [ The front door ] in core/front.py)."""
+    return _marked
 
 
 def any_marked():

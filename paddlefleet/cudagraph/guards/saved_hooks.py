@@ -61,6 +61,12 @@ def active():
     return _STATE["registered"]
 
 
+def registration():
+    """The dict whose ``"registered"`` active() reads (a compiled check reads it too: NOTE [ The front door ] in
+    core/front.py)."""
+    return _STATE
+
+
 def _wrap(name, registered):
     original = getattr(core.eager, name)
     if getattr(original, "_paddlefleet_saved_hooks", False):

@@ -29,7 +29,7 @@ import weakref
 from ..errors import StaleOutputError
 from ..guards.paddle_patches import install_for_process
 
-__all__ = ["StaleOutputs", "any_stale", "check_fresh"]
+__all__ = ["StaleOutputs", "any_stale", "check_fresh", "stale_registry"]
 
 # id -> (weakref, message) of outputs a later replay overwrote (NOTE [ Stale outputs ]).
 _stale = {}
@@ -42,6 +42,11 @@ def _forget(key):
 def any_stale():
     """True while some output a later replay overwrote is alive (check_fresh may raise)."""
     return bool(_stale)
+
+
+def stale_registry():
+    """The dict any_stale() reads (a compiled check reads it too: NOTE [ The front door ] in core/front.py)."""
+    return _stale
 
 
 def check_fresh(tensors):

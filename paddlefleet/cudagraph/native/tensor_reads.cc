@@ -521,59 +521,56 @@ PyObject* py_state(PyObject*, PyObject*) {
 // be read here (the caller reads them in Python). A non-tensor argument answers False (the call has another form).
 PyObject* training_name = nullptr;  // "training"
 
-PyObject* py_key_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "key_of(args, metas, grad, amp, layers, training)");
-    return nullptr;
-  }
-  PyObject* call = args[0];
-  PyObject* metas = args[1];
-  PyObject* layers = args[4];
-  PyObject* training = args[5];
-  if (tensor_type == nullptr || !PyTuple_Check(call) || !PyTuple_Check(metas) || !PyList_Check(layers) ||
-      !PyTuple_Check(training))
-    Py_RETURN_NONE;  // read in Python
-  Py_ssize_t n = PyTuple_GET_SIZE(call);
-  if (n != PyTuple_GET_SIZE(metas)) Py_RETURN_FALSE;
+// Whether the call of the ``n`` positional ``call`` arguments is of the key whose argument metas are ``metas`` and
+// whose state is (grad, amp, training), with ``layers``' training flags: kYes, kNo, kUnknown (read in Python), -2
+// with an error set.
+int key_matches(PyObject* const* call, Py_ssize_t n, PyObject* metas, PyObject* grad, PyObject* amp_want,
+                PyObject* layers, PyObject* training) {
+  if (tensor_type == nullptr || !PyTuple_Check(metas) || !PyList_Check(layers) || !PyTuple_Check(training))
+    return kUnknown;
+  if (n != PyTuple_GET_SIZE(metas)) return kNo;
   bool unknown = false;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyTuple_GET_ITEM(call, i);
-    if (!PyObject_TypeCheck(obj, tensor_type)) Py_RETURN_FALSE;
-    int r = matches(obj, PyTuple_GET_ITEM(metas, i));
-    if (r == -2) return nullptr;
-    if (r == kNo) Py_RETURN_FALSE;
+    if (!PyObject_TypeCheck(call[i], tensor_type)) return kNo;
+    int r = matches(call[i], PyTuple_GET_ITEM(metas, i));
+    if (r == -2 || r == kNo) return r;
     if (r == kUnknown) unknown = true;
   }
-  if (unknown) Py_RETURN_NONE;
+  if (unknown) return kUnknown;
   bool no_state;
   PyObject* state = current_state(&no_state);  // borrowed
-  if (state == nullptr) {
-    if (no_state) Py_RETURN_NONE;
-    return nullptr;
-  }
-  if (PyTuple_GET_ITEM(state, 0) != args[2]) Py_RETURN_FALSE;
+  if (state == nullptr) return no_state ? kUnknown : -2;
+  if (PyTuple_GET_ITEM(state, 0) != grad) return kNo;
   PyObject* amp = PyTuple_GET_ITEM(state, 1);
-  if (amp != args[3]) {
-    int eq = PyObject_RichCompareBool(amp, args[3], Py_EQ);
-    if (eq < 0) return nullptr;
-    if (!eq) Py_RETURN_FALSE;
+  if (amp != amp_want) {
+    int eq = PyObject_RichCompareBool(amp, amp_want, Py_EQ);
+    if (eq <= 0) return eq < 0 ? -2 : kNo;
   }
   Py_ssize_t m = PyList_GET_SIZE(layers);
-  if (m != PyTuple_GET_SIZE(training)) Py_RETURN_FALSE;
+  if (m != PyTuple_GET_SIZE(training)) return kNo;
   for (Py_ssize_t j = 0; j < m && j < PyList_GET_SIZE(layers); ++j) {
     PyObject* layer = PyList_GET_ITEM(layers, j);
     Py_INCREF(layer);  // the list may change while the attribute is read
     PyObject* flag = PyObject_GetAttr(layer, training_name);
     Py_DECREF(layer);
-    if (flag == nullptr) return nullptr;
+    if (flag == nullptr) return -2;
     PyObject* want = PyTuple_GET_ITEM(training, j);
     int eq = flag == want ? 1 : PyObject_RichCompareBool(flag, want, Py_EQ);
     Py_DECREF(flag);
-    if (eq < 0) return nullptr;
-    if (!eq) Py_RETURN_FALSE;
+    if (eq <= 0) return eq < 0 ? -2 : kNo;
   }
-  if (PyList_GET_SIZE(layers) != m) Py_RETURN_NONE;  // changed while read: Python reads again
-  Py_RETURN_TRUE;
+  return PyList_GET_SIZE(layers) == m ? kYes : kUnknown;  // changed while read: Python reads again
+}
+
+PyObject* py_key_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "key_of(args, metas, grad, amp, layers, training)");
+    return nullptr;
+  }
+  if (!PyTuple_Check(args[0])) Py_RETURN_NONE;  // read in Python
+  int r = key_matches(&PyTuple_GET_ITEM(args[0], 0), PyTuple_GET_SIZE(args[0]), args[1], args[2], args[3], args[4],
+                      args[5]);
+  return answer(r);
 }
 
 // ---------------------------------------------------------------- the front door of a Layer graphed in place
@@ -596,6 +593,16 @@ PyObject* eager_parts_name = nullptr;  // "_eager_parts"
 PyObject* known_name = nullptr;        // "_known_eager"
 PyObject* tally_name = nullptr;        // "tally"
 PyObject* take_name = nullptr;         // "take"
+PyObject* gate_name = nullptr;  // "gate"
+PyObject* phase_name = nullptr;  // "phase"
+PyObject* fallback_reason_name = nullptr;  // "fallback_reason"
+PyObject* nested_name = nullptr;  // "nested"
+PyObject* registered_name = nullptr;  // "registered"
+PyObject* run_name = nullptr;  // "run"
+PyObject* key_name = nullptr;  // "key"
+PyObject* latest_name = nullptr;  // "_latest"
+PyObject* tick_name = nullptr;  // "_tick"
+PyObject* last_used_name = nullptr;  // "last_used"
 
 // cell[0] += 1 for a one-item list; -1 with an error set.
 int bump(PyObject* cell) {
@@ -634,6 +641,90 @@ PyObject* run_counted(PyObject* tally, PyObject* parts, PyObject* owner, PyObjec
   return result;
 }
 
+// KnownEager.take(target, args) read in C from ``known.gate`` (NOTE [ The front door ] in core/front.py): 1 (taken,
+// the wrapper's books kept), 0 (not this key's call now: nothing was changed), 2 (this file cannot tell: the caller
+// asks Python's take), -1 with an error set. The gate is (entry, FALLBACK, fallback reason, this thread's nesting,
+// the saved-tensors hooks state, the stale outputs, the host marks, what idle() reads (None: always idle; an object
+// whose ``run`` is None when idle; False: ask Python), the positional specs by count, the tracked Layers).
+int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* gate = PyObject_GetAttr(known, gate_name);
+  if (gate == nullptr) return -1;
+  int verdict = 2;
+  PyObject* phase = nullptr;
+  PyObject* reason = nullptr;
+  PyObject* nested = nullptr;
+  PyObject* run = nullptr;
+  PyObject* key = nullptr;
+  PyObject* latest = nullptr;
+  PyObject* tick = nullptr;
+  PyObject* next = nullptr;
+  do {
+    if (!PyTuple_CheckExact(gate) || PyTuple_GET_SIZE(gate) != 10) break;
+    PyObject* entry = PyTuple_GET_ITEM(gate, 0);
+    if ((phase = PyObject_GetAttr(entry, phase_name)) == nullptr) { verdict = -1; break; }
+    if (phase != PyTuple_GET_ITEM(gate, 1)) { verdict = 0; break; }
+    if ((reason = PyObject_GetAttr(entry, fallback_reason_name)) == nullptr) { verdict = -1; break; }
+    if (reason != PyTuple_GET_ITEM(gate, 2)) { verdict = 0; break; }
+    if ((nested = PyObject_GetAttr(PyTuple_GET_ITEM(gate, 3), nested_name)) == nullptr) { verdict = -1; break; }
+    if (!PyLong_CheckExact(nested)) break;
+    if (PyLong_AsLong(nested) != 0) { verdict = 0; break; }
+    PyObject* hooks_state = PyTuple_GET_ITEM(gate, 4);
+    PyObject* stale = PyTuple_GET_ITEM(gate, 5);
+    PyObject* marks = PyTuple_GET_ITEM(gate, 6);
+    if (!PyDict_CheckExact(hooks_state) || !PyDict_CheckExact(stale) || !PyDict_CheckExact(marks)) break;
+    PyObject* registered = PyDict_GetItemWithError(hooks_state, registered_name);  // borrowed
+    if (registered == nullptr) { verdict = PyErr_Occurred() ? -1 : 2; break; }
+    if (registered != Py_False) { verdict = registered == Py_True ? 0 : 2; break; }
+    if (PyDict_GET_SIZE(stale) != 0) { verdict = 0; break; }
+    if (PyDict_GET_SIZE(marks) != 0) break;  // a tensor marked host: Python reads the marks
+    PyObject* idle = PyTuple_GET_ITEM(gate, 7);
+    if (idle == Py_False) break;
+    if (idle != Py_None) {
+      if ((run = PyObject_GetAttr(idle, run_name)) == nullptr) { verdict = -1; break; }
+      if (run != Py_None) { verdict = 0; break; }
+    }
+    if ((key = PyObject_GetAttr(entry, key_name)) == nullptr) { verdict = -1; break; }
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3) break;
+    if (PyTuple_GET_ITEM(key, 0) != Py_False) { verdict = PyTuple_GET_ITEM(key, 0) == Py_True ? 0 : 2; break; }
+    PyObject* arguments = PyTuple_GET_ITEM(key, 1);
+    PyObject* state = PyTuple_GET_ITEM(key, 2);
+    if (!PyTuple_Check(arguments) || PyTuple_GET_SIZE(arguments) != 2 || !PyTuple_Check(state) ||
+        PyTuple_GET_SIZE(state) != 3 || !PyDict_CheckExact(PyTuple_GET_ITEM(gate, 8)))
+      break;
+    PyObject* metas = PyTuple_GET_ITEM(arguments, 1);
+    if (!PyTuple_Check(metas) || PyTuple_GET_SIZE(metas) != nargs) { verdict = PyTuple_Check(metas) ? 0 : 2; break; }
+    PyObject* count = PyLong_FromSsize_t(nargs);
+    if (count == nullptr) { verdict = -1; break; }
+    PyObject* form = PyDict_GetItemWithError(PyTuple_GET_ITEM(gate, 8), count);  // borrowed
+    Py_DECREF(count);
+    if (form == nullptr || form != PyTuple_GET_ITEM(arguments, 0)) { verdict = PyErr_Occurred() ? -1 : 2; break; }
+    int r = key_matches(args, nargs, metas, PyTuple_GET_ITEM(state, 0), PyTuple_GET_ITEM(state, 1),
+                        PyTuple_GET_ITEM(gate, 9), PyTuple_GET_ITEM(state, 2));
+    if (r == -2) { verdict = -1; break; }
+    if (r != kYes) { verdict = r == kNo ? 0 : 2; break; }
+    // the books dispatch keeps (_used): the wrapper's tick, the entry's last use; the entry already the latest
+    if ((latest = PyObject_GetAttr(target, latest_name)) == nullptr) { verdict = -1; break; }
+    if (latest != entry) break;
+    if ((tick = PyObject_GetAttr(target, tick_name)) == nullptr) { verdict = -1; break; }
+    if ((next = PyNumber_Add(tick, one)) == nullptr) { verdict = -1; break; }
+    if (PyObject_SetAttr(target, tick_name, next) < 0 || PyObject_SetAttr(entry, last_used_name, next) < 0) {
+      verdict = -1;
+      break;
+    }
+    verdict = 1;
+  } while (false);
+  Py_XDECREF(next);
+  Py_XDECREF(tick);
+  Py_XDECREF(latest);
+  Py_XDECREF(key);
+  Py_XDECREF(run);
+  Py_XDECREF(nested);
+  Py_XDECREF(reason);
+  Py_XDECREF(phase);
+  Py_DECREF(gate);
+  return verdict;
+}
+
 // The result of a call the front runs itself (the wrapper's own answer, without its Python), or nullptr: with an
 // error set where it failed, else the call goes to the target. A keyless rule whose ``when`` is None or true runs the
 // call as the wrapper's pass-through does (NOTE [ Pass-through wrappers ]); without a rule, a call of positional
@@ -668,15 +759,19 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
       parts = PyObject_GetAttr(target, eager_parts_name);
       owner = parts == nullptr ? nullptr : live_owner(parts);  // before take(), which keeps the books
       tally = owner == nullptr ? nullptr : PyObject_GetAttr(known, tally_name);
-      PyObject* call = tally == nullptr ? nullptr : PyTuple_New(nargs);
-      for (Py_ssize_t i = 0; call != nullptr && i < nargs; ++i) {
-        Py_INCREF(args[i]);
-        PyTuple_SET_ITEM(call, i, args[i]);
+      int taken = tally == nullptr ? 0 : known_take(known, target, args, nargs);
+      if (taken == 2) {  // Python's take decides (and keeps the books)
+        PyObject* call = PyTuple_New(nargs);
+        for (Py_ssize_t i = 0; call != nullptr && i < nargs; ++i) {
+          Py_INCREF(args[i]);
+          PyTuple_SET_ITEM(call, i, args[i]);
+        }
+        PyObject* took = call == nullptr ? nullptr : PyObject_CallMethodObjArgs(known, take_name, target, call, nullptr);
+        Py_XDECREF(call);
+        taken = took == nullptr ? -1 : PyObject_IsTrue(took);
+        Py_XDECREF(took);
       }
-      PyObject* took = call == nullptr ? nullptr : PyObject_CallMethodObjArgs(known, take_name, target, call, nullptr);
-      Py_XDECREF(call);
-      run = took != nullptr && PyObject_IsTrue(took) == 1;
-      Py_XDECREF(took);
+      run = taken == 1;
       if (tally != nullptr) Py_DECREF(tally);  // still held by known
     }
   }
@@ -871,9 +966,19 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   known_name = PyUnicode_InternFromString("_known_eager");
   tally_name = PyUnicode_InternFromString("tally");
   take_name = PyUnicode_InternFromString("take");
+  gate_name = PyUnicode_InternFromString("gate");
+  phase_name = PyUnicode_InternFromString("phase");
+  fallback_reason_name = PyUnicode_InternFromString("fallback_reason");
+  nested_name = PyUnicode_InternFromString("nested");
+  registered_name = PyUnicode_InternFromString("registered");
+  run_name = PyUnicode_InternFromString("run");
+  key_name = PyUnicode_InternFromString("key");
+  latest_name = PyUnicode_InternFromString("_latest");
+  tick_name = PyUnicode_InternFromString("_tick");
+  last_used_name = PyUnicode_InternFromString("last_used");
   if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
       one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr || known_name == nullptr ||
-      tally_name == nullptr || take_name == nullptr)
+      tally_name == nullptr || take_name == nullptr || gate_name == nullptr || phase_name == nullptr || fallback_reason_name == nullptr || nested_name == nullptr || registered_name == nullptr || run_name == nullptr || key_name == nullptr || latest_name == nullptr || tick_name == nullptr || last_used_name == nullptr)
     return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
