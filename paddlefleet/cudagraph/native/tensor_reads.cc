@@ -728,8 +728,9 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
 // The result of a call the front runs itself (the wrapper's own answer, without its Python), or nullptr: with an
 // error set where it failed, else the call goes to the target. A keyless rule whose ``when`` is None or true runs the
 // call as the wrapper's pass-through does (NOTE [ Pass-through wrappers ]); without a rule, a call of positional
-// arguments that the key known to run eagerly takes (``target._known_eager.take(target, args)``, which keeps the
-// wrapper's books: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py) runs as the wrapper runs it.
+// arguments that the key known to run eagerly takes (known_take from its gate, or ``take(target, args)`` itself
+// where the gate cannot tell; either keeps the wrapper's books: NOTE [ Calls of a key that runs eagerly ] in
+// core/dispatch.py) runs as the wrapper runs it.
 PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   PyObject* keyless = PyObject_GetAttr(target, keyless_name);
   if (keyless == nullptr) return nullptr;
