@@ -784,8 +784,11 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
   return result;
 }
 
+PyObject* front_target(PyObject* self);
+
 PyObject* front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  PyObject* target = reinterpret_cast<FrontObject*>(self)->target;
+  PyObject* target = front_target(self);  // null only once the collector cleared the front (then it raises)
+  if (target == nullptr) return nullptr;
   Py_INCREF(target);  // a call may replace the Layer's forward, dropping this front
   PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames);
   if (result == nullptr && !PyErr_Occurred()) result = PyObject_Vectorcall(target, args, nargsf, kwnames);
