@@ -40,12 +40,12 @@ but the key decides such a call, so two things make it cost little more than the
   one, and dropped when the wrapper's options are set) and no keyword argument; and ``KeyMaker.is_call_of`` the
   entry's key (is_key_of without making the spec; the tensors, grad mode, autocast and the training flags read
   and compared in one compiled call where it can: ``key_of``, NOTE [ Compiled tensor reads ] in
-  native/__init__.py): no tensor marked host, the same number of positional arguments, each a tensor whose shape, dtype (its
-  int, or the very dtype object read before with that int), place key and stop_gradient are the key's, read
-  from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
-  changes them on the same object); and grad mode, the autocast state and the training flag of every tracked
-  Layer as in the entry's key (a capture of another key may have added Layers: the entry's own key is
-  compared, extended). It keeps the same books.
+  native/__init__.py): no tensor marked host, the same number of positional arguments, each a tensor whose shape,
+  dtype (its int, or the very dtype object read before with that int), place key and stop_gradient are the key's,
+  read from the tensor on every call (an in-place op, ``paddle.assign(output=)`` or a flipped stop_gradient
+  changes them on the same object); and grad mode, the autocast state and the training flag of every tracked Layer
+  as in the entry's key (a capture of another key may have added Layers: the entry's own key is compared,
+  extended). It keeps the same books.
 Any other call (keyword or non-tensor arguments, dispatch_key_fn, another key) takes the full path; a new
 key warms up and captures as before.
 A key refused under max_graphs that dispatch() refused again (no entry made: NOTE [ Places under max_graphs ]
@@ -134,9 +134,8 @@ _FALLBACK = Phase.FALLBACK
 def keyless_rule(rule, counters):
     """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)``
     (core/pass_through.py: its calls run eagerly for reason, without a key, while ``when`` is None or ``when()``
-    holds), the
-    Decision made once, the wrapper's ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies of calls
-    without a Decision ] in core/stats.py); or None."""
+    holds), the Decision made once, the wrapper's ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies
+    of calls without a Decision ] in core/stats.py); or None."""
     if rule is None:
         return None
     return rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0])

@@ -6,27 +6,27 @@ it. A wrapper whose calls pass straight through (a keyless rule: every key slowe
 backend=None without a CUDA build: NOTE [ Pass-through wrappers ] in core/pass_through.py) costs what its Python
 costs around the Layer's own forward: the wrapper's ``__call__``, the rule's check, the body's eager runner, three
 frames measured at 1.3-1.9 us a call on an H200 host (docs/reports/pass_through_probe.md), which for a model of
-one-matmul layers that eager_if_slower sent eager left the step 3% slower than eager's. Where the compiled module
-is loaded (NOTE [ Compiled tensor reads ] in native/__init__.py) the Layer holds a ``Front`` instead: a C callable
-that reads the wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` and ``_eager_parts`` ``(fn, owner
-weakref, calls)`` (the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or
+one-matmul layers that eager_if_slower sent eager left the step 3% slower than eager's. Where the compiled module is
+loaded (NOTE [ Compiled tensor reads ] in native/__init__.py) the Layer holds a ``Front`` instead: a C callable that
+reads the wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` and ``_eager_parts`` ``(fn, owner weakref,
+calls)`` (the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or
 ``when()`` true: the same function the wrapper asks) and the owner is alive, counts the call in the rule's tally and
-in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns. Without a rule,
-a call of positional arguments that the wrapper's key known to run eagerly takes is counted in that key's tally and
-run the same way. Whether it takes the call is ``KnownEager.take``'s answer (NOTE [ Calls of a key that runs
-eagerly ] in core/dispatch.py), read in C from the key's ``gate`` (``known_gate``): the entry still in FALLBACK
+in ``calls`` and returns ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns. Without a
+rule, a call of positional arguments that the wrapper's key known to run eagerly takes is counted in that key's
+tally and run the same way. Whether it takes the call is ``KnownEager.take``'s answer (NOTE [ Calls of a key that
+runs eagerly ] in core/dispatch.py), read in C from the key's ``gate`` (``known_gate``): the entry still in FALLBACK
 with the same reason, this thread's nesting count (backends.thread_nesting), the saved-tensors hooks' state, the
 stale outputs and the host marks (their dicts), what the body's idle() reads (Body.idle_holder: a chain's thread
-state, or nothing), the positional specs by count and the tracked Layers; the key read from the entry on every
-call and compared as ``key_of`` compares it; and the books kept as take() keeps them (the wrapper's tick, the
-entry's last use). Where a value is not what the gate expects (a tensor marked host, an entry not the latest, a
-body whose idle() it cannot read, a tensor the compiled reads leave to Python) the front asks ``take()`` itself.
-Any other call goes to the wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted): ``layer.forward
-.stats()``, ``.explain()``, ``.reset()``, ``inspect.signature(layer.forward)`` and the wrapper's internals read as
-before; ``copy.deepcopy`` of the Layer gives its copy a front in front of the wrapper's copy, and a pickled Layer
-gets a front again in front of its unpickled wrapper (``unpickled``). ``behind(obj)`` is the wrapper behind a front (``obj`` itself otherwise). Without the
-module the Layer holds the wrapper itself, as before: the pure-Python path stays the fallback, and tests/native
-compares the two.
+state, or nothing), the positional specs by count and the tracked Layers; the key read from the entry on every call
+and compared as ``key_of`` compares it; and the books kept as take() keeps them (the wrapper's tick, the entry's
+last use). Where a value is not what the gate expects (a tensor marked host, an entry not the latest, a body whose
+idle() it cannot read, a tensor the compiled reads leave to Python) the front asks ``take()`` itself. Any other call
+goes to the wrapper, unchanged. Every attribute of the front is the wrapper's (read, set, deleted):
+``layer.forward.stats()``, ``.explain()``, ``.reset()``, ``inspect.signature(layer.forward)`` and the wrapper's
+internals read as before; ``copy.deepcopy`` of the Layer gives its copy a front in front of the wrapper's copy, and
+a pickled Layer gets a front again in front of its unpickled wrapper (``unpickled``). ``behind(obj)`` is the wrapper
+behind a front (``obj`` itself otherwise). Without the module the Layer holds the wrapper itself, as before: the
+pure-Python path stays the fallback, and tests/core/test_front.py compares the two.
 """
 
 from .. import native

@@ -48,7 +48,7 @@ class Lifecycle(Reports, Views, Runner):
         native.load()  # NOTE [ Compiled tensor reads ] in native/__init__.py: built or loaded once per process
         self._body = body
         self._run_eager = body.eager_runner()  # body.run, laid out once: the calls that run eagerly without a Decision
-        self._eager_parts = body.eager_parts()  # the same for a compiled front door: NOTE [ The front door ] in core/front.py
+        self._eager_parts = body.eager_parts()  # the same for the front door: NOTE [ The front door ] in core/front.py
         self._entries = collections.OrderedDict()
         self._warned = set()
         self._last_refusal = None

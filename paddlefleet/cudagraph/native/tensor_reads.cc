@@ -767,7 +767,8 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
           Py_INCREF(args[i]);
           PyTuple_SET_ITEM(call, i, args[i]);
         }
-        PyObject* took = call == nullptr ? nullptr : PyObject_CallMethodObjArgs(known, take_name, target, call, nullptr);
+        PyObject* took =
+            call == nullptr ? nullptr : PyObject_CallMethodObjArgs(known, take_name, target, call, nullptr);
         Py_XDECREF(call);
         taken = took == nullptr ? -1 : PyObject_IsTrue(took);
         Py_XDECREF(took);
@@ -982,7 +983,10 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   last_used_name = PyUnicode_InternFromString("last_used");
   if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
       one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr || known_name == nullptr ||
-      tally_name == nullptr || take_name == nullptr || gate_name == nullptr || phase_name == nullptr || fallback_reason_name == nullptr || nested_name == nullptr || registered_name == nullptr || run_name == nullptr || key_name == nullptr || latest_name == nullptr || tick_name == nullptr || last_used_name == nullptr)
+      tally_name == nullptr || take_name == nullptr || gate_name == nullptr || phase_name == nullptr ||
+      fallback_reason_name == nullptr || nested_name == nullptr || registered_name == nullptr ||
+      run_name == nullptr || key_name == nullptr || latest_name == nullptr || tick_name == nullptr ||
+      last_used_name == nullptr)
     return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
