@@ -226,17 +226,11 @@ class KeyMaker:
     def is_call_of(self, key, args):
         """``is_key_of(key, positional_spec(args, None), args)``, the spec made only where the compiled reads
         cannot tell (a call of a key known to run eagerly: NOTE [ Calls of a key that runs eagerly ] in
-        core/dispatch.py). The compiled ``key_of`` answers False for an argument that is not a tensor."""
-        if key.user:
-            return False
-        metas = key.arguments[1]
-        compiled = native.reads
-        if (compiled is not None and len(args) == len(metas) and key.arguments[0] is positional_form(len(args))
-                and not any_marked()):
-            grad, amp, training = key.state
-            same = compiled.key_of(args, metas, grad, amp, self.layers, training)
-            if same is not None:
-                return same
+        core/dispatch.py): where they can, the spec of a call of ``len(args)`` tensors is taken as the call's, and
+        the compiled ``key_of`` answers False for an argument that is not a tensor."""
+        form = positional_form(len(args))
+        if native.reads is not None and form is not None and not any_marked():
+            return self.is_key_of(key, form, args)
         return self.is_key_of(key, positional_spec(args, None), args)
 
     def track(self, layers):
