@@ -3,6 +3,7 @@ loaded the Layer's forward is a Front that runs a keyless rule's calls itself, i
 pass-through runs them (same result, same counts, same errors), sends every other call and every attribute to the
 wrapper, and survives copies and pickles; without the module the Layer holds the wrapper itself."""
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -16,6 +17,7 @@ import paddle
 
 from paddlefleet.cudagraph import autocudagraph, native
 from paddlefleet.cudagraph.block.graphed import GraphedCallable
+from paddlefleet.cudagraph.core.dispatch import MAX_GRAPHS, KnownRefused
 from paddlefleet.cudagraph.core.front import behind, is_front
 from paddlefleet.cudagraph.core.host_cost import ALL_SLOWER, HostCost
 from paddlefleet.cudagraph.core.pass_through import NO_PLACES
@@ -142,6 +144,17 @@ class FrontDoorTest(BackendCase):
         after = (wrapper.counters.eager_reasons[reason], wrapper._tick, CALLS[0], known.entry.last_used)
         self.assertEqual([a - b for a, b in zip(after, before)], [3, 3, 3, 3])
         self.assertEqual(known.entry.last_used, wrapper._tick)
+        wrapper._run_eager = wrapper._body.eager_runner()
+        with mock.patch.dict(marks(), clear=True), \
+                mock.patch.object(type(known), "take", side_effect=AssertionError("take() asked")):
+            for _ in range(2):  # calls of the graphed key between: the C take moves the entries' order back
+                self.assertBitwise(graphed(other), own(other))
+                self.assertIsNot(wrapper._latest, known.entry)
+                self.assertBitwise(graphed(self.x), own(self.x))
+                self.assertIs(wrapper._latest, known.entry)
+                self.assertIs(list(wrapper._entries.values())[-1], known.entry)
+                self.assertEqual(known.entry.last_used, wrapper._tick)
+        wrapper._run_eager = None
         marked = mark_host(paddle.zeros([1]))  # a tensor marked host alive: the front asks take() itself
         with mock.patch.object(type(known), "take", autospec=True, side_effect=type(known).take) as asked:
             self.assertBitwise(graphed(self.x), own(self.x))
@@ -152,6 +165,91 @@ class FrontDoorTest(BackendCase):
         replays = wrapper.stats()["replays"]
         self.assertBitwise(graphed(other), own(other))  # the graphed key: replayed
         self.assertEqual(wrapper.stats()["replays"], replays + 1)
+
+    def test_calls_of_a_key_refused_under_max_graphs_are_refused_in_c_with_the_books_dispatch_keeps(self):
+        """KnownRefused's take read from its gate decides, call by call, what dispatch() decides, and keeps the same
+        books (the places' remembered calls, the wrapper's tick, the entries, the counts) as the full path."""
+        from paddlefleet.cudagraph.core import dispatch as dispatch_module, lifecycle
+
+        a, b, c = paddle.randn([2, 4]), paddle.randn([3, 4]), paddle.randn([4, 4])
+
+        def run(in_c):
+            paddle.seed(5)
+            own, twin = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+            twin.set_state_dict(own.state_dict())
+            graphed = autocudagraph(twin, backend="simulate", warmup_steps=1, max_graphs=1)
+            wrapper = behind(graphed.forward)
+            dispatched, books = [], []
+            real = lifecycle.dispatch
+            with contextlib.ExitStack() as stack, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stack.enter_context(mock.patch.object(
+                    lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
+                stack.enter_context(mock.patch.dict(marks(), clear=True))  # no tensor marked host by another test
+                if in_c:  # the gate answers: take() is never asked
+                    stack.enter_context(mock.patch.object(
+                        dispatch_module.KnownRefused, "take", side_effect=AssertionError("take() asked")))
+                else:  # no gate, and take() says no: every call goes through dispatch()
+                    stack.enter_context(mock.patch.object(dispatch_module, "refused_gate", lambda *args: None))
+                    stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
+                # b refused while a replays between its calls; c refused too; then b twice in a row takes a's place
+                for t in [a, a, b] + [a, b] * 4 + [c, b, a, b, b, b, a, c, a]:
+                    self.assertBitwise(graphed(t), own(t))
+                    stats = wrapper.stats()
+                    books.append(([stats[k] for k in ("eager_calls", "eager_reasons", "replays", "captures",
+                                                      "warmup_calls", "evictions")],
+                                  list(wrapper._places.waiting().items()), wrapper._tick, wrapper._last_refusal,
+                                  [e.label for e in wrapper._entries.values()]))
+            return books, dispatched
+
+        in_c, dispatched = run(True)
+        full, every = run(False)
+        self.assertEqual(in_c, full)
+        self.assertEqual(len(every), 20)
+        self.assertEqual(len(dispatched), 20 - 6, "six calls of b refused from the front")
+        self.assertEqual(in_c[-1][0][1], {MAX_GRAPHS: 11})
+
+    def test_a_call_the_front_asked_about_goes_straight_to_dispatch(self):
+        """A call that the front's known key does not take (a graphed key's call beside it), or whose keyless rule
+        does not hold, is not asked about again by the wrapper: dispatch() decides it at once."""
+        from paddlefleet.cudagraph.errors import CudaGraphError
+
+        graphed = autocudagraph(Scaled(), backend="simulate", warmup_steps=1)
+        wrapper = behind(graphed.forward)
+        other = paddle.randn([3, 4])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                graphed(other)  # a key captured and replayed
+            capture = wrapper._body.capture
+            wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
+            for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
+                graphed(self.x)
+            wrapper._body.capture = capture
+        known = wrapper._known_eager
+        replays = wrapper.stats()["replays"]
+        with mock.patch.dict(marks(), clear=True), \
+                mock.patch.object(type(known), "take", side_effect=AssertionError("take() asked")):
+            for _ in range(3):
+                graphed(other)  # the gate says no in C; the wrapper does not ask take() again
+        self.assertEqual(wrapper.stats()["replays"], replays + 3)
+        with mock.patch.object(type(known), "take", autospec=True, return_value=False) as asked:
+            wrapper._known_eager = known  # (a patched class attribute: the front and the wrapper see the same)
+            known.gate = None  # the gate cannot tell: the front asks take() once, and only the front
+            graphed(other)
+        self.assertEqual(asked.call_count, 1)
+        self.assertEqual(wrapper.stats()["replays"], replays + 4)
+        rule = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
+        wrapper = behind(rule.forward)
+        keyless = wrapper._keyless
+        asked = []
+        wrapper._keyless = (keyless[0], lambda: asked.append(1) or keyless[1](), keyless[2], keyless[3])
+        with paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rule(self.x)  # the rule's condition fails: asked by the front, then by dispatch() (which reads it too)
+            self.assertEqual(len(asked), 2)
+            wrapper(self.x)  # the wrapper's own __call__ asks as the front does
+            self.assertEqual(len(asked), 4)
 
     def test_a_call_whose_rule_does_not_hold_goes_to_the_wrapper(self):
         graphed = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
@@ -260,6 +358,21 @@ class FrontOnDeviceTest(MatmulOnlyCase):
         for t, g in ((x, dy), (other, dyo)):
             self.assertBitwise(self.step(graphed, t, g), self.step(own, t, g))
         self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], 2)
+
+    def test_calls_of_a_key_refused_under_max_graphs(self):
+        own, twin = self.twins()
+        graphed = self.graphed(twin, warmup_steps=1, eager_if_slower=False, max_graphs=1)
+        wrapper = behind(graphed.forward)
+        x, other, dy, dyo = (self.tensor(n, 8) for n in (4, 3, 4, 3))
+        x.stop_gradient = other.stop_gradient = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for t, g in [(other, dyo)] * 3 + [(x, dy), (other, dyo)] * 5:  # x refused while the other key replays
+                self.assertBitwise(self.step(graphed, t, g), self.step(own, t, g))
+        self.assertIsInstance(wrapper._known_eager, KnownRefused)
+        stats = wrapper.stats()
+        self.assertEqual((stats["captures"], stats["eager_reasons"]), (1, {MAX_GRAPHS: 5}))
+        self.assertEqual(stats["replays"], 6)  # the other key's 8 calls but its warmup and its capture
 
     def tensor(self, rows, cols):
         return host_tensor(np.random.RandomState(rows).randn(rows, cols).astype("float32"))

@@ -318,6 +318,64 @@ def tracer_set(level, dtype):
         tracer._amp_level, tracer._amp_dtype = saved
 
 
+class _Entry:
+    """A stand-in entry with what refused_again reads."""
+
+    def __init__(self, phase, graphs, last_used, pending):
+        self.phase, self.graphs, self.last_used, self._pending = phase, graphs, last_used, pending
+
+    def backward_pending(self):
+        return self._pending
+
+
+class RefusedAgainTest(unittest.TestCase):
+    """refused_again (the front door's read of Places.refused_again for a key refused under max_graphs) answers as
+    Places.refused_again answers and remembers the call as it does, over entries of every phase, with and without
+    graphs, called before and after the refused key's calls, with a backward pending or not."""
+
+    def test_every_case_as_places_answers(self):
+        import collections
+        import random
+
+        from paddlefleet.cudagraph.core.budgets import Places
+        from paddlefleet.cudagraph.core.entry import Phase
+
+        reads = loaded()
+        rng = random.Random(0)
+        phases = list(Phase)
+        answers = collections.Counter()
+        for case in range(600):
+            entries = collections.OrderedDict()
+            for i in range(rng.randint(0, 4)):
+                entries[("k", i)] = _Entry(rng.choice(phases), rng.choice([None, object()]), rng.randint(0, 9),
+                                           rng.random() < 0.3)
+            ticks = tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 2)))
+            key, tick, max_graphs = ("refused",), rng.randint(5, 12), rng.randint(0, 4)
+            waited = [Places(), Places()]
+            for places in waited:
+                places._waiting[("other",)] = (1,)
+                if ticks:
+                    places._waiting[key] = ticks
+                places._waiting[("last",)] = (2, 3)
+            python = waited[0].refused_again(entries, key, tick, max_graphs)
+            compiled = reads.refused_again(waited[1].waiting(), entries, key, tick, max_graphs, Phase.WARMUP,
+                                           Phase.REPLAY)
+            answers[python] += 1
+            self.assertIs(compiled, python, case)
+            self.assertEqual(list(waited[1].waiting().items()), list(waited[0].waiting().items()), case)
+        self.assertGreater(min(answers[True], answers[False]), 50, answers)  # both answers seen often
+        with self.assertRaises(TypeError):
+            reads.refused_again([], {}, ("refused",), 1, 1, Phase.WARMUP, Phase.REPLAY)
+        for broken in ((), [1]):
+            with self.assertRaises(TypeError):
+                reads.refused_again({("refused",): broken}, {}, ("refused",), 1, 1, Phase.WARMUP, Phase.REPLAY)
+        failing = _Entry(Phase.REPLAY, object(), 0, False)
+        failing.backward_pending = lambda: 1 / 0
+        with self.assertRaises(ZeroDivisionError):
+            reads.refused_again({("refused",): (1, 2)}, {"f": failing}, ("refused",), 3, 1, Phase.WARMUP,
+                                Phase.REPLAY)
+
+
 def python_state():
     from paddlefleet.cudagraph.core.state import amp_state
 

@@ -45,6 +45,11 @@ class Places:
     def clear(self):
         self._waiting.clear()
 
+    def waiting(self):
+        """The refused keys' latest call ticks, ``{key: ticks}`` (the front door's gate reads it: NOTE [ The front
+        door ] in core/front.py); cleared in place, never replaced."""
+        return self._waiting
+
     def admit(self, entries, entry, tick, max_graphs, warn_once):
         """Whether ``entry`` (a new key, or one without graphs that captures again) may warm up or capture
         now, at the wrapper's call count ``tick``; may displace another key (returned second: the entry

@@ -52,7 +52,9 @@ A key refused under max_graphs that dispatch() refused again (no entry made: NOT
 in core/budgets.py) arms the same front path with ``KnownRefused``: its later calls are refused from the front
 while dispatch() would refuse them the same way, under the same conditions as above plus the key still without
 an entry and ``Places.refused_again`` (every place taken, no key it may displace yet; the call remembered as
-dispatch() remembers it). A call that may displace a key goes through dispatch() and gets its place there.
+dispatch() remembers it). A call that may displace a key goes through dispatch() and gets its place there. Both
+take() answers are read in C where a Layer graphed in place is called through its front door (NOTE [ The front door ]
+in core/front.py).
 """
 
 import enum
@@ -70,7 +72,7 @@ from . import host_cost
 from .body import Action as Blocker
 from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
-from .front import known_gate
+from .front import known_gate, refused_gate
 from .pass_through import passes_through
 
 __all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule",
@@ -208,7 +210,7 @@ def dispatch(wrapper, args, kwargs):
             if spec is not None:  # NOTE [ Calls of a key that runs eagerly ]: the front path
                 known = wrapper._known_eager
                 if not isinstance(known, KnownRefused) or known.key != key:
-                    wrapper._known_eager = KnownRefused(key, wrapper.counters)
+                    wrapper._known_eager = KnownRefused(key, wrapper.counters, wrapper)
             return Decision(Action.EAGER, call=call, reason=MAX_GRAPHS)
         entry = _new_entry(wrapper, key, call)
         if entry is None:
@@ -267,13 +269,13 @@ class KnownRefused:
     """The key refused under max_graphs, without an entry, whose call came last through dispatch(), as the front
     of a call checks it (NOTE [ Calls of a key that runs eagerly ])."""
 
-    __slots__ = ("key", "tally")
+    __slots__ = ("key", "tally", "gate")
     reason = MAX_GRAPHS
-    gate = None  # the front door asks take() itself (NOTE [ The front door ] in core/front.py)
 
-    def __init__(self, key, counters):
+    def __init__(self, key, counters, wrapper):
         self.key = key
         self.tally = counters.tally(MAX_GRAPHS)  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
+        self.gate = refused_gate(key, wrapper, MAX_GRAPHS)  # take() read in C: NOTE [ The front door ] in core/front.py
 
     def take(self, wrapper, args):
         """True, with the wrapper's books kept as dispatch() keeps them, when dispatch() would refuse the call

@@ -108,7 +108,16 @@ class Lifecycle(Reports, Views, Runner):
             if known is not None and not kwargs and known.take(self, args):
                 known.tally[0] += 1  # NOTE [ Tallies of calls without a Decision ] in core/stats.py
                 return self._run_eager(args, kwargs)
-        decision = dispatch(self, args, kwargs)  # NOTE [ One call through the dispatcher ] in core/dispatch.py
+        return self._carry_out(dispatch(self, args, kwargs), args, kwargs)
+
+    def _dispatched(self, *args, **kwargs):
+        """A call whose front door already asked what ``__call__`` asks first (the keyless rule's condition, the
+        known key's take) and was told no: dispatch() decides it (NOTE [ The front door ] in core/front.py)."""
+        return self._carry_out(dispatch(self, args, kwargs), args, kwargs)
+
+    def _carry_out(self, decision, args, kwargs):
+        """Runs the call ``(args, kwargs)`` as ``decision`` says (NOTE [ One call through the dispatcher ] in
+        core/dispatch.py)."""
         action = decision.action
         if action is _REPLAY:  # the most frequent decisions straight to their method (no warning to give)
             return self._replay(decision)

@@ -578,8 +578,10 @@ PyObject* py_key_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Lifecycle): NOTE [ The front door ] in core/front.py. A call reads ``target._keyless`` and, where it is a keyless
 // rule ``(reason, when, Decision, tally)`` whose ``when`` is None or when() is true, and ``target._eager_parts``
 // is ``(fn, owner weakref, calls)`` with the owner alive, adds one to the tally's and to calls' first item and
-// returns fn(owner, *args, **kwargs), as the wrapper's own pass-through does; every other call is
-// target(*args, **kwargs). Every other attribute is the target's (read, set, deleted).
+// returns fn(owner, *args, **kwargs), as the wrapper's own pass-through does; so does a call its known key takes
+// (front_fast). Every other call is target(*args, **kwargs), or target._dispatched(*args, **kwargs) where the front
+// asked what target's __call__ asks first and was told no. Every other attribute is the target's (read, set,
+// deleted).
 
 struct FrontObject {
   PyObject_HEAD PyObject* target;
@@ -603,6 +605,14 @@ PyObject* key_name = nullptr;  // "key"
 PyObject* latest_name = nullptr;  // "_latest"
 PyObject* tick_name = nullptr;  // "_tick"
 PyObject* last_used_name = nullptr;  // "last_used"
+PyObject* graphs_name = nullptr;  // "graphs"
+PyObject* backward_pending_name = nullptr;  // "backward_pending"
+PyObject* move_to_end_name = nullptr;  // "move_to_end"
+PyObject* entries_name = nullptr;  // "_entries"
+PyObject* options_name = nullptr;  // "options"
+PyObject* max_graphs_name = nullptr;  // "max_graphs"
+PyObject* last_refusal_name = nullptr;  // "_last_refusal"
+PyObject* dispatched_name = nullptr;  // "_dispatched"
 
 // cell[0] += 1 for a one-item list; -1 with an error set.
 int bump(PyObject* cell) {
@@ -641,11 +651,97 @@ PyObject* run_counted(PyObject* tally, PyObject* parts, PyObject* owner, PyObjec
   return result;
 }
 
-// KnownEager.take(target, args) read in C from ``known.gate`` (NOTE [ The front door ] in core/front.py): 1 (taken,
-// the wrapper's books kept), 0 (not this key's call now: nothing was changed), 2 (this file cannot tell: the caller
-// asks Python's take), -1 with an error set. The gate is (entry, FALLBACK, fallback reason, this thread's nesting,
-// the saved-tensors hooks state, the stale outputs, the host marks, what idle() reads (None: always idle; an object
-// whose ``run`` is None when idle; False: ask Python), the positional specs by count, the tracked Layers).
+// Places.refused_again (core/budgets.py) in C: 1 when ``key`` (no entry) is remembered in ``waiting`` (the refused
+// keys' latest call ticks) and admit would refuse it again now (every place of ``entries`` taken under
+// ``max_graphs``, no key it may displace), its call then remembered at ``tick`` as refused_again remembers it; 0
+// when it is not waiting or may get a place; -1 with an error set. ``warmup``, ``replay``: the phases that hold a
+// place.
+int refused_again(PyObject* waiting, PyObject* entries, PyObject* key, PyObject* tick, PyObject* max_graphs,
+                  PyObject* warmup, PyObject* replay) {
+  if (!PyDict_Check(waiting) || !PyDict_Check(entries)) {
+    PyErr_SetString(PyExc_TypeError, "refused_again: waiting and entries are dicts");
+    return -1;
+  }
+  PyObject* ticks = PyDict_GetItemWithError(waiting, key);  // borrowed
+  if (ticks == nullptr) return PyErr_Occurred() ? -1 : 0;
+  if (!PyTuple_Check(ticks) || PyTuple_GET_SIZE(ticks) < 1) {
+    PyErr_SetString(PyExc_TypeError, "refused_again: a refused key's ticks are a non-empty tuple");
+    return -1;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(ticks);
+  PyObject* last = PyTuple_GET_ITEM(ticks, n - 1);
+  PyObject* before = n > 1 ? PyTuple_GET_ITEM(ticks, n - 2) : nullptr;
+  Py_INCREF(ticks);  // the loop below runs Python (backward_pending) that could change waiting
+  Py_ssize_t live = 0;
+  int verdict = -2;  // -2: every place taken, none displaced
+  PyObject* values = PyDict_Values(entries);  // a list: the entries stay alive and in place while they are read
+  if (values == nullptr) verdict = -1;
+  for (Py_ssize_t i = 0; verdict == -2 && i < PyList_GET_SIZE(values); ++i) {
+    PyObject* entry = PyList_GET_ITEM(values, i);
+    PyObject* phase = PyObject_GetAttr(entry, phase_name);
+    if (phase == nullptr) { verdict = -1; break; }
+    bool holds = phase == warmup || phase == replay;
+    Py_DECREF(phase);
+    if (!holds) continue;
+    ++live;
+    PyObject* graphs = PyObject_GetAttr(entry, graphs_name);
+    PyObject* used = graphs == nullptr ? nullptr : PyObject_GetAttr(entry, last_used_name);
+    if (used == nullptr) { Py_XDECREF(graphs); verdict = -1; break; }
+    int le;
+    if (graphs == Py_None) {  // a key in warmup it displaces
+      le = PyObject_RichCompareBool(used, last, Py_LE);
+      if (le != 0) verdict = le < 0 ? -1 : 0;
+    } else if (before != nullptr) {
+      le = PyObject_RichCompareBool(used, before, Py_LE);
+      if (le < 0) {
+        verdict = -1;
+      } else if (le > 0) {
+        PyObject* pending = PyObject_CallMethodNoArgs(entry, backward_pending_name);
+        int busy = pending == nullptr ? -1 : PyObject_IsTrue(pending);
+        Py_XDECREF(pending);
+        if (busy < 0) verdict = -1;
+        else if (busy == 0) verdict = 0;  // a key holding graphs it displaces
+      }
+    }
+    Py_DECREF(used);
+    Py_DECREF(graphs);
+  }
+  Py_XDECREF(values);
+  if (verdict == -2) {
+    PyObject* count = PyLong_FromSsize_t(live);
+    int fewer = count == nullptr ? -1 : PyObject_RichCompareBool(count, max_graphs, Py_LT);
+    Py_XDECREF(count);
+    verdict = fewer < 0 ? -1 : fewer > 0 ? 0 : 1;
+  }
+  if (verdict == 1) {  // remembered: the latest refused key last, its two latest calls
+    PyObject* moved = PyObject_CallMethodOneArg(waiting, move_to_end_name, key);
+    PyObject* pair = moved == nullptr ? nullptr : PyTuple_Pack(2, last, tick);
+    if (pair == nullptr || PyObject_SetItem(waiting, key, pair) < 0) verdict = -1;
+    Py_XDECREF(pair);
+    Py_XDECREF(moved);
+  }
+  Py_DECREF(ticks);
+  return verdict;
+}
+
+PyObject* py_refused_again(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "refused_again(waiting, entries, key, tick, max_graphs, warmup, replay) takes 7 arguments");
+    return nullptr;
+  }
+  int r = refused_again(args[0], args[1], args[2], args[3], args[4], args[5], args[6]);
+  if (r < 0) return nullptr;
+  return PyBool_FromLong(r);
+}
+
+// take(target, args) of the front's known key read in C from ``known.gate`` (NOTE [ The front door ] in
+// core/front.py): 1 (taken, the wrapper's books kept), 0 (not this key's call now: nothing was changed), 2 (this
+// file cannot tell: the caller asks Python's take), -1 with an error set. A KnownEager's gate is (entry, FALLBACK,
+// fallback reason, ...), a KnownRefused's (None, key, (waiting, body, WARMUP, REPLAY, reason), ...), both then with
+// this thread's nesting, the saved-tensors hooks state, the stale outputs, the host marks, what idle() reads (None:
+// always idle; an object whose ``run`` is None when idle; False: ask Python), the positional specs by count, the
+// tracked Layers.
 int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* gate = PyObject_GetAttr(known, gate_name);
   if (gate == nullptr) return -1;
@@ -658,13 +754,22 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
   PyObject* latest = nullptr;
   PyObject* tick = nullptr;
   PyObject* next = nullptr;
+  PyObject* entries = nullptr;
+  PyObject* options = nullptr;
+  PyObject* max_graphs = nullptr;
   do {
     if (!PyTuple_CheckExact(gate) || PyTuple_GET_SIZE(gate) != 10) break;
-    PyObject* entry = PyTuple_GET_ITEM(gate, 0);
-    if ((phase = PyObject_GetAttr(entry, phase_name)) == nullptr) { verdict = -1; break; }
-    if (phase != PyTuple_GET_ITEM(gate, 1)) { verdict = 0; break; }
-    if ((reason = PyObject_GetAttr(entry, fallback_reason_name)) == nullptr) { verdict = -1; break; }
-    if (reason != PyTuple_GET_ITEM(gate, 2)) { verdict = 0; break; }
+    PyObject* entry = PyTuple_GET_ITEM(gate, 0);  // None: a key refused under max_graphs, without an entry
+    PyObject* refused = nullptr;                  // its (waiting, body, WARMUP, REPLAY, reason)
+    if (entry == Py_None) {
+      refused = PyTuple_GET_ITEM(gate, 2);
+      if (!PyTuple_CheckExact(refused) || PyTuple_GET_SIZE(refused) != 5) break;
+    } else {
+      if ((phase = PyObject_GetAttr(entry, phase_name)) == nullptr) { verdict = -1; break; }
+      if (phase != PyTuple_GET_ITEM(gate, 1)) { verdict = 0; break; }
+      if ((reason = PyObject_GetAttr(entry, fallback_reason_name)) == nullptr) { verdict = -1; break; }
+      if (reason != PyTuple_GET_ITEM(gate, 2)) { verdict = 0; break; }
+    }
     if ((nested = PyObject_GetAttr(PyTuple_GET_ITEM(gate, 3), nested_name)) == nullptr) { verdict = -1; break; }
     if (!PyLong_CheckExact(nested)) break;
     if (PyLong_AsLong(nested) != 0) { verdict = 0; break; }
@@ -683,7 +788,13 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
       if ((run = PyObject_GetAttr(idle, run_name)) == nullptr) { verdict = -1; break; }
       if (run != Py_None) { verdict = 0; break; }
     }
-    if ((key = PyObject_GetAttr(entry, key_name)) == nullptr) { verdict = -1; break; }
+    if (refused != nullptr) {
+      key = PyTuple_GET_ITEM(gate, 1);
+      Py_INCREF(key);
+    } else if ((key = PyObject_GetAttr(entry, key_name)) == nullptr) {
+      verdict = -1;
+      break;
+    }
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3) break;
     if (PyTuple_GET_ITEM(key, 0) != Py_False) { verdict = PyTuple_GET_ITEM(key, 0) == Py_True ? 0 : 2; break; }
     PyObject* arguments = PyTuple_GET_ITEM(key, 1);
@@ -702,17 +813,45 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
                         PyTuple_GET_ITEM(gate, 9), PyTuple_GET_ITEM(state, 2));
     if (r == -2) { verdict = -1; break; }
     if (r != kYes) { verdict = r == kNo ? 0 : 2; break; }
-    // the books dispatch keeps (_used): the wrapper's tick, the entry's last use; the entry already the latest
-    if ((latest = PyObject_GetAttr(target, latest_name)) == nullptr) { verdict = -1; break; }
-    if (latest != entry) break;
     if ((tick = PyObject_GetAttr(target, tick_name)) == nullptr) { verdict = -1; break; }
+    if (refused != nullptr) {
+      // still without an entry, and refused again (its call remembered): what dispatch() reads before a new entry
+      if ((entries = PyObject_GetAttr(target, entries_name)) == nullptr) { verdict = -1; break; }
+      if (!PyDict_Check(entries)) break;
+      int held = PyDict_Contains(entries, key);
+      if (held != 0) { verdict = held < 0 ? -1 : 0; break; }
+      if ((options = PyObject_GetAttr(PyTuple_GET_ITEM(refused, 1), options_name)) == nullptr ||
+          (max_graphs = PyObject_GetAttr(options, max_graphs_name)) == nullptr) {
+        verdict = -1;
+        break;
+      }
+      int again = refused_again(PyTuple_GET_ITEM(refused, 0), entries, key, tick, max_graphs,
+                                PyTuple_GET_ITEM(refused, 2), PyTuple_GET_ITEM(refused, 3));
+      if (again <= 0) { verdict = again; break; }
+      verdict = PyObject_SetAttr(target, last_refusal_name, PyTuple_GET_ITEM(refused, 4)) < 0 ? -1 : 1;
+      break;
+    }
+    // the books dispatch keeps (_used): the wrapper's tick, the entry's last use, the entry last and the latest
+    if ((latest = PyObject_GetAttr(target, latest_name)) == nullptr) { verdict = -1; break; }
+    if (latest != entry && ((entries = PyObject_GetAttr(target, entries_name)) == nullptr || !PyDict_Check(entries))) {
+      verdict = entries == nullptr ? -1 : 2;
+      break;
+    }
     if ((next = PyNumber_Add(tick, one)) == nullptr) { verdict = -1; break; }
     if (PyObject_SetAttr(target, tick_name, next) < 0 || PyObject_SetAttr(entry, last_used_name, next) < 0) {
       verdict = -1;
       break;
     }
     verdict = 1;
+    if (latest != entry) {
+      PyObject* moved = PyObject_CallMethodOneArg(entries, move_to_end_name, key);
+      if (moved == nullptr || PyObject_SetAttr(target, latest_name, entry) < 0) verdict = -1;
+      Py_XDECREF(moved);
+    }
   } while (false);
+  Py_XDECREF(max_graphs);
+  Py_XDECREF(options);
+  Py_XDECREF(entries);
   Py_XDECREF(next);
   Py_XDECREF(tick);
   Py_XDECREF(latest);
@@ -726,12 +865,14 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
 }
 
 // The result of a call the front runs itself (the wrapper's own answer, without its Python), or nullptr: with an
-// error set where it failed, else the call goes to the target. A keyless rule whose ``when`` is None or true runs the
+// error set where it failed, else the call goes to the wrapper. A keyless rule whose ``when`` is None or true runs the
 // call as the wrapper's pass-through does (NOTE [ Pass-through wrappers ]); without a rule, a call of positional
-// arguments that the key known to run eagerly takes (known_take from its gate, or ``take(target, args)`` itself
-// where the gate cannot tell; either keeps the wrapper's books: NOTE [ Calls of a key that runs eagerly ] in
-// core/dispatch.py) runs as the wrapper runs it.
-PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+// arguments that the known key takes (known_take from its gate, or ``take(target, args)`` itself where the gate
+// cannot tell; either keeps the wrapper's books: NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py) runs
+// as the wrapper runs it. ``*asked`` is set where the front asked what the wrapper's __call__ asks first (the rule's
+// ``when``, the known key's take) and the answer was no: the wrapper then goes straight to dispatch().
+PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, bool* asked) {
+  *asked = false;
   PyObject* keyless = PyObject_GetAttr(target, keyless_name);
   if (keyless == nullptr) return nullptr;
   PyObject* tally = nullptr;  // borrowed from keyless or known
@@ -754,8 +895,10 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
       tally = PyTuple_GET_ITEM(keyless, 3);
       run = owner != nullptr;
     }
+    *asked = holds == 0;
   } else if (keyless == Py_None && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0)) {
     known = PyObject_GetAttr(target, known_name);
+    if (known == Py_None) *asked = true;
     if (known != nullptr && known != Py_None) {
       parts = PyObject_GetAttr(target, eager_parts_name);
       owner = parts == nullptr ? nullptr : live_owner(parts);  // before take(), which keeps the books
@@ -774,6 +917,7 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
         Py_XDECREF(took);
       }
       run = taken == 1;
+      *asked = taken == 0 && tally != nullptr;  // without parts or tally the wrapper asks again and runs it
       if (tally != nullptr) Py_DECREF(tally);  // still held by known
     }
   }
@@ -791,8 +935,18 @@ PyObject* front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObj
   PyObject* target = front_target(self);  // null only once the collector cleared the front (then it raises)
   if (target == nullptr) return nullptr;
   Py_INCREF(target);  // a call may replace the Layer's forward, dropping this front
-  PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames);
-  if (result == nullptr && !PyErr_Occurred()) result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+  bool asked;
+  PyObject* result = front_fast(target, args, PyVectorcall_NARGS(nargsf), kwnames, &asked);
+  if (result == nullptr && !PyErr_Occurred()) {
+    PyObject* rest = asked ? PyObject_GetAttr(target, dispatched_name) : nullptr;  // the wrapper past its asks
+    if (rest == nullptr && asked && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+    if (rest != nullptr) {
+      result = PyObject_Vectorcall(rest, args, nargsf, kwnames);
+      Py_DECREF(rest);
+    } else if (!PyErr_Occurred()) {
+      result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+    }
+  }
   Py_DECREF(target);
   return result;
 }
@@ -952,6 +1106,8 @@ PyMethodDef methods[] = {
      "unchanged(views, ptrs, versions): True, False, or None (read in Python)."},
     {"key_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_key_of)), METH_FASTCALL,
      "key_of(args, metas, grad, amp, layers, training): True, False, or None (read in Python)."},
+    {"refused_again", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_refused_again)), METH_FASTCALL,
+     "refused_again(waiting, entries, key, tick, max_graphs, warmup, replay): Places.refused_again, True or False."},
     {"freed_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_freed_unchanged)),
      METH_FASTCALL, "freed_unchanged(views, versions): True, False, or None (read in Python)."},
     {nullptr, nullptr, 0, nullptr}};
@@ -981,12 +1137,22 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   latest_name = PyUnicode_InternFromString("_latest");
   tick_name = PyUnicode_InternFromString("_tick");
   last_used_name = PyUnicode_InternFromString("last_used");
+  graphs_name = PyUnicode_InternFromString("graphs");
+  backward_pending_name = PyUnicode_InternFromString("backward_pending");
+  move_to_end_name = PyUnicode_InternFromString("move_to_end");
+  entries_name = PyUnicode_InternFromString("_entries");
+  options_name = PyUnicode_InternFromString("options");
+  max_graphs_name = PyUnicode_InternFromString("max_graphs");
+  last_refusal_name = PyUnicode_InternFromString("_last_refusal");
+  dispatched_name = PyUnicode_InternFromString("_dispatched");
   if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
       one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr || known_name == nullptr ||
       tally_name == nullptr || take_name == nullptr || gate_name == nullptr || phase_name == nullptr ||
       fallback_reason_name == nullptr || nested_name == nullptr || registered_name == nullptr ||
       run_name == nullptr || key_name == nullptr || latest_name == nullptr || tick_name == nullptr ||
-      last_used_name == nullptr)
+      last_used_name == nullptr || graphs_name == nullptr || backward_pending_name == nullptr ||
+      move_to_end_name == nullptr || entries_name == nullptr || options_name == nullptr ||
+      max_graphs_name == nullptr || last_refusal_name == nullptr || dispatched_name == nullptr)
     return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
