@@ -34,7 +34,8 @@ view of the StepBody: ``blocker``, ``_between``,
 ``_remember_between``), ``entry.graphs`` (StepGraphs: ``checks`` (``_bindings_unchanged``, ``_moved``),
 ``feeds``, ``returned``, ``in_place``, ``static_inputs``, ``hand_out``, ``out_spec``, ``graph``),
 ``step.replay_checks._grads_between`` and ``io.stale_outputs.check_fresh``; for the stages of one call, in
-``CallStages`` (NOTE [ Call stages ]): ``core.lifecycle.Lifecycle.__call__`` and the module's ``dispatch``,
+``CallStages`` (NOTE [ Call stages ]): ``core.lifecycle.Lifecycle.__call__`` and ``_dispatched`` (a front door's call)
+and the module's ``dispatch``,
 ``block.graphed.BlockBody.replay``, ``block.replay.GraphedFunction`` (its ``apply``),
 ``block.bridge.GraphedFunction.forward`` / ``backward`` and ``block.bridge.replay_backward``. A piece whose name moved
 reads "n/a (...)" in the report, with what was missing, and the other rows still run: update
@@ -444,6 +445,7 @@ class CallStages:
 
         try:
             self._wrap(lifecycle.Lifecycle, "__call__", "call<", "call>")
+            self._wrap(lifecycle.Lifecycle, "_dispatched", "call<", "call>")  # the front door's calls
             self._wrap(lifecycle, "dispatch", "dispatch<", "dispatch>")
             self._wrap(graphed.BlockBody, "replay", "replay<", "replay>")
             self._wrap(bridge.GraphedFunction, "forward", "forward<", "forward>", static=True)

@@ -16,7 +16,10 @@ compared bit for bit with eager. Then, side by side, runners interleaved, best o
   waited for the GPU (a host that waited pays the blocker);
 * the forward of every Layer called through ``type(layer).forward`` (neither Paddle's ``Layer.__call__`` nor the
   wrapper): whether the tensors or the wrapper cost the time;
-* a bare ``paddle.matmul`` of the same shape, before the wrapped models are built and at the end.
+* a bare ``paddle.matmul`` of the same shape, before the wrapped models are built and at the end;
+* one matmul Layer's call under no_grad against an unwrapped twin's, timed in alternating pairs, for each way a
+  wrapper runs a call eagerly (passed through, max_graphs=0, a key that fell back beside a graphed key, a key refused
+  under max_graphs=1 beside a graphed key) and for a graphed replay (``per_call_costs``).
 
 Report: docs/reports/pass_through_probe.md.
 """
@@ -157,6 +160,89 @@ def timed_calls(fn, calls):
     return host * 1e6 / calls
 
 
+def per_call_costs(args, draw, calls, backend="cuda"):
+    """``{way: (median us over the Layer's own call, median us of the own call)}``: one matmul Layer (``--width``)
+    called under no_grad, each call timed against a call of an unwrapped twin right before or after it (the order
+    alternating), for every way a wrapper runs a call eagerly and for a graphed replay. Each iteration first calls
+    the wrapper with another batch (a second key: graphed where the way graphs one), as a key refused under max_graphs
+    needs to stay refused; every output is compared bit for bit with the twin's. ``backend``: the wrappers' (a CPU
+    dry run gives "simulate")."""
+    from paddlefleet.cudagraph import autocudagraph
+    from paddlefleet.cudagraph.core.front import behind
+    from paddlefleet.cudagraph.core.host_cost import HostCost
+    from paddlefleet.cudagraph.errors import CudaGraphError
+    from testkit.common import MatLayer, build
+
+    x = host_tensor(draw(args.batch, args.width))
+    xo = host_tensor(draw(max(args.batch // 2, 1), args.width))
+    own = build(lambda: MatLayer(args.width, args.width), 11)
+
+    def wrapped(**options):
+        options.setdefault("eager_if_slower", False)
+        layer = autocudagraph(build(lambda: MatLayer(args.width, args.width), 11), backend=backend, **options)
+        return layer, behind(layer.forward)
+
+    def refuse(*a, **k):
+        raise CudaGraphError("refused by the probe (a failed capture's stand-in)")
+
+    ways = {}
+    layer, wrapper = wrapped(warmup_steps=1)
+    for _ in range(3):
+        layer(x)
+    [entry] = wrapper._entries.values()
+    entry.host_cost = cost = HostCost(measure=True, judge=True)  # judged slower: core/host_cost.py
+    cost.eager_s, cost.replay_s, cost.verdict = [1e-5] * 8, [2e-5] * 9, "eager"
+    wrapper._acted(entry)
+    ways["passed through (every key slower)"] = layer
+    ways["max_graphs=0"] = wrapped(max_graphs=0)[0]
+    layer, wrapper = wrapped(warmup_steps=1)
+    for _ in range(3):
+        layer(xo)
+    wrapper._body.capture = refuse
+    for _ in range(3):
+        layer(x)
+    del wrapper._body.capture
+    ways["fell back, another key graphed"] = layer
+    layer, wrapper = wrapped(warmup_steps=1, max_graphs=1)
+    for _ in range(3):
+        layer(xo)
+    for _ in range(3):
+        layer(x), layer(xo)
+    ways["refused under max_graphs=1, another key graphed"] = layer
+    layer, wrapper = wrapped(warmup_steps=1)
+    for _ in range(3):
+        layer(x), layer(xo)
+    ways["graphed (a replay)"] = layer
+    pc = time.perf_counter
+    out = {}
+    for name, layer in ways.items():
+        over, alone = [], []
+        for i in range(calls):
+            layer(xo)
+            if i % 2 == 0:
+                t0 = pc()
+                got = layer(x)
+                t1 = pc()
+                want = own(x)
+                t2 = pc()
+                over.append((t1 - t0) - (t2 - t1))
+                alone.append(t2 - t1)
+            else:
+                t0 = pc()
+                want = own(x)
+                t1 = pc()
+                got = layer(x)
+                t2 = pc()
+                over.append((t2 - t1) - (t1 - t0))
+                alone.append(t1 - t0)
+        if not numpy.array_equal(got.numpy(), want.numpy()):
+            raise SystemExit(f"{name}: differs from the Layer's own call")
+        stats = behind(layer.forward).stats()
+        out[name] = (numpy.median(over) * 1e6, numpy.median(alone) * 1e6,
+                     {k: stats[k] for k in ("replays", "eager_calls")})
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024, help="width of every square matmul (default 1024)")
@@ -164,6 +250,8 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="rows of the input (default 32)")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per runner, mode and round (default 50)")
     parser.add_argument("--warmup", type=int, default=60, help="steps before timing (default 60)")
+    parser.add_argument("--calls", type=int, default=3000,
+                        help="timed pairs per way of the one-Layer calls (default 3000)")
     args = parser.parse_args()
     args.blocks = args.layers
     with device("gpu"):
@@ -223,6 +311,11 @@ def main():
                   f"{numpy.median(hosts[name]) * 1e6:8.1f}   device {best['device']:8.1f}   queued host "
                   f"{best['queued host']:8.1f} (worst {max(results[(name, 'queued host')]):8.1f})   direct "
                   f"{best['direct']:7.1f}", flush=True)
+        print(f"\none Layer's call (one matmul, [{args.batch}, {args.width}], no_grad) against its twin's own call, "
+              f"median of {args.calls} alternating pairs: host us over the own call (the own call's us)")
+        with paddle.no_grad():
+            for name, (over, alone, counts) in per_call_costs(args, draw, args.calls).items():
+                print(f"  {name:48s} {over:+7.2f}   ({alone:6.2f})   {counts}", flush=True)
         print(f"\nbare matmul after: {timed_calls(matmul, 2000):.2f} us of host time")
 
 
