@@ -6,7 +6,8 @@ by chains/ the first time they need it (``record``). Core reads it through ``des
 
 import weakref
 
-from ..core.host_cost import SAMPLES, quartile_us, slower_message, slower_reason
+from ..core.host_cost import SAMPLES, quartile_us
+from ..core.slower import slower_message, slower_reason
 
 __all__ = ["ChainCost", "ChainRecord", "record"]
 

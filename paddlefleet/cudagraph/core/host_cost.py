@@ -78,8 +78,10 @@ import statistics
 import time
 import weakref
 
-__all__ = ["BackwardTimes", "HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us", "slower_message",
-           "slower_reason", "warn_once_per_process"]
+from .slower import slower_message, slower_reason
+
+__all__ = ["BackwardTimes", "HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us",
+           "warn_once_per_process"]
 
 #: Timed calls per side (eager, graphed alone, chained) a decision needs.
 SAMPLES = 8
@@ -367,30 +369,6 @@ class HostCost:
     def warning(self, label, alone, acted):
         return slower_message(label, "a graphed call", self.total_us(self.graphed_us()), self.total_us(None), acted,
                               self.weighed())
-
-
-def slower_reason(calls, graphed, eager, weighed="forward"):
-    """The fallback reason of a key whose ``calls`` cost ``graphed`` us against ``eager`` (``weighed``:
-    "forward", or "forward and backward")."""
-    per = "per forward call" if weighed == "forward" else "per call, forward and backward"
-    return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {eager:.1f} "
-            f"us {per} (lower quartiles of its eager calls before its capture and its replays; "
-            "eager_if_slower=False keeps it graphed)")
-
-
-def slower_message(label, call, graphed, eager, acted, weighed="forward"):
-    """The warning for key ``label``, whose ``call`` costs ``graphed`` us against ``eager`` (``weighed``:
-    "forward", or "forward and backward"); ``acted``: it runs eagerly from now on."""
-    then = ("so it runs eagerly from now on (results are eager's; eager_if_slower=False keeps it graphed)" if acted
-            else "so graphing it makes training slower where the host is the bottleneck")
-    return (
-        f"key {label}: {call} costs {graphed:.1f} us of host "
-        f"time against {eager:.1f} us for the eager call ({weighed}, lower quartiles), {then}. Each "
-        "graphed call pays a fixed toll (key, checks, copies and Paddle's autograd bridge, again in backward), more than this "
-        "block's kernel launches cost eagerly. Graph larger blocks (several layers in one Layer: autocudagraph "
-        "on the Layer that calls them), or the whole training step with autocudagraph_step. Every key's numbers "
-        "are in explain()."
-    )
 
 
 def judged_slower(entry):
