@@ -32,6 +32,12 @@ class StandInClock:
         self.chained_us = 0.0  # added by a replay while a chain run is open
         self.eager_backward_us = 0.0  # added by an eager layer's backward
         self.graphed_backward_us = 0.0  # added by a backward graph's replay
+        self.eager_probe_us = 0.0  # what host_cost.speed_probe() takes before the first replay (0: not probed)
+        self.replay_probe_us = 0.0  # and from the first replay on
+        self.replayed = False
+
+    def probe(self):
+        return (self.replay_probe_us if self.replayed else self.eager_probe_us) * 1e-6
 
     def __call__(self):
         return self.now
@@ -93,11 +99,13 @@ class TestEagerIfSlower(unittest.TestCase):
                 return original(graph)
             alone = clock.alone_us() if callable(clock.alone_us) else clock.alone_us
             clock.add(clock.chained_us if chain_links.current_run() is not None else alone)
+            clock.replayed = True
             return original(graph)
 
         self.patches = contextlib.ExitStack()
         self.patches.enter_context(mock.patch.object(simulated._SimulatedGraph, "replay", replay))
         self.patches.enter_context(mock.patch.object(host_cost, "clock", self.clock))
+        self.patches.enter_context(mock.patch.object(host_cost, "speed_probe", self.clock.probe))
         self.patches.enter_context(mock.patch("paddlefleet.cudagraph.core.entry.measured", return_value=True))
         self.patches.enter_context(mock.patch.object(TimedMLP, "clock", self.clock))
 
@@ -150,6 +158,43 @@ class TestEagerIfSlower(unittest.TestCase):
         for _ in range(host_cost.SAMPLES + 1):
             model[0](x)
         self.assertEqual(model[0].forward.stats()["captures"], 1)
+
+    def test_eager_samples_on_a_slowed_host_are_weighed_at_the_replays_host_speed(self):
+        """NOTE [ Graphed calls that cannot pay ], "Samples taken at different host speeds": the host ran the probe
+        twice as slow during the eager samples, so their 100 us count as 50 against the replays' 60."""
+        self.clock.alone_us = -40.0  # a replay: 60 us against 100 eager, as the clock saw them
+        self.clock.eager_probe_us, self.clock.replay_probe_us = 2.0, 1.0
+        steps = 1 + 1 + (host_cost.SAMPLES + 1) + (host_cost.SAMPLES - 1) + 3
+        model, warned = self.run_steps(steps, chain_calls=False)
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("60.0 us of host time against 50.0 us", warned[0])
+        for layer in model:
+            [row] = layer.forward.report()
+            self.assertEqual(row["phase"], "fallback")
+            self.assertEqual(row["host_us"]["slowdown"], 2.0)
+            self.assertIn("60.0 against 50.0 us per call", row["fallback_reason"])
+            self.assertIn("the eager calls' at the replays' host speed (the host ran 2.00x slower during them)",
+                          row["fallback_reason"])
+            self.assertIn("the host ran 2.00x slower during the eager calls than during the replays (their host time "
+                          "divided by 2.00 where compared)", layer.forward.explain())
+
+    def test_eager_samples_on_a_faster_host_keep_a_key_graphed_and_the_ratio_is_bounded(self):
+        self.clock.alone_us = 30.0  # 130 us against 100 as the clock saw them: slower graphed at one speed
+        self.clock.eager_probe_us, self.clock.replay_probe_us = 1.0, 2.0  # the replays ran on a host twice as slow
+        model, warned = self.run_steps(1 + 1 + (host_cost.SAMPLES + 1) + (host_cost.SAMPLES - 1) + 3, chain_calls=False)
+        self.assertEqual(warned, [])
+        for layer in model:
+            [entry] = layer.forward.entries().values()
+            self.assertEqual((entry.phase.value, entry.host_cost.verdict), ("replay", "graphed"))
+            self.assertEqual(entry.host_cost.slowdown(), 0.5)
+            self.assertAlmostEqual(entry.host_cost.total_us(None), 200.0, places=6)  # the eager call at the replays' speed
+        cost = host_cost.HostCost(measure=True, judge=True)
+        cost.eager_probe_s, cost.replay_probe_s = [10e-6] * 8, [1e-6] * 8
+        self.assertEqual(cost.slowdown(), host_cost.MAX_SLOWDOWN)
+        cost.eager_probe_s, cost.replay_probe_s = [1e-6] * 8, [10e-6] * 8
+        self.assertEqual(cost.slowdown(), 1 / host_cost.MAX_SLOWDOWN)
+        cost.replay_probe_s = []
+        self.assertEqual(cost.slowdown(), 1.0)  # not probed yet: no scaling
 
     def test_a_faster_key_stays_graphed_and_its_chained_calls_are_judged_too(self):
         self.clock.alone_us = -40.0

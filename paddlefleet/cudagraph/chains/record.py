@@ -104,7 +104,8 @@ class ChainCost:
         return f", chained {self.us():.1f} (lower quartile of {len(self.samples)})" if self.samples else ""
 
     def reason(self, alone):
-        return slower_reason("graphed calls in chains", alone.total_us(self.us()), alone.total_us(None), alone.weighed())
+        return slower_reason("graphed calls in chains", alone.total_us(self.us()), alone.total_us(None), alone.weighed(),
+                             alone.slowdown())
 
     def warning(self, label, alone, acted):
         return slower_message(label, "a graphed call in a chain", alone.total_us(self.us()), alone.total_us(None), acted,

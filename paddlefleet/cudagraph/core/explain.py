@@ -40,8 +40,9 @@ def describe_entries(entries):
       None for other keys) and ``holds``, the same in words;
     * ``capture_ms``; ``host_us``: ``{"eager", "graphed", "chained"}`` host microseconds per forward call
       and ``{"eager_backward", "graphed_backward"}`` per backward (lower quartiles, None where not
-      measured; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py) and ``host_cost``, the same
-      in words;
+      measured; NOTE [ Graphed calls that cannot pay ] in core/host_cost.py), ``slowdown`` (how much slower the
+      host ran during the eager calls than during the replays; the eager side is divided by it where compared)
+      and ``host_cost``, the same in words;
     * ``grads``, ``chain``, ``pool``: explain()'s words about the key's grads, its chain and the memory pool its
       forward shares with other keys' ("" for none); ``recapture_reason``: why its graphs were last
       captured again ("" for never).
@@ -136,7 +137,8 @@ def _host_us(cost, chain):
     backward = cost.backward_us or (None, None)
     return {"eager": _round(cost.eager_us()), "graphed": _round(cost.graphed_us()),
             "chained": _round(chain.cost.us() if chain is not None else None),
-            "eager_backward": _round(backward[0]), "graphed_backward": _round(backward[1])}
+            "eager_backward": _round(backward[0]), "graphed_backward": _round(backward[1]),
+            "slowdown": round(cost.slowdown(), 3)}
 
 
 def _speed(rows, backends):
@@ -150,6 +152,7 @@ def _speed(rows, backends):
     eager, graphed, call = us["eager"], us["graphed"], "forward call"
     if us["eager_backward"] is not None and us["graphed_backward"] is not None:
         eager, graphed, call = eager + us["eager_backward"], graphed + us["graphed_backward"], "call (forward and backward)"
+    eager /= us["slowdown"]  # at the replays' host speed (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)
     ratio = f"{eager / graphed:.1f}x less" if graphed <= eager else f"{graphed / eager:.1f}x more"
     return f"a graphed {call} takes {ratio} host time than eager ({graphed:.1f} against {eager:.1f} us, measured)"
 

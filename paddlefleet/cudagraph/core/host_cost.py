@@ -41,6 +41,19 @@ graphed calls cost more is run eagerly:
   calls with the reason "timed against its graphed calls". A call of one key and a call of
   another share a step, so noise that falls on one step (another process, a garbage collection)
   falls on several samples; the lower quartile below keeps any few of them from deciding.
+* **Samples taken at different host speeds.** The eager samples come from a key's first calls and its replays come
+  later, so a host that runs slower for a while (another process on its cores, a virtual machine's neighbours) can
+  slow one side's samples and not the other's: on an H200 lease the host ran a bare matmul's launch at 37.7 us
+  during a one-matmul model's eager samples and at 17.6 after, and that model's keys were judged faster graphed and
+  kept graphed for good, their forwards then costing twice eager's host time (docs/reports/pass_through_probe.md).
+  So each sample is followed by a fixed piece of Python (``speed_probe``, dict and tuple work, no device call, the
+  least of three runs of about 2 us each on the CPU machine), and the eager side's cost is divided by how much
+  slower that piece ran during the eager samples than during the replays (``slowdown``: the lower quartiles' ratio,
+  taken within 1/4 to 4). The ratio of two windows on a quiet host stays within 8% of 1 in 98 of 100 trials there
+  (10% at most in 400), so a ratio within 15% either way (SAME_SPEED) counts as the same speed and leaves the
+  numbers as they were; explain() shows any other. The probe sees what slows all of the process's Python alike (its
+  cores shared, a lower clock); what slows only some calls (a garbage collection) the lower quartile leaves out, as
+  before.
 * **Each side's number is its lower quartile**, not its median. Noise only ever adds host time,
   and on some calls it adds much: on the H100 (32 layers of six matmuls, width 512) the first
   layer of every step paid about 150 us more than the next layer, eagerly and graphed alike,
@@ -81,13 +94,33 @@ import weakref
 from .slower import slower_message, slower_reason
 
 __all__ = ["BackwardTimes", "HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us",
-           "warn_once_per_process"]
+           "speed_probe", "warn_once_per_process"]
 
 #: Timed calls per side (eager, graphed alone, chained) a decision needs.
 SAMPLES = 8
 
 #: The clock calls are timed with (tests put a stand-in here).
 clock = time.perf_counter
+
+#: How far the eager side is scaled for the host's speed at most, either way, and the ratio within which the two
+#: windows count as one speed (NOTE [ Graphed calls that cannot pay ], "Samples taken at different host speeds").
+MAX_SLOWDOWN = 4.0
+SAME_SPEED = 1.15
+
+_PROBE_ITEMS = tuple(range(32))
+
+
+def speed_probe():
+    """Seconds a fixed piece of Python (dict and tuple work, no device call) takes on this host now, the least of
+    three runs: the host's speed at a sample (NOTE [ Graphed calls that cannot pay ], "Samples taken at different
+    host speeds")."""
+    runs = []
+    for _ in range(3):
+        start = clock()
+        {i: (i, -i) for i in _PROBE_ITEMS}  # noqa: B018 (the work timed)
+        runs.append(clock() - start)
+    return min(runs)
+
 
 #: The reason stats() gives the eager calls timed against a key's graphed calls.
 TIMED = "timed against its graphed calls (eager_if_slower)"
@@ -240,11 +273,14 @@ class HostCost:
             calls are slower (``eager_if_slower``); False: measure and warn only.
     """
 
-    __slots__ = ("eager_s", "replay_s", "measure", "judge", "verdict", "skip", "backward", "backward_us")
+    __slots__ = ("eager_s", "replay_s", "eager_probe_s", "replay_probe_s", "measure", "judge", "verdict", "skip",
+                 "backward", "backward_us")
 
     def __init__(self, measure=True, judge=False):
         self.eager_s = []
         self.replay_s = []
+        self.eager_probe_s = []  # speed_probe() after each eager sample, and after each replay sample
+        self.replay_probe_s = []
         self.measure = measure
         self.judge = measure and judge
         self.verdict = None if measure else "not timed"  # None while calls alone are timed
@@ -274,6 +310,7 @@ class HostCost:
         """Records one eager call's host seconds (a warmup call, a timed eager sample)."""
         if self.verdict is None:
             self.eager_s.append(seconds)
+            self.eager_probe_s.append(speed_probe())
 
     def eager_backward(self, outputs, layers):
         """Times the backward of the eager sample that returned the tensors ``outputs``, its end seen on
@@ -310,6 +347,7 @@ class HostCost:
             self.skip = False
         elif self.verdict is None:
             self.replay_s.append(seconds)
+            self.replay_probe_s.append(speed_probe())
             self._judge_alone()
 
     def _judge_alone(self):
@@ -328,11 +366,21 @@ class HostCost:
 
     def total_us(self, graphed_forward):
         """A graphed call's host us with a forward of ``graphed_forward`` us, or (None) an eager call's:
-        forward plus backward where both sides' backwards were timed."""
+        forward plus backward where both sides' backwards were timed; the eager call's at the host speed of the
+        replays (``slowdown``)."""
         backward = self.backward_us
         if graphed_forward is None:
-            return quartile_us(self.eager_s) + (backward[0] if backward is not None else 0.0)
+            return (quartile_us(self.eager_s) + (backward[0] if backward is not None else 0.0)) / self.slowdown()
         return graphed_forward + (backward[1] if backward is not None else 0.0)
+
+    def slowdown(self):
+        """How much slower the host ran speed_probe() during the eager samples than during the replays (lower
+        quartiles; within 1/MAX_SLOWDOWN to MAX_SLOWDOWN; 1.0 within SAME_SPEED either way, and until both were
+        probed: NOTE [ Graphed calls that cannot pay ], "Samples taken at different host speeds")."""
+        eager, replay = quartile_us(self.eager_probe_s), quartile_us(self.replay_probe_s)
+        if not eager or not replay or 1.0 / SAME_SPEED <= eager / replay <= SAME_SPEED:
+            return 1.0
+        return min(max(eager / replay, 1.0 / MAX_SLOWDOWN), MAX_SLOWDOWN)
 
     # ------------------------------------------------------------------ results
     def graphed_us(self):
@@ -356,6 +404,10 @@ class HostCost:
         if backward is not None:
             text += (f"; per backward: eager {backward[0]:.1f} (lower quartile of {backward[2]}), graphed "
                      f"{backward[1]:.1f} (lower quartile of {backward[3]})")
+        slowdown = self.slowdown()
+        if slowdown != 1.0:
+            text += (f"; the host ran {slowdown:.2f}x {'slower' if slowdown > 1 else 'faster'} during the eager "
+                     f"calls than during the replays (their host time divided by {slowdown:.2f} where compared)")
         return text
 
     def weighed(self):
@@ -364,7 +416,8 @@ class HostCost:
 
     def reason(self, alone=None):
         """Why the key runs eagerly (``slower()``): both numbers and the override."""
-        return slower_reason("graphed calls", self.total_us(self.graphed_us()), self.total_us(None), self.weighed())
+        return slower_reason("graphed calls", self.total_us(self.graphed_us()), self.total_us(None), self.weighed(),
+                             self.slowdown())
 
     def warning(self, label, alone, acted):
         return slower_message(label, "a graphed call", self.total_us(self.graphed_us()), self.total_us(None), acted,

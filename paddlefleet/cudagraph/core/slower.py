@@ -4,12 +4,15 @@ warning (NOTE [ Graphed calls that cannot pay ] in core/host_cost.py)."""
 __all__ = ["slower_message", "slower_reason"]
 
 
-def slower_reason(calls, graphed, eager, weighed="forward"):
+def slower_reason(calls, graphed, eager, weighed="forward", slowdown=1.0):
     """The fallback reason of a key whose ``calls`` cost ``graphed`` us against ``eager`` (``weighed``:
-    "forward", or "forward and backward")."""
+    "forward", or "forward and backward"; ``slowdown``: HostCost.slowdown(), the eager side already divided by
+    it)."""
     per = "per forward call" if weighed == "forward" else "per call, forward and backward"
+    scaled = (f", the eager calls' at the replays' host speed (the host ran {slowdown:.2f}x slower during them)"
+              if slowdown != 1.0 else "")
     return (f"its {calls} cost more host time than its eager calls: {graphed:.1f} against {eager:.1f} "
-            f"us {per} (lower quartiles of its eager calls before its capture and its replays; "
+            f"us {per} (lower quartiles of its eager calls before its capture and its replays{scaled}; "
             "eager_if_slower=False keeps it graphed)")
 
 
