@@ -65,6 +65,26 @@ def all_slower(layer, x):
     return graphed, wrapper
 
 
+def fell_back_beside(layer, x):
+    """``layer`` graphed (simulate) with a key of another batch captured and replayed, and the key of ``x`` fallen
+    back (its capture refused) and armed as the key known to run eagerly: (the Layer, its wrapper, the other batch)."""
+    from paddlefleet.cudagraph.errors import CudaGraphError
+
+    graphed = autocudagraph(layer, backend="simulate", warmup_steps=1)
+    wrapper = behind(graphed.forward)
+    other = paddle.randn([3, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            graphed(other)  # a key captured and replayed
+        capture = wrapper._body.capture
+        wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
+        for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
+            graphed(x)
+        wrapper._body.capture = capture
+    return graphed, wrapper, other
+
+
 class FrontDoorTest(BackendCase):
     backend = "simulate"  # its calls run on the CPU; the front is the same on every backend
     def setUp(self):
@@ -114,23 +134,10 @@ class FrontDoorTest(BackendCase):
         self.assertEqual(wrapper.counters.eager_reasons[ALL_SLOWER], before[1] + 5)  # counted before it ran
 
     def test_calls_of_a_key_known_to_run_eagerly_run_in_c_with_the_wrappers_books(self):
-        from paddlefleet.cudagraph.errors import CudaGraphError
-
         paddle.seed(2)
         own, twin = Scaled(), Scaled()
         twin.set_state_dict(own.state_dict())
-        graphed = autocudagraph(twin, backend="simulate", warmup_steps=1)
-        wrapper = behind(graphed.forward)
-        other = paddle.randn([3, 4])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(3):
-                graphed(other)  # a key captured and replayed
-            capture = wrapper._body.capture
-            wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
-            for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
-                graphed(self.x)
-            wrapper._body.capture = capture
+        graphed, wrapper, other = fell_back_beside(twin, self.x)
         known = wrapper._known_eager
         self.assertIsNotNone(known)
         wrapper._run_eager = None  # the front runs the call itself once take() says so
@@ -212,20 +219,7 @@ class FrontDoorTest(BackendCase):
     def test_a_call_the_front_asked_about_goes_straight_to_dispatch(self):
         """A call that the front's known key does not take (a graphed key's call beside it), or whose keyless rule
         does not hold, is not asked about again by the wrapper: dispatch() decides it at once."""
-        from paddlefleet.cudagraph.errors import CudaGraphError
-
-        graphed = autocudagraph(Scaled(), backend="simulate", warmup_steps=1)
-        wrapper = behind(graphed.forward)
-        other = paddle.randn([3, 4])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(3):
-                graphed(other)  # a key captured and replayed
-            capture = wrapper._body.capture
-            wrapper._body.capture = lambda *a, **k: (_ for _ in ()).throw(CudaGraphError("refused here"))
-            for _ in range(3):  # warmup, the refused capture (the key falls back), a call that arms the front path
-                graphed(self.x)
-            wrapper._body.capture = capture
+        graphed, wrapper, other = fell_back_beside(Scaled(), self.x)
         known = wrapper._known_eager
         replays = wrapper.stats()["replays"]
         with mock.patch.dict(marks(), clear=True), \

@@ -219,22 +219,18 @@ def per_call_costs(args, draw, calls, backend="cuda"):
         over, alone = [], []
         for i in range(calls):
             layer(xo)
-            if i % 2 == 0:
-                t0 = pc()
-                got = layer(x)
-                t1 = pc()
-                want = own(x)
-                t2 = pc()
-                over.append((t1 - t0) - (t2 - t1))
-                alone.append(t2 - t1)
+            first, second = (layer, own) if i % 2 == 0 else (own, layer)
+            t0 = pc()
+            a = first(x)
+            t1 = pc()
+            b = second(x)
+            t2 = pc()
+            if first is layer:
+                got, want, wrapped_s, own_s = a, b, t1 - t0, t2 - t1
             else:
-                t0 = pc()
-                want = own(x)
-                t1 = pc()
-                got = layer(x)
-                t2 = pc()
-                over.append((t2 - t1) - (t1 - t0))
-                alone.append(t1 - t0)
+                got, want, wrapped_s, own_s = b, a, t2 - t1, t1 - t0
+            over.append(wrapped_s - own_s)
+            alone.append(own_s)
         if not numpy.array_equal(got.numpy(), want.numpy()):
             raise SystemExit(f"{name}: differs from the Layer's own call")
         stats = behind(layer.forward).stats()
