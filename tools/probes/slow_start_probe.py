@@ -21,6 +21,8 @@ Each runner runs ``--steps`` steps (every key judged by then), is compared bit f
 and prints how many keys stayed graphed, the keys' slowdowns (HostCost.slowdown(), the verdict's scale) and the
 forward host time a step and the step time in throughput against eager's, timed interleaved after every runner was
 built (best of 3 rounds). Nothing here changes the library but the stand-in probe of the third runner.
+
+Report: docs/reports/slow_start_probe.md.
 """
 
 import argparse
