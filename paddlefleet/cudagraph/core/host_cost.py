@@ -43,17 +43,17 @@ graphed calls cost more is run eagerly:
   falls on several samples; the lower quartile below keeps any few of them from deciding.
 * **Samples taken at different host speeds.** The eager samples come from a key's first calls and its replays come
   later, so a host that runs slower for a while (another process on its cores, a virtual machine's neighbours) can
-  slow one side's samples and not the other's: on an H200 lease the host ran a bare matmul's launch at 37.7 us
-  during a one-matmul model's eager samples and at 17.6 after, and that model's keys were judged faster graphed and
-  kept graphed for good, their forwards then costing twice eager's host time (docs/reports/pass_through_probe.md).
-  So each sample is followed by a fixed piece of Python (``speed_probe``, dict and tuple work, no device call, the
-  least of three runs of about 2 us each on the CPU machine), and the eager side's cost is divided by how much
-  slower that piece ran during the eager samples than during the replays (``slowdown``: the lower quartiles' ratio,
-  taken within 1/4 to 4). The ratio of two windows on a quiet host stays within 8% of 1 in 98 of 100 trials there
-  (10% at most in 400), so a ratio within 15% either way (SAME_SPEED) counts as the same speed and leaves the
-  numbers as they were; explain() shows any other. The probe sees what slows all of the process's Python alike (its
-  cores shared, a lower clock); what slows only some calls (a garbage collection) the lower quartile leaves out, as
-  before.
+  slow one side's samples and not the other's: on an H200 lease the host ran a bare matmul's launch at 37.7 us just
+  before a one-matmul model's keys took their eager samples and at 17.6 at the end of the run, and that model's keys
+  were judged faster graphed and kept graphed for good, their forwards then costing twice eager's host time
+  (docs/reports/pass_through_probe.md). So each sample is followed by a fixed piece of Python (``speed_probe``, dict
+  and tuple work, no device call, the least of three ~2 us runs on the CPU machine), and the eager side's cost is
+  divided by how much slower that piece ran during the eager samples than during the replays (``slowdown``: the lower
+  quartiles' ratio, taken within 1/4 to 4). The ratio of two windows on a quiet host stays within 8% of 1 in 98 of 100
+  trials there, so a ratio within 15% either way (SAME_SPEED) counts as the same speed and leaves the numbers as they
+  were; explain() shows any other. The probe sees what slows all of the process's Python alike (a busy core sibling, a
+  lower clock); what slows only some calls (a garbage collection, a process taking turns with it on one CPU:
+  docs/reports/slow_start_probe.md, where such a process moved no verdict) the lower quartile leaves out, as before.
 * **Each side's number is its lower quartile**, not its median. Noise only ever adds host time,
   and on some calls it adds much: on the H100 (32 layers of six matmuls, width 512) the first
   layer of every step paid about 150 us more than the next layer, eagerly and graphed alike,
