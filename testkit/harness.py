@@ -201,6 +201,21 @@ def hooked_params(params):
     return {name: sorted(record.hooks) for name, record in records if record is not None and record.hooks}
 
 
+def refusal_sequence(a, b, c):
+    """Calls of three keys under max_graphs=1: b refused while a replays between its calls, c refused too, then b
+    called twice in a row takes a's place (NOTE [ Places under max_graphs ] in core/budgets.py)."""
+    return [a, a, b] + [a, b] * 4 + [c, b, a, b, b, b, a, c, a]
+
+
+def wrapper_books(wrapper):
+    """What dispatch() keeps of a wrapper's calls: its counts, the refused keys' remembered calls, its tick, its
+    latest refusal and its entries' labels in their order."""
+    stats = wrapper.stats()
+    return ([stats[k] for k in ("eager_calls", "eager_reasons", "replays", "captures", "warmup_calls", "evictions")],
+            list(wrapper._places.waiting().items()), wrapper._tick, wrapper._last_refusal,
+            [e.label for e in wrapper._entries.values()])
+
+
 __all__ = [
     "BACKENDS",
     "add_tracker_state",
@@ -218,9 +233,11 @@ __all__ = [
     "normal",
     "numpy_random_after_paddle_kills_the_process",
     "params_of",
+    "refusal_sequence",
     "storageless_numpy_is_empty",
     "on_device",
     "paddle_device",
     "release_grads",
     "twin_layers",
+    "wrapper_books",
 ]

@@ -24,7 +24,7 @@ from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.guards.host_marks import mark_host
 
-from testkit.harness import on_device
+from testkit.harness import on_device, refusal_sequence, wrapper_books
 
 REASON = "key fell back: CudaGraphError: refused here"
 
@@ -264,13 +264,9 @@ class RefusedUnderMaxGraphsTest(unittest.TestCase):
                     lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
                 if not front:
                     stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
-                # b refused while a replays between its calls; c refused too; then b twice in a row takes a's place
-                for t in [a, a, b] + [a, b] * 4 + [c, b, a, b, b, b, a, c, a]:
+                for t in refusal_sequence(a, b, c):
                     np.testing.assert_array_equal(f(t).numpy(), (t * 2.0).numpy())
-                    stats = f.stats()
-                    books.append(([stats[k] for k in ("eager_calls", "eager_reasons", "replays", "captures",
-                                                      "warmup_calls", "evictions")],
-                                  list(f._places._waiting.items()), f._tick, [e.label for e in f._entries.values()]))
+                    books.append(wrapper_books(f))
             return books, dispatched
 
         front, dispatched = run(True)

@@ -25,7 +25,7 @@ from paddlefleet.cudagraph.grads.accumulate import CALLS
 from paddlefleet.cudagraph.guards.host_marks import mark_host, marks
 
 from testkit.common import MatLayer, build, host_tensor
-from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend
+from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, refusal_sequence, wrapper_books
 
 
 def loaded():
@@ -199,14 +199,9 @@ class FrontDoorTest(BackendCase):
                 else:  # no gate, and take() says no: every call goes through dispatch()
                     stack.enter_context(mock.patch.object(dispatch_module, "refused_gate", lambda *args: None))
                     stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
-                # b refused while a replays between its calls; c refused too; then b twice in a row takes a's place
-                for t in [a, a, b] + [a, b] * 4 + [c, b, a, b, b, b, a, c, a]:
+                for t in refusal_sequence(a, b, c):
                     self.assertBitwise(graphed(t), own(t))
-                    stats = wrapper.stats()
-                    books.append(([stats[k] for k in ("eager_calls", "eager_reasons", "replays", "captures",
-                                                      "warmup_calls", "evictions")],
-                                  list(wrapper._places.waiting().items()), wrapper._tick, wrapper._last_refusal,
-                                  [e.label for e in wrapper._entries.values()]))
+                    books.append(wrapper_books(wrapper))
             return books, dispatched
 
         in_c, dispatched = run(True)
