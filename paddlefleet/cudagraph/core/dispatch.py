@@ -257,7 +257,7 @@ class KnownEager:
         if (entry.phase is not _FALLBACK or entry.fallback_reason is not self.fallback_reason or not plain_thread()
                 or saved_hooks.active() or any_stale() or not self._idle() or not self._call_of(entry.key, args)):
             return False
-        wrapper._tick += 1  # _used(), the entry already the latest where it is
+        wrapper._tick += 1  # _used(), inline: this runs on every such call without a front door
         entry.last_used = wrapper._tick
         if entry is not wrapper._latest:
             wrapper._entries.move_to_end(entry.key)

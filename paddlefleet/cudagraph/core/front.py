@@ -63,19 +63,25 @@ def behind(obj):
     return obj._front_target if is_front(obj) else obj
 
 
+def _surroundings(wrapper):
+    """What every gate reads besides its key (both take() answers ask the same of a call's surroundings): this
+    thread's nesting, the saved-tensors hooks' state, the stale outputs, the host marks, what ``wrapper``'s idle()
+    reads, the positional specs by count, the tracked Layers."""
+    return (thread_nesting(), saved_hooks.registration(), stale_registry(), marks(), wrapper._body.idle_holder(),
+            positional_forms(), wrapper._keys.layers)
+
+
 def known_gate(entry, wrapper, fallback_phase):
     """What the front door reads to answer ``KnownEager.take`` for ``entry`` (a key of ``wrapper`` in
     ``fallback_phase``) in C (NOTE [ The front door ])."""
-    return (entry, fallback_phase, entry.fallback_reason, thread_nesting(), saved_hooks.registration(),
-            stale_registry(), marks(), wrapper._body.idle_holder(), positional_forms(), wrapper._keys.layers)
+    return (entry, fallback_phase, entry.fallback_reason) + _surroundings(wrapper)
 
 
 def refused_gate(key, wrapper, reason):
     """What the front door reads to answer ``KnownRefused.take`` for ``key`` (refused under max_graphs, without an
     entry, in ``wrapper``; ``reason``: the refusal's) in C (NOTE [ The front door ])."""
     places = (wrapper._places.waiting(), wrapper._body, Phase.WARMUP, Phase.REPLAY, reason)
-    return (None, key, places, thread_nesting(), saved_hooks.registration(), stale_registry(), marks(),
-            wrapper._body.idle_holder(), positional_forms(), wrapper._keys.layers)
+    return (None, key, places) + _surroundings(wrapper)
 
 
 def unpickled(wrapper):

@@ -12,8 +12,7 @@ training step). tensor_reads.cc reads the same values from the C++ tensor (Paddl
 paddle::Tensor, and the Tensor object's layout of paddle/utils/pybind.h) and compares them with the key's values
 without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0.07 us; ``key_of`` compares a
 whole call with a key (its tensors, grad mode, autocast and the Layers' training flags: KeyMaker.is_key_of) in one
-call; ``versions``,
-``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. Grad mode and the autocast state,
+call; ``versions``, ``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call. Grad mode and the autocast state,
 which every key and every replay read (``paddle.is_grad_enabled()``, ``amp_state()`` in core/state.py: pybind
 properties of the tracer, ~1 us each alone and 3-4 us inside a call), come from ``state()``: Paddle's own getters
 of the tracer (public members of paddle::imperative::Tracer, bound by their symbols, weakly: the header declaring
