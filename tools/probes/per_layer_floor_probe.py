@@ -21,6 +21,9 @@ sync at the end of N steps, or a sync after every step), with the same model, da
   static buffer. Each copy goes to a scratch tensor of the right shape: the values are not the point, the device
   work and the host's launch of it are.
 
+``--profile``: after the tables, a cProfile of the ``autocudagraph`` runner in each mode (the functions with the
+most time of their own), which shows where the host waits, if it does (the call that waited holds the time).
+
 The raw per-layer graphs' last output and parameter grads are compared bit for bit with eager before timing.
 What the ratios answer: whether a per-layer target (autocudagraph within 1.15x of the whole step) is within reach of
 host work at all; ``raw_per_layer / raw_replay`` is the part no host work removes. Needs a CUDA GPU (cuBLAS matmuls
@@ -28,8 +31,11 @@ and copies only: NOTE [ Kernel-less GPUs ] in testkit/common.py).
 """
 
 import argparse
+import cProfile
 import gc
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -111,7 +117,6 @@ class RawPerLayer:
             g = self.scratch[i][1]
 
     def results(self):
-        paddle.device.cuda.synchronize()
         return [self.outs[-1].numpy()] + [g.numpy() for grads in self.param_grads for g in grads]
 
     def reset(self):
@@ -142,7 +147,23 @@ def raw_per_layer_entries(s):
                   cleanup=lambda: None)]
 
 
-def run_config(cfg, rounds, steps, warmup):
+def profiled(entry, steps):
+    """cProfile lines of ``entry``'s runner in each mode (``steps`` steps), the top functions by own time."""
+    out = []
+    for mode in MODES:
+        profile = cProfile.Profile()
+        entry.runner.sync()
+        profile.enable()
+        entry.runner.measure(mode, steps)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+        body = [line for line in text.getvalue().splitlines() if line.strip()][3:]
+        out += [f"cProfile of {entry.runner.name}, {mode}, {steps} steps:", "```"] + body + ["```", ""]
+    return out
+
+
+def run_config(cfg, rounds, steps, warmup, profile=False):
     s = Setup(cfg, "cuda")
     made = [("paddle_eager", lambda: [eager_entry(s)]),
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
@@ -166,10 +187,14 @@ def run_config(cfg, rounds, steps, warmup):
     s.sync()
     run_rounds([e.runner for e in entries], rounds, steps)
     times = {e.runner.name: {m: e.runner.summary(m) for m in MODES} for e in entries}
+    if profile:
+        notes_profile = [line for e in entries if e.runner.name == "autocudagraph" for line in profiled(e, steps)]
+    else:
+        notes_profile = []
     for e in entries:
         if e.cleanup is not None:
             e.cleanup()
-    return times, notes
+    return times, notes, notes_profile
 
 
 def table(cfg, times):
@@ -202,6 +227,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
     parser.add_argument("--steps", type=int, default=50, help="steps per runner, mode and round (default 50)")
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps per runner (default 30)")
+    parser.add_argument("--profile", action="store_true", help="then a cProfile of autocudagraph in each mode")
     parser.add_argument("--out", help="write the report here (markdown)")
     args = parser.parse_args()
     if not paddle.device.is_compiled_with_cuda():
@@ -219,9 +245,9 @@ def main():
     with device("gpu"):
         for cfg in configs:
             start = time.perf_counter()
-            times, notes = run_config(cfg, args.rounds, args.steps, args.warmup)
+            times, notes, profile = run_config(cfg, args.rounds, args.steps, args.warmup, args.profile)
             part = table(cfg, times) + [""] + [f"- {n}" for n in notes] + \
-                [f"- took {time.perf_counter() - start:.0f} s", ""]
+                [f"- took {time.perf_counter() - start:.0f} s", ""] + profile
             print("\n".join(part), flush=True)
             lines += part
     text = "\n".join(lines)
