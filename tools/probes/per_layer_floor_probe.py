@@ -49,7 +49,7 @@ from paddle import _C_ops  # noqa: E402
 from benchmark.paddle_runs import (Entry, Setup, compare, eager_entry, graphed_entry, raw_entry,  # noqa: E402
                                    whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds  # noqa: E402
-from testkit.common import device, short  # noqa: E402
+from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
 
 def _capture(body):
@@ -236,12 +236,10 @@ def main():
     configs = [c for c in PER_LAYER if c.name in wanted]
     if len(configs) != len(wanted):
         raise SystemExit(f"per_layer_floor_probe: per-layer configs are {[c.name for c in PER_LAYER]}")
-    commit = os.environ.get("PADDLEFLEET_REPORT_COMMIT", "unknown")
-    lines = ["# The device floor of graphing layer by layer (probe output)", "",
-             f"- paddlefleet at {commit}; paddle {paddle.__version__}; GPU "
-             f"{paddle.device.cuda.get_device_name()}; {args.rounds} rounds x {args.steps} steps per runner and "
-             f"mode after {args.warmup} warmup steps; us per step (median of rounds for throughput, of steps for "
-             "latency)", ""]
+    lines = ["# The device floor of graphing layer by layer (probe output)", ""] + \
+        info_lines(run_info(True, REPO)) + \
+        [f"- {args.rounds} rounds x {args.steps} steps per runner and mode after {args.warmup} warmup steps; us per "
+         "step (median of rounds for throughput, of steps for latency)", ""]
     with device("gpu"):
         for cfg in configs:
             start = time.perf_counter()
