@@ -12,7 +12,7 @@ from unittest import mock
 
 import paddle
 
-from paddlefleet.cudagraph import CudaGraphError
+from paddlefleet.cudagraph import CudaGraphError, native
 from paddlefleet.cudagraph.block import partial_grad
 from paddlefleet.cudagraph.chains import chain as chain_module
 from paddlefleet.cudagraph.chains.table import TABLE
@@ -113,6 +113,22 @@ class ChainMatmulCases(ChainCase, MatmulOnlyCase):
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
         self.assertIn("chained calls", model[1].forward.explain())
+
+    def test_the_head_makes_the_later_outputs_in_one_compiled_call(self):
+        native.load()
+        reads = native.reads
+        if reads is None:
+            self.skipTest(f"compiled tensor reads unavailable here: {native.status()[1]}")
+        with mock.patch.object(reads, "empty_like_each", wraps=reads.empty_like_each) as made:
+            model = self.run_twins(forward_backward, self.batches(), factory=widths_apart)
+        self.assertEqual(chained(model)[3], 4)
+        self.assertEqual({len(call.args[0]) for call in made.call_args_list}, {LAYERS - 1})
+        self.assertGreaterEqual(made.call_count, 4)
+
+    def test_layers_chain_bitwise_with_their_outputs_made_in_python(self):
+        with native.disabled():
+            model = self.run_twins(forward_backward, self.batches(), factory=widths_apart)
+        self.assertEqual(chained(model)[3], 4)
 
     def test_an_early_exit_breaks_the_chain_and_it_resumes(self):
         depths = [4, 4, 4, 2, 4, 1, 4, 4, 3, 4, 4, 4]

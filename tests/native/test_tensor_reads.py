@@ -132,6 +132,42 @@ class CompiledReadsTest(unittest.TestCase):
                     self.assertEqual(self.reads.moved(params._compiled_homes) is None, label == "freed")
 
 
+class EmptyLikeEachTest(unittest.TestCase):
+    """``empty_like_each`` makes what ``_C_ops.empty(t.shape, t.dtype, t.place)`` makes for each tensor, or leaves the
+    whole list to Python."""
+
+    def setUp(self):
+        self.reads = loaded()
+
+    def test_each_tensor_as_empty_makes_it(self):
+        like = [t for _, t in tensors() if 0 not in t.shape]
+        made = self.reads.empty_like_each(like)
+        self.assertIs(type(made), list)
+        self.assertEqual(len(made), len(like))
+        for t, got in zip(like, made):
+            with self.subTest(f"{t.dtype}{t.shape}"):
+                want = paddle._C_ops.empty(t.shape, t.dtype, t.place)
+                self.assertIs(type(got), type(want))
+                self.assertEqual(key_meta(got), key_meta(want))
+                self.assertTrue(got._is_initialized())
+                self.assertNotEqual(got.data_ptr(), t.data_ptr())
+                got.copy_(t, False)  # its own memory, written as any tensor's
+                np.testing.assert_array_equal(got.numpy(), t.numpy())
+                self.assertIsInstance(got.name, str)
+        self.assertEqual(len({t.data_ptr() for t in made}), len(made))
+        self.assertEqual(self.reads.empty_like_each([]), [])
+
+    def test_what_it_cannot_make_is_left_to_python(self):
+        p = paddle.create_parameter([3, 2], "float32")
+        p._clear_data()
+        x = paddle.zeros([2, 3])
+        cases = [("a tuple", (x,)), ("not a tensor", [x, 3]), ("zero-size", [x, paddle.zeros([0, 3])]),
+                 ("uninitialized", [p]), ("4-D (layout autotune may permute its shape)", [paddle.zeros([1, 2, 3, 4])])]
+        for label, arg in cases:
+            with self.subTest(label):
+                self.assertIsNone(self.reads.empty_like_each(arg))
+
+
 class HandOutReadsTest(unittest.TestCase):
     """versions / unchanged / freed_unchanged (GradPlan's checks of the views it handed out, NOTE [ Reused aliases ]
     and NOTE [ Freed aliases re-pointed ] in grads/hand_out_plan.py) against the same reads in Python."""

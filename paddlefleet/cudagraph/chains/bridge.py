@@ -8,6 +8,7 @@ import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
 
+from .. import native
 from ..core.call_state import grad_enabled
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
@@ -39,17 +40,22 @@ class ChainFunction(PyLayer):
 def _replay_forwards(run):
     """The head's forward replay; returns one output per member: the head's to hand out now,
     the others' to be filled when their call comes (ChainRun.hand_out)."""
-    outputs = []
-    for j, member in enumerate(run.members):
-        static = member.out_buf
-        if j == 0:
-            replay_forward(run, 0)
-            outputs.append(copy(static) if member.clone else alias(static))
-        elif member.clone:
-            outputs.append(_C_ops.empty(static.shape, static.dtype, static.place))
-        else:
-            outputs.append(alias(static))  # the member's replay writes it when its call comes
+    head, later = run.members[0], run.members[1:]
+    replay_forward(run, 0)
+    outputs = [copy(head.out_buf) if head.clone else alias(head.out_buf)]
+    made = iter(_unfilled([m.out_buf for m in later if m.clone]))
+    # an alias: the member's replay writes it when its call comes
+    outputs += [next(made) if m.clone else alias(m.out_buf) for m in later]
     return outputs
+
+
+def _unfilled(statics):
+    """A new tensor like each of ``statics`` (its shape, dtype and place), unfilled: made in one compiled call where
+    the compiled module is loaded (``empty_like_each``: NOTE [ Compiled tensor reads ] in native/__init__.py), else
+    one ``_C_ops.empty`` each. A chain's head makes one per later member, while the device waits for the host."""
+    compiled = native.reads
+    made = compiled.empty_like_each(statics) if compiled is not None and statics else None
+    return made if made is not None else [_C_ops.empty(s.shape, s.dtype, s.place) for s in statics]
 
 
 def replay_forward(run, j):

@@ -12,8 +12,11 @@
 #include <cstdint>
 #include <exception>
 
+#include <new>
 #include <string>
+#include <vector>
 
+#include "paddle/phi/api/include/api.h"
 #include "paddle/phi/api/include/tensor.h"
 #include "paddle/phi/core/ddim.h"
 
@@ -269,6 +272,42 @@ PyObject* py_data_ptr(PyObject*, PyObject* obj) {
   } catch (...) {
     Py_RETURN_NONE;
   }
+}
+
+// empty_like_each(tensors): for a list of tensors, a list of new tensors, each holding memory of the same shape, dtype
+// and place, unfilled: what ``_C_ops.empty(t.shape, t.dtype, t.place)`` makes for each (Paddle's own empty() API,
+// the Python objects made as Paddle's ToPyObject makes an op's output), without a Python call per tensor. None where
+// one of them cannot be read here or Paddle's empty() fails (the caller makes them in Python, errors included).
+PyObject* py_empty_like_each(PyObject*, PyObject* tensors) {
+  if (!PyList_CheckExact(tensors) || tensor_type == nullptr) Py_RETURN_NONE;
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  std::vector<paddle::Tensor> made;
+  made.reserve(n);
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const paddle::Tensor* t = readable(PyList_GET_ITEM(tensors, i));
+      if (t == nullptr) Py_RETURN_NONE;
+      const auto& dims = t->dims();
+      std::vector<int64_t> shape(dims.size());
+      for (int d = 0; d < dims.size(); ++d) shape[d] = dims[d];
+      made.push_back(paddle::experimental::empty(shape, t->dtype(), t->place()));
+    }
+  } catch (...) {
+    Py_RETURN_NONE;
+  }
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = tensor_type->tp_alloc(tensor_type, 0);
+    if (obj == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    new (&reinterpret_cast<TensorObject*>(obj)->tensor) paddle::Tensor();
+    reinterpret_cast<TensorObject*>(obj)->tensor = made[i];
+    PyList_SET_ITEM(out, i, obj);
+  }
+  return out;
 }
 
 // moved(homes): the index of the first home (parameters dict, name, param, stop_gradient, data
@@ -1100,6 +1139,8 @@ PyMethodDef methods[] = {
     {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_match)), METH_FASTCALL,
      "match(tensors, metas): True, False, or None (read in Python)."},
     {"data_ptr", py_data_ptr, METH_O, "t.data_ptr() of an initialized dense tensor, or None."},
+    {"empty_like_each", py_empty_like_each, METH_O,
+     "A new unfilled tensor like each tensor of a list (shape, dtype, place), or None (made in Python)."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
     {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
     {"unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_unchanged)), METH_FASTCALL,
