@@ -7,7 +7,9 @@ A graphed call hands out a copy of each static output (a whole step's ``StepGrap
 after the launch. This times, interleaved, best of ``--rounds`` rounds of ``--calls`` calls each (no device
 sync inside a round), the host us per copy of each way that makes a new tensor holding the same bytes, after
 checking each copy bit for bit against its source: ``_C_ops.assign`` (what the package calls),
-``Tensor.clone()``, ``Tensor._copy_to(place, False)`` and ``paddle.empty_like`` + ``copy_``; and, for scale,
+``Tensor.clone()``, ``Tensor._copy_to(place, False)``, ``paddle.empty`` + ``copy_``, ``_C_ops.empty`` + ``copy_``
+and the compiled ``empty_like_each`` + ``copy_`` (NOTE [ Compiled tensor reads ] in native/__init__.py: one and
+four tensors made per call, each copied, per copy); and, for scale,
 the host time of a bare ``paddle.matmul`` of the same shape against its transpose.
 """
 
@@ -24,6 +26,7 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 
+from paddlefleet.cudagraph import native  # noqa: E402
 from testkit.common import host_tensor, normal  # noqa: E402
 
 
@@ -33,13 +36,35 @@ def ways(place):
         out.copy_(t, False)
         return out
 
-    return {
+    def c_empty_copy(t):
+        out = _C_ops.empty(t.shape, t.dtype, t.place)
+        out.copy_(t, False)
+        return out
+
+    def compiled_copy(t):
+        out = native.reads.empty_like_each([t])[0]
+        out.copy_(t, False)
+        return out
+
+    def compiled_copies(t):  # four made in one call, each copied: what a chain's head and its members do
+        outs = native.reads.empty_like_each([t, t, t, t])
+        for out in outs:
+            out.copy_(t, False)
+        return outs[0]
+
+    made = {
         "_C_ops.assign(t)": _C_ops.assign,
         "t.clone()": lambda t: t.clone(),
         "t._copy_to(place, False)": lambda t: t._copy_to(place, False),
         "paddle.empty + copy_": empty_copy,
-        "paddle.matmul(t, t.T) (scale)": None,
+        "_C_ops.empty + copy_": c_empty_copy,
     }
+    native.load()
+    if native.reads is not None:
+        made["compiled empty_like_each + copy_"] = compiled_copy
+        made["compiled empty_like_each of 4 + copy_ (per copy)"] = compiled_copies
+    made["paddle.matmul(t, t.T) (scale)"] = None
+    return made
 
 
 def main():
@@ -71,9 +96,11 @@ def main():
             start = time.perf_counter()
             for _ in range(args.calls):
                 copy(src)
-            times[name].append((time.perf_counter() - start) / args.calls * 1e6)
+            per = 4 if "of 4" in name else 1
+            times[name].append((time.perf_counter() - start) / args.calls / per * 1e6)
             sync()
-    print(f"paddle {paddle.__version__}, place {place}, shape {args.shape}, {args.calls} calls x {args.rounds} rounds")
+    print(f"paddle {paddle.__version__}, place {place}, shape {args.shape}, {args.calls} calls x {args.rounds} rounds; "
+          f"compiled reads: {'in use' if native.reads is not None else native.status()[1]}")
     for name, us in times.items():
         print(f"  {name:34s} best {min(us):6.2f} us   median {statistics.median(us):6.2f} us")
     return 0
