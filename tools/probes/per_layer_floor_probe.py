@@ -10,6 +10,8 @@ sync at the end of N steps, or a sync after every step), with the same model, da
 * ``paddle_eager``, ``autocudagraph`` (every layer graphed on its own, default options), ``autocudagraph,
   chain_calls=False``, ``autocudagraph_step`` (the whole step) and ``raw_replay`` (one raw graph of the whole step:
   the floor): the benchmark's own runners (tools/benchmark/paddle_runs.py).
+* ``autocudagraph_python_empties``: ``autocudagraph`` with a chain head's unfilled outputs for its later members made
+  one ``_C_ops.empty`` each, as before the compiled ``empty_like_each`` (chains/bridge.py), for the difference.
 * ``raw_per_layer``: Paddle's own CUDAGraph per layer and direction, nothing else: layer i's forward graph reads
   layer i-1's static output in place (a detached alias) and its backward graph reads layer i+1's static input
   grad in place, so a step is 2 x layers ``replay()`` calls and no copy. No wrapper can graph layer by layer for
@@ -49,6 +51,7 @@ from paddle import _C_ops  # noqa: E402
 from benchmark.paddle_runs import (Entry, Setup, compare, eager_entry, graphed_entry, raw_entry,  # noqa: E402
                                    whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds  # noqa: E402
+from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
 
@@ -163,10 +166,30 @@ def profiled(entry, steps):
     return out
 
 
+def python_empties(entry):
+    """``entry`` (a graphed runner) with its chain heads' unfilled outputs made by ``_C_ops.empty`` one by one, as
+    before the compiled ``empty_like_each`` (chains/bridge.py): the two timed side by side."""
+    step = entry.runner.step
+
+    def made_in_python(statics):
+        return [_C_ops.empty(t.shape, t.dtype, t.place) for t in statics]
+
+    def run():
+        compiled, chain_bridge._unfilled = chain_bridge._unfilled, made_in_python
+        try:
+            return step()
+        finally:
+            chain_bridge._unfilled = compiled
+
+    entry.runner.step = run
+    return entry
+
+
 def run_config(cfg, rounds, steps, warmup, profile=False):
     s = Setup(cfg, "cuda")
     made = [("paddle_eager", lambda: [eager_entry(s)]),
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
+            ("autocudagraph_python_empties", lambda: [python_empties(graphed_entry(s, "autocudagraph_python_empties", {}))]),
             ("autocudagraph_unchained", lambda: [graphed_entry(s, "autocudagraph_unchained", {"chain_calls": False})]),
             ("autocudagraph_step", lambda: [whole_step_entry(s, "autocudagraph_step", with_sgd=False)]),
             ("raw_replay", lambda: [raw_entry(s)]),
