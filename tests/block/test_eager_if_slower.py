@@ -167,7 +167,8 @@ class TestEagerIfSlower(unittest.TestCase):
         steps = 1 + 1 + (host_cost.SAMPLES + 1) + (host_cost.SAMPLES - 1) + 3
         model, warned = self.run_steps(steps, chain_calls=False)
         self.assertEqual(len(warned), 1, warned)
-        self.assertIn("60.0 us of host time against 50.0 us", warned[0])
+        self.assertIn("60.0 us of host time against 50.0 us for the eager call (forward and backward, lower quartiles, "
+                      "the eager calls' at the replays' host speed (the host ran 2.00x slower during them))", warned[0])
         for layer in model:
             [row] = layer.forward.report()
             self.assertEqual(row["phase"], "fallback")
@@ -187,6 +188,8 @@ class TestEagerIfSlower(unittest.TestCase):
             [entry] = layer.forward.entries().values()
             self.assertEqual((entry.phase.value, entry.host_cost.verdict), ("replay", "graphed"))
             self.assertEqual(entry.host_cost.slowdown(), 0.5)
+            self.assertIn("the host ran 2.00x faster during the eager calls than during the replays (their host time "
+                          "divided by 0.50 where compared)", layer.forward.explain())
             self.assertAlmostEqual(entry.host_cost.total_us(None), 200.0, places=6)  # the eager call at the replays' speed
         cost = host_cost.HostCost(measure=True, judge=True)
         cost.eager_probe_s, cost.replay_probe_s = [10e-6] * 8, [1e-6] * 8

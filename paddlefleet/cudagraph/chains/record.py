@@ -109,4 +109,4 @@ class ChainCost:
 
     def warning(self, label, alone, acted):
         return slower_message(label, "a graphed call in a chain", alone.total_us(self.us()), alone.total_us(None), acted,
-                              alone.weighed())
+                              alone.weighed(), alone.slowdown())

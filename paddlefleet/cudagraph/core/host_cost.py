@@ -91,7 +91,7 @@ import statistics
 import time
 import weakref
 
-from .slower import slower_message, slower_reason
+from .slower import host_speed, slower_message, slower_reason
 
 __all__ = ["BackwardTimes", "HostCost", "SAMPLES", "TIMED", "ALL_SLOWER", "act", "clock", "measured", "quartile_us",
            "speed_probe", "warn_once_per_process"]
@@ -406,7 +406,7 @@ class HostCost:
                      f"{backward[1]:.1f} (lower quartile of {backward[3]})")
         slowdown = self.slowdown()
         if slowdown != 1.0:
-            text += (f"; the host ran {slowdown:.2f}x {'slower' if slowdown > 1 else 'faster'} during the eager "
+            text += (f"; the host ran {host_speed(slowdown)} during the eager "
                      f"calls than during the replays (their host time divided by {slowdown:.2f} where compared)")
         return text
 
@@ -421,7 +421,7 @@ class HostCost:
 
     def warning(self, label, alone, acted):
         return slower_message(label, "a graphed call", self.total_us(self.graphed_us()), self.total_us(None), acted,
-                              self.weighed())
+                              self.weighed(), self.slowdown())
 
 
 def judged_slower(entry):
