@@ -14,8 +14,8 @@ without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0
 whole call with a key (its tensors, grad mode, autocast and the Layers' training flags: KeyMaker.is_key_of) in one
 call; ``versions``, ``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call; ``empty_like_each``
 makes the unfilled outputs a chain's head call hands its later members (chains/bridge.py: Paddle's own ``empty()``
-per tensor, the Python objects made as Paddle makes an op's output), 1.2 us a tensor against 3.4 through
-``_C_ops.empty`` on the CPU with Paddle 2.6.2. Grad mode and the autocast state,
+per tensor, the Python objects made as Paddle makes an op's output): with its copy, 9.8 us a tensor against 12.5
+through ``_C_ops.empty`` on an H200 host (docs/reports/copy_probe.md). Grad mode and the autocast state,
 which every key and every replay read (``paddle.is_grad_enabled()``, ``amp_state()`` in core/state.py: pybind
 properties of the tracer, ~1 us each alone and 3-4 us inside a call), come from ``state()``: Paddle's own getters
 of the tracer (public members of paddle::imperative::Tracer, bound by their symbols, weakly: the header declaring
