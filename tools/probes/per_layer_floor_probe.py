@@ -2,6 +2,7 @@
 
     python tools/probes/per_layer_floor_probe.py [--configs xformer24x1024_b32_perlayer,...] [--rounds 4]
                                                  [--steps 50] [--out docs/reports/per_layer_floor_probe.md]
+    python tools/probes/per_layer_floor_probe.py --smoke   # CPU: the simulated backend, a few steps, no report
 
 For each of the benchmark's per-layer configs (tools/benchmark/timing.py), side by side in one process and timed
 as tools/bench.py times its runners (benchmark.timing: both modes, order and modes alternating every round; one
@@ -33,6 +34,7 @@ and copies only: NOTE [ Kernel-less GPUs ] in testkit/common.py).
 """
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -55,8 +57,14 @@ from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
 
-def _capture(body):
-    """(graph, what ``body()`` returned) of one raw CUDAGraph of ``body``."""
+def _capture(body, backend):
+    """(graph, what ``body()`` returned) of one raw CUDAGraph of ``body`` (on the simulated backend, its CPU stand-in:
+    a smoke run exercises the rest of the probe)."""
+    if backend != "cuda":
+        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
+
+        graph = SimulatedBackend().new_graph(None)
+        return graph, graph.capture(body)
     from paddle.device.cuda import graphs
 
     gc.collect()  # nothing of a graph's pool may be freed while a capture is open (Paddle 2.6)
@@ -85,7 +93,7 @@ class RawPerLayer:
         for i, block in enumerate(self.blocks):
             x = h if i == 0 else h.detach()  # an alias of the previous graph's static output
             x.stop_gradient = i == 0
-            graph, y = _capture(lambda block=block, x=x: block(x))
+            graph, y = _capture(lambda block=block, x=x: block(x), s.backend)
             self.fwd.append(graph)
             self.ins.append(x)
             self.outs.append(y)
@@ -95,7 +103,8 @@ class RawPerLayer:
         for i in reversed(range(len(self.blocks))):
             params = list(self.blocks[i].parameters())
             wrt = params if i == 0 else [self.ins[i]] + params
-            graph, grads = _capture(lambda i=i, wrt=wrt, g=g: paddle.grad([self.outs[i]], wrt, [g], retain_graph=True))
+            graph, grads = _capture(lambda i=i, wrt=wrt, g=g: paddle.grad([self.outs[i]], wrt, [g], retain_graph=True),
+                                    s.backend)
             self.bwd[i] = graph
             self.param_grads[i] = grads if i == 0 else grads[1:]
             g = None if i == 0 else grads[0]
@@ -185,8 +194,8 @@ def python_empties(entry):
     return entry
 
 
-def run_config(cfg, rounds, steps, warmup, profile=False):
-    s = Setup(cfg, "cuda")
+def run_config(cfg, rounds, steps, warmup, profile=False, backend="cuda"):
+    s = Setup(cfg, backend)
     made = [("paddle_eager", lambda: [eager_entry(s)]),
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
             ("autocudagraph_python_empties", lambda: [python_empties(graphed_entry(s, "autocudagraph_python_empties", {}))]),
@@ -251,22 +260,27 @@ def main():
     parser.add_argument("--steps", type=int, default=50, help="steps per runner, mode and round (default 50)")
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps per runner (default 30)")
     parser.add_argument("--profile", action="store_true", help="then a cProfile of autocudagraph in each mode")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: the simulated backend, the configs shrunk, a few steps, no report")
     parser.add_argument("--out", help="write the report here (markdown)")
     args = parser.parse_args()
-    if not paddle.device.is_compiled_with_cuda():
-        raise SystemExit("per_layer_floor_probe: needs a CUDA build of Paddle and a GPU")
+    if not args.smoke and not paddle.device.is_compiled_with_cuda():
+        raise SystemExit("per_layer_floor_probe: needs a CUDA build of Paddle and a GPU; run it with --smoke on a CPU")
     wanted = args.configs.split(",")
-    configs = [c for c in PER_LAYER if c.name in wanted]
+    configs = [c.smoke() if args.smoke else c for c in PER_LAYER if c.name in wanted]
     if len(configs) != len(wanted):
         raise SystemExit(f"per_layer_floor_probe: per-layer configs are {[c.name for c in PER_LAYER]}")
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.out = 1, 3, 12, None
     lines = ["# The device floor of graphing layer by layer (probe output)", ""] + \
-        info_lines(run_info(True, REPO)) + \
+        info_lines(run_info(not args.smoke, REPO)) + \
         [f"- {args.rounds} rounds x {args.steps} steps per runner and mode after {args.warmup} warmup steps; us per "
          "step (median of rounds for throughput, of steps for latency)", ""]
-    with device("gpu"):
+    with contextlib.nullcontext() if args.smoke else device("gpu"):
         for cfg in configs:
             start = time.perf_counter()
-            times, notes, profile = run_config(cfg, args.rounds, args.steps, args.warmup, args.profile)
+            times, notes, profile = run_config(cfg, args.rounds, args.steps, args.warmup, args.profile,
+                                               "simulate" if args.smoke else "cuda")
             part = table(cfg, times) + [""] + [f"- {n}" for n in notes] + \
                 [f"- took {time.perf_counter() - start:.0f} s", ""] + profile
             print("\n".join(part), flush=True)
