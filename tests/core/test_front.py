@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import os
 import pickle
 import unittest
 import warnings
@@ -20,7 +21,10 @@ from paddlefleet.cudagraph.block.graphed import GraphedCallable
 from paddlefleet.cudagraph.core.dispatch import MAX_GRAPHS, KnownRefused
 from paddlefleet.cudagraph.core.front import behind, is_front
 from paddlefleet.cudagraph.core.host_cost import ALL_SLOWER, HostCost
-from paddlefleet.cudagraph.core.pass_through import NO_PLACES
+from paddlefleet.cudagraph.backends import thread_nesting
+from paddlefleet.cudagraph.core.pass_through import NO_PLACES, _unnested, _untouched, condition_gate
+from paddlefleet.cudagraph.io.stale_outputs import stale_registry
+from paddlefleet.cudagraph.options import ENV_BACKEND
 from paddlefleet.cudagraph.grads.accumulate import CALLS
 from paddlefleet.cudagraph.guards.host_marks import mark_host, marks
 
@@ -285,6 +289,77 @@ class FrontDoorTest(BackendCase):
         self.assertIsInstance(layer.forward, GraphedCallable)
         self.assertFalse(is_front(layer.forward))
         self.assertIs(behind(layer.forward), layer.forward)
+
+
+class KeylessConditionTest(unittest.TestCase):
+    """A keyless rule's condition (core/pass_through.py) read in C from its gate answers as ``when()`` answers, or
+    leaves it to ``when()``; the front door asks no Python condition where the gate can tell."""
+
+    def setUp(self):
+        loaded()
+        self.reads = native.reads
+
+    def states(self):
+        """``[(label, context)]``: every state a condition reads, each set for the duration of its context."""
+        nesting = thread_nesting()
+
+        @contextlib.contextmanager
+        def nested():
+            nesting.nested += 1
+            try:
+                yield
+            finally:
+                nesting.nested -= 1
+
+        @contextlib.contextmanager
+        def stale():
+            registry = stale_registry()
+            registry[-1] = None
+            try:
+                yield
+            finally:
+                del registry[-1]
+
+        return [("plain", contextlib.nullcontext), ("nested", nested),
+                ("saved-tensors hooks", lambda: paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t)),
+                ("a stale output", stale), ("the backend named", lambda: mock.patch.dict(os.environ, {ENV_BACKEND: "simulate"})),
+                ("the backend named empty", lambda: mock.patch.dict(os.environ, {ENV_BACKEND: ""})),
+                ("os.environ replaced", lambda: mock.patch.object(os, "environ", dict(os.environ)))]
+
+    def test_each_condition_in_each_state(self):
+        for when in (_untouched, _unnested):
+            gate = condition_gate(when)
+            self.assertIsNotNone(gate)
+            for label, context in self.states():
+                with self.subTest(when=when.__name__, state=label), mock.patch.dict(os.environ), context():
+                    got, want = self.reads.keyless_holds(gate), bool(when())
+                    if label == "os.environ replaced" and when is _untouched:
+                        self.assertIsNone(got)  # another mapping: when() reads it
+                    else:
+                        self.assertIs(got, want)
+        self.assertIsNone(condition_gate(lambda: True))
+        self.assertIsNone(self.reads.keyless_holds(("not", "a", "gate")))
+
+    def test_the_front_door_asks_no_python_condition_where_the_gate_tells(self):
+        rule = autocudagraph(paddle.nn.Linear(4, 4), max_graphs=0)
+        wrapper = behind(rule.forward)
+        reason, when, decision, tally, gate = wrapper._keyless
+        asked = []
+        wrapper._keyless = (reason, lambda: asked.append(1) or when(), decision, tally, gate)
+        x = paddle.randn([2, 4])
+        for _ in range(3):
+            rule(x)
+        self.assertEqual((asked, dict(wrapper.counters.eager_reasons)), ([], {NO_PLACES: 3}))
+        wrapper._keyless = (reason, lambda: asked.append(1) or when(), decision, tally, None)
+        rule(x)  # no gate: the front asks when()
+        self.assertEqual((len(asked), dict(wrapper.counters.eager_reasons)), (1, {NO_PLACES: 4}))
+        with paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapper._keyless = (reason, when, decision, tally, gate)
+            rule(x)  # the gate says no: the dispatcher gives its own reason
+        reasons = dict(wrapper.counters.eager_reasons)
+        self.assertEqual(reasons.pop(NO_PLACES), 4)
+        self.assertIn("saved", next(iter(reasons)).lower())
 
 
 @for_each_backend

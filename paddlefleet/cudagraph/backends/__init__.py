@@ -34,6 +34,7 @@ __all__ = [
     "cuda_available",
     "pool_sharing_supported",
     "thread_nesting",
+    "environment_reads",
 ]
 
 #: Names accepted by ``backend=`` and by the environment override.
@@ -69,6 +70,13 @@ def plain_call():
     if _ENV_KEY is not None and os.environ is _ENVIRON:
         return not _ENV_DATA.get(_ENV_KEY)
     return not os.environ.get(ENV_BACKEND)
+
+
+def environment_reads():
+    """``(os module, os.environ, its mapping, the encoded variable name)``: what plain_call() reads of the
+    environment, for a compiled check that reads it the same way while ``os.environ`` is still that object (NOTE
+    [ The front door ] in core/front.py); None where plain_call() reads through ``os.environ.get``."""
+    return None if _ENV_KEY is None else (os, _ENVIRON, _ENV_DATA, _ENV_KEY)
 
 
 def backend_env_set():

@@ -73,7 +73,7 @@ from .body import Action as Blocker
 from .call import Call, positional_spec
 from .entry import GraphEntry, Phase
 from .front import known_gate, refused_gate
-from .pass_through import passes_through
+from .pass_through import condition_gate, passes_through
 
 __all__ = ["Action", "Decision", "KnownEager", "KnownRefused", "WHOLE_STEP", "admitted", "dispatch", "keyless_rule",
            "nested_reason"]
@@ -134,13 +134,15 @@ _FALLBACK = Phase.FALLBACK
 
 
 def keyless_rule(rule, counters):
-    """``(reason, when, Decision, tally)`` for a wrapper's keyless ``rule`` = ``(reason, when)``
+    """``(reason, when, Decision, tally, gate)`` for a wrapper's keyless ``rule`` = ``(reason, when)``
     (core/pass_through.py: its calls run eagerly for reason, without a key, while ``when`` is None or ``when()``
     holds), the Decision made once, the wrapper's ``counters.tally(reason)`` its calls add one to (NOTE [ Tallies
-    of calls without a Decision ] in core/stats.py); or None."""
+    of calls without a Decision ] in core/stats.py), what a compiled front door reads for ``when()``
+    (``condition_gate``); or None."""
     if rule is None:
         return None
-    return rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0])
+    return (rule[0], rule[1], Decision(Action.EAGER, reason=rule[0]), counters.tally(rule[0]),
+            condition_gate(rule[1]))
 
 
 def nested_reason(wrapper):

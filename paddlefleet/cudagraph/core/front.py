@@ -8,9 +8,12 @@ around the Layer's own forward: the wrapper's ``__call__``, the rule's check, th
 measured at 1.3-1.9 us a call on an H200 host (docs/reports/pass_through_probe.md), which for a model of one-matmul
 layers that eager_if_slower sent eager left the step 3% slower than eager's. Where the compiled module is loaded
 (NOTE [ Compiled tensor reads ] in native/__init__.py) the Layer holds a ``Front`` instead: a C callable that reads the
-wrapper's ``_keyless`` rule ``(reason, when, Decision, tally)`` and ``_eager_parts`` ``(fn, owner weakref, calls)`` (the
-body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or ``when()`` true: the same
-function the wrapper asks) and the owner is alive, counts the call in the rule's tally and in ``calls`` and returns
+wrapper's ``_keyless`` rule ``(reason, when, Decision, tally, gate)`` and ``_eager_parts`` ``(fn, owner weakref, calls)``
+(the body's eager runner laid out: Body.eager_parts), and where the rule holds (``when`` None, or ``when()`` true: the
+same function the wrapper asks; the conditions of core/pass_through.py read in C from the rule's ``gate`` instead of
+called: this thread's nesting, the saved-tensors hooks' state, the stale outputs and, for a wrapper without a backend
+on a machine without CUDA graphs, the environment's variable, which ``when()`` reads at 0.3-0.5 us a call on the
+CPU) and the owner is alive, counts the call in the rule's tally and in ``calls`` and returns
 ``fn(owner, *args, **kwargs)``, what the wrapper's own pass-through returns. Without a rule, a call of positional
 arguments that the wrapper's key known to run eagerly takes is counted in that key's tally and run the same way. Whether
 it takes the call is ``KnownEager.take``'s answer (NOTE [ Calls of a key that runs eagerly ] in core/dispatch.py), read

@@ -1,11 +1,11 @@
 """Wrappers that can only run eagerly pass calls straight through (NOTE [ Pass-through wrappers ]); a
 wrapper whose every key runs eagerly as slower (core/host_cost.py) and one with max_graphs=0 do the same."""
 
-from ..backends import backend_env_set, cuda_available, plain_call, plain_thread
+from ..backends import backend_env_set, cuda_available, environment_reads, plain_call, plain_thread, thread_nesting
 from ..guards import saved_hooks
-from ..io.stale_outputs import any_stale
+from ..io.stale_outputs import any_stale, stale_registry
 
-__all__ = ["NO_PLACES", "all_slower", "no_places", "passes_through"]
+__all__ = ["NO_PLACES", "all_slower", "condition_gate", "no_places", "passes_through"]
 
 
 # NOTE [ Pass-through wrappers ]
@@ -33,6 +33,19 @@ def _unnested():
     """True when a call of a wrapper with max_graphs=0 may skip the key: what _untouched() asks but the
     environment (with no place for any key, no backend the environment names could graph a call)."""
     return plain_thread() and not saved_hooks.active() and not any_stale()
+
+
+def condition_gate(when):
+    """What a compiled front door reads to answer ``when()`` of a keyless rule without calling it (NOTE [ The front
+    door ] in core/front.py): ``(thread nesting, saved-tensors hooks state, stale outputs, environment)``, the
+    environment None for _unnested (and ``environment_reads()`` for _untouched); None for any other condition (the
+    front calls it)."""
+    if when is _unnested:
+        return thread_nesting(), saved_hooks.registration(), stale_registry(), None
+    if when is _untouched:
+        env = environment_reads()
+        return None if env is None else (thread_nesting(), saved_hooks.registration(), stale_registry(), env)
+    return None
 
 
 #: The reason of every call of a wrapper with max_graphs=0.

@@ -903,6 +903,56 @@ int known_take(PyObject* known, PyObject* target, PyObject* const* args, Py_ssiz
   return verdict;
 }
 
+// Whether a keyless rule's condition holds, read from its ``gate`` (core/pass_through.py's ``condition_gate``: this
+// thread's nesting, the saved-tensors hooks' state, the stale outputs, and for a rule that reads the environment
+// ``(os module, os.environ as it was, its mapping, the encoded variable name)``, else None): 1 (it holds), 0 (it does
+// not), 2 (this file cannot tell: the caller asks ``when()``), -1 with an error set.
+PyObject* environ_name = nullptr;  // "environ"
+
+int keyless_holds(PyObject* gate) {
+  if (!PyTuple_CheckExact(gate) || PyTuple_GET_SIZE(gate) != 4) return 2;
+  PyObject* nested = PyObject_GetAttr(PyTuple_GET_ITEM(gate, 0), nested_name);
+  if (nested == nullptr) return -1;
+  int verdict = 1;
+  if (!PyLong_CheckExact(nested)) {
+    verdict = 2;
+  } else {
+    int overflow = 0;
+    long depth = PyLong_AsLongAndOverflow(nested, &overflow);
+    verdict = overflow != 0 || depth != 0 ? 0 : 1;
+  }
+  Py_DECREF(nested);
+  if (verdict != 1) return verdict;
+  PyObject* hooks_state = PyTuple_GET_ITEM(gate, 1);
+  PyObject* stale = PyTuple_GET_ITEM(gate, 2);
+  if (!PyDict_CheckExact(hooks_state) || !PyDict_CheckExact(stale)) return 2;
+  PyObject* registered = PyDict_GetItemWithError(hooks_state, registered_name);  // borrowed
+  if (registered == nullptr) return PyErr_Occurred() ? -1 : 2;
+  if (registered != Py_False) return registered == Py_True ? 0 : 2;
+  if (PyDict_GET_SIZE(stale) != 0) return 0;
+  PyObject* env = PyTuple_GET_ITEM(gate, 3);
+  if (env == Py_None) return 1;
+  if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 4 || !PyDict_CheckExact(PyTuple_GET_ITEM(env, 2))) return 2;
+  PyObject* now = PyObject_GetAttr(PyTuple_GET_ITEM(env, 0), environ_name);
+  if (now == nullptr) return -1;
+  bool same = now == PyTuple_GET_ITEM(env, 1);  // a test may put another mapping in its place: Python reads it
+  Py_DECREF(now);
+  if (!same) return 2;
+  PyObject* value = PyDict_GetItemWithError(PyTuple_GET_ITEM(env, 2), PyTuple_GET_ITEM(env, 3));  // borrowed
+  if (value == nullptr) return PyErr_Occurred() ? -1 : 1;
+  Py_INCREF(value);
+  int set = PyObject_IsTrue(value);
+  Py_DECREF(value);
+  return set < 0 ? -1 : set ? 0 : 1;
+}
+
+PyObject* py_keyless_holds(PyObject*, PyObject* gate) {
+  int r = keyless_holds(gate);
+  if (r < 0) return nullptr;
+  if (r == 2) Py_RETURN_NONE;
+  return PyBool_FromLong(r);
+}
+
 // The result of a call the front runs itself (the wrapper's own answer, without its Python), or nullptr: with an
 // error set where it failed, else the call goes to the wrapper. A keyless rule whose ``when`` is None or true runs the
 // call as the wrapper's pass-through does (NOTE [ Pass-through wrappers ]); without a rule, a call of positional
@@ -920,13 +970,17 @@ PyObject* front_fast(PyObject* target, PyObject* const* args, Py_ssize_t nargs, 
   PyObject* owner = nullptr;
   PyObject* result = nullptr;
   bool run = false;
-  if (PyTuple_CheckExact(keyless) && PyTuple_GET_SIZE(keyless) == 4) {
+  Py_ssize_t size = PyTuple_CheckExact(keyless) ? PyTuple_GET_SIZE(keyless) : 0;
+  if (size == 4 || size == 5) {  // (reason, when, Decision, tally[, gate of when])
     PyObject* when = PyTuple_GET_ITEM(keyless, 1);
     int holds = 1;
     if (when != Py_None) {
-      PyObject* answer = PyObject_CallNoArgs(when);
-      holds = answer == nullptr ? -1 : PyObject_IsTrue(answer);
-      Py_XDECREF(answer);
+      holds = size == 5 ? keyless_holds(PyTuple_GET_ITEM(keyless, 4)) : 2;
+      if (holds == 2) {
+        PyObject* answer = PyObject_CallNoArgs(when);
+        holds = answer == nullptr ? -1 : PyObject_IsTrue(answer);
+        Py_XDECREF(answer);
+      }
     }
     if (holds > 0) {
       parts = PyObject_GetAttr(target, eager_parts_name);
@@ -1139,6 +1193,8 @@ PyMethodDef methods[] = {
     {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_match)), METH_FASTCALL,
      "match(tensors, metas): True, False, or None (read in Python)."},
     {"data_ptr", py_data_ptr, METH_O, "t.data_ptr() of an initialized dense tensor, or None."},
+    {"keyless_holds", py_keyless_holds, METH_O,
+     "Whether a keyless rule's condition holds, from its gate: True, False, or None (ask when())."},
     {"empty_like_each", py_empty_like_each, METH_O,
      "A new unfilled tensor like each tensor of a list (shape, dtype, place), or None (made in Python)."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
@@ -1186,6 +1242,7 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
   max_graphs_name = PyUnicode_InternFromString("max_graphs");
   last_refusal_name = PyUnicode_InternFromString("_last_refusal");
   dispatched_name = PyUnicode_InternFromString("_dispatched");
+  environ_name = PyUnicode_InternFromString("environ");
   if (cpu_key == nullptr || stop_gradient_name == nullptr || tracer_name == nullptr || training_name == nullptr ||
       one == nullptr || keyless_name == nullptr || eager_parts_name == nullptr || known_name == nullptr ||
       tally_name == nullptr || take_name == nullptr || gate_name == nullptr || phase_name == nullptr ||
@@ -1193,7 +1250,8 @@ PyMODINIT_FUNC PyInit__tensor_reads() {
       run_name == nullptr || key_name == nullptr || latest_name == nullptr || tick_name == nullptr ||
       last_used_name == nullptr || graphs_name == nullptr || backward_pending_name == nullptr ||
       move_to_end_name == nullptr || entries_name == nullptr || options_name == nullptr ||
-      max_graphs_name == nullptr || last_refusal_name == nullptr || dispatched_name == nullptr)
+      max_graphs_name == nullptr || last_refusal_name == nullptr || dispatched_name == nullptr ||
+      environ_name == nullptr)
     return nullptr;
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
