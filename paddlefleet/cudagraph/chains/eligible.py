@@ -92,15 +92,23 @@ def mismatch(run, j, args, kwargs, keys):
     prev = run.outputs[j - 1]
     if not args or args[0] is not prev or prev.stop_gradient:
         return "its first argument is not the previous call's output"
-    spec = positional_spec(args, kwargs)
-    call = Call(args, kwargs, spec)
-    if not _same(call.tensors[1:], run.extras):
-        return "its other tensor arguments are not the first call's"
+    extras = run.extras
+    if not kwargs and len(args) == len(extras) + 1 and all(a is b for a, b in zip(args[1:], extras)):
+        # f(h, *the first call's other tensors): every argument a tensor, so they are the call's tensors, and its
+        # spec is made only where the compiled reads cannot tell (KeyMaker.is_call_of)
+        call, spec = _Predicted(list(args)), None
+    else:
+        spec = positional_spec(args, kwargs)
+        call = Call(args, kwargs, spec)
+        if not _same(call.tensors[1:], extras):
+            return "its other tensor arguments are not the first call's"
     member = run.members[j]
     key = member.entry.key  # read part by part where it can be, else made (the same answer)
-    if not keys.is_key_of(key, spec, args) and (
-            keys.key(args, kwargs, call.tensors, call.spec) != key):
-        return "the key it would get is not its key in the chain (an argument's value, grad mode, AMP state or a training flag changed)"
+    if not (keys.is_call_of(key, args) if spec is None else keys.is_key_of(key, spec, args)):
+        made = call if spec is not None else Call(args, kwargs, positional_spec(args, kwargs))
+        if keys.key(args, kwargs, made.tensors, made.spec) != key:
+            return ("the key it would get is not its key in the chain (an argument's value, grad mode, AMP state or "
+                    "a training flag changed)")
     if not current(member):
         run.forget()
         return "its key's graphs changed or wait for a backward"
