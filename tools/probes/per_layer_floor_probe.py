@@ -36,7 +36,6 @@ and copies only: NOTE [ Kernel-less GPUs ] in testkit/common.py).
 import argparse
 import contextlib
 import cProfile
-import gc
 import io
 import os
 import pstats
@@ -50,31 +49,11 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 
-from benchmark.paddle_runs import (Entry, Setup, compare, eager_entry, graphed_entry, raw_entry,  # noqa: E402
-                                   whole_step_entry)
+from benchmark.paddle_runs import (Entry, Setup, capture_raw, compare, eager_entry, graphed_entry,  # noqa: E402
+                                   raw_entry, whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
-
-
-def _capture(body, backend):
-    """(graph, what ``body()`` returned) of one raw CUDAGraph of ``body`` (on the simulated backend, its CPU stand-in:
-    a smoke run exercises the rest of the probe)."""
-    if backend != "cuda":
-        from paddlefleet.cudagraph.backends.simulated import SimulatedBackend
-
-        graph = SimulatedBackend().new_graph(None)
-        return graph, graph.capture(body)
-    from paddle.device.cuda import graphs
-
-    gc.collect()  # nothing of a graph's pool may be freed while a capture is open (Paddle 2.6)
-    graph = graphs.CUDAGraph()
-    graph.capture_begin()
-    try:
-        out = body()
-    finally:
-        graph.capture_end()
-    return graph, out
 
 
 class RawPerLayer:
@@ -93,7 +72,7 @@ class RawPerLayer:
         for i, block in enumerate(self.blocks):
             x = h if i == 0 else h.detach()  # an alias of the previous graph's static output
             x.stop_gradient = i == 0
-            graph, y = _capture(lambda block=block, x=x: block(x), s.backend)
+            graph, y = capture_raw(s, lambda block=block, x=x: block(x))
             self.fwd.append(graph)
             self.ins.append(x)
             self.outs.append(y)
@@ -103,8 +82,8 @@ class RawPerLayer:
         for i in reversed(range(len(self.blocks))):
             params = list(self.blocks[i].parameters())
             wrt = params if i == 0 else [self.ins[i]] + params
-            graph, grads = _capture(lambda i=i, wrt=wrt, g=g: paddle.grad([self.outs[i]], wrt, [g], retain_graph=True),
-                                    s.backend)
+            graph, grads = capture_raw(s, lambda i=i, wrt=wrt, g=g: paddle.grad([self.outs[i]], wrt, [g],
+                                                                                retain_graph=True))
             self.bwd[i] = graph
             self.param_grads[i] = grads if i == 0 else grads[1:]
             g = None if i == 0 else grads[0]
