@@ -45,13 +45,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
-import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 
 from benchmark.paddle_runs import (Entry, Setup, capture_raw, compare, eager_entry, graphed_entry,  # noqa: E402
                                    raw_entry, whole_step_entry)
-from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds  # noqa: E402
+from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds, timed_call  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
@@ -123,18 +122,8 @@ def raw_per_layer_entries(s):
         raw.step()
         return compare(raw.results(), s.reference, "raw per-layer y and grads")
 
-    def timed(step):
-        pc = time.perf_counter
-
-        def run():
-            start = pc()
-            step()
-            return pc() - start
-
-        return run
-
-    return [Entry(Runner("raw_per_layer", timed(raw.step), s.sync, short), check, cleanup=raw.reset),
-            Entry(Runner("raw_per_layer_copies", timed(raw.step_with_copies), s.sync, short), check,
+    return [Entry(Runner("raw_per_layer", timed_call(raw.step), s.sync, short), check, cleanup=raw.reset),
+            Entry(Runner("raw_per_layer_copies", timed_call(raw.step_with_copies), s.sync, short), check,
                   cleanup=lambda: None)]
 
 
