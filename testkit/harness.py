@@ -7,11 +7,14 @@ Paddle lacks its other kernels (tools/gpu_check.py runs them there). The compari
 model helpers live in testkit/common.py, which the tools share.
 """
 
+import contextlib
 import functools
 import os
 import subprocess
 import sys
 import unittest
+import warnings
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -216,9 +219,42 @@ def wrapper_books(wrapper):
             [e.label for e in wrapper._entries.values()])
 
 
+def refusal_books(wrapper, call, a, b, c, patches=()):
+    """``call(t)`` for each call of refusal_sequence(a, b, c) (``call`` checks its result), with dispatch() spied and
+    ``patches`` (context managers) entered; returns (wrapper_books of ``wrapper`` after every call, the shape of the
+    first argument of every call dispatch() saw)."""
+    from paddlefleet.cudagraph.core import lifecycle
+
+    dispatched, books = [], []
+    real = lifecycle.dispatch
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stack.enter_context(mock.patch.object(
+            lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
+        for patch in patches:
+            stack.enter_context(patch)
+        for t in refusal_sequence(a, b, c):
+            call(t)
+            books.append(wrapper_books(wrapper))
+    return books, dispatched
+
+
+def assert_refused_from_front(case, front, full, every, dispatched):
+    """What a refusal_sequence run checked by its front path and the same run through dispatch() alone must show:
+    the same books after every call (``front``, ``full``: wrapper_books lists), all 20 calls dispatched by the full
+    path (``every``), six calls of b refused without dispatch() by the front path (``dispatched``), and 11 calls
+    refused under max_graphs in all."""
+    case.assertEqual(front, full)
+    case.assertEqual(len(every), 20)
+    case.assertEqual(len(dispatched), 20 - 6, "six calls of b refused from the front")
+    case.assertEqual(front[-1][0][1], {"max_graphs reached": 11})
+
+
 __all__ = [
     "BACKENDS",
     "add_tracker_state",
+    "assert_refused_from_front",
+    "refusal_books",
     "hooked_params",
     "RECORD",
     "BackendCase",

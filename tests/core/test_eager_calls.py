@@ -24,7 +24,7 @@ from paddlefleet.cudagraph.errors import CudaGraphError
 from paddlefleet.cudagraph.guards import saved_hooks
 from paddlefleet.cudagraph.guards.host_marks import mark_host
 
-from testkit.harness import on_device, refusal_sequence, wrapper_books
+from testkit.harness import assert_refused_from_front, on_device, refusal_books
 
 REASON = "key fell back: CudaGraphError: refused here"
 
@@ -256,25 +256,13 @@ class RefusedUnderMaxGraphsTest(unittest.TestCase):
         def run(front):
             f = autocudagraph(lambda t: t * 2.0, backend="simulate", warmup_steps=1, max_graphs=1)
             a, b, c = paddle.ones([2, 3]), paddle.ones([3, 3]), paddle.ones([4, 3])
-            dispatched, books = [], []
-            real = lifecycle.dispatch
-            with contextlib.ExitStack() as stack, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                stack.enter_context(mock.patch.object(
-                    lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
-                if not front:
-                    stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
-                for t in refusal_sequence(a, b, c):
-                    np.testing.assert_array_equal(f(t).numpy(), (t * 2.0).numpy())
-                    books.append(wrapper_books(f))
-            return books, dispatched
+            patches = [] if front else [mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False)]
+            return refusal_books(f, lambda t: np.testing.assert_array_equal(f(t).numpy(), (t * 2.0).numpy()), a, b, c,
+                                 patches)
 
         front, dispatched = run(True)
         full, every = run(False)
-        self.assertEqual(front, full)
-        self.assertEqual(len(every), 20)
-        self.assertEqual(len(dispatched), 20 - 6, "six calls of b refused from the front")
-        self.assertEqual(front[-1][0][1], {"max_graphs reached": 11})
+        assert_refused_from_front(self, front, full, every, dispatched)
 
     def test_arguments_that_are_not_all_tensors_are_still_checked(self):
         class Cache:

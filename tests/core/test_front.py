@@ -29,7 +29,8 @@ from paddlefleet.cudagraph.grads.accumulate import CALLS
 from paddlefleet.cudagraph.guards.host_marks import mark_host, marks
 
 from testkit.common import MatLayer, build, host_tensor
-from testkit.harness import BackendCase, MatmulOnlyCase, for_each_backend, refusal_sequence, wrapper_books
+from testkit.harness import (BackendCase, MatmulOnlyCase, assert_refused_from_front, for_each_backend,
+                             refusal_books)
 
 
 def loaded():
@@ -180,7 +181,7 @@ class FrontDoorTest(BackendCase):
     def test_calls_of_a_key_refused_under_max_graphs_are_refused_in_c_with_the_books_dispatch_keeps(self):
         """KnownRefused's take read from its gate decides, call by call, what dispatch() decides, and keeps the same
         books (the places' remembered calls, the wrapper's tick, the entries, the counts) as the full path."""
-        from paddlefleet.cudagraph.core import dispatch as dispatch_module, lifecycle
+        from paddlefleet.cudagraph.core import dispatch as dispatch_module
 
         a, b, c = paddle.randn([2, 4]), paddle.randn([3, 4]), paddle.randn([4, 4])
 
@@ -189,31 +190,19 @@ class FrontDoorTest(BackendCase):
             own, twin = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
             twin.set_state_dict(own.state_dict())
             graphed = autocudagraph(twin, backend="simulate", warmup_steps=1, max_graphs=1)
-            wrapper = behind(graphed.forward)
-            dispatched, books = [], []
-            real = lifecycle.dispatch
-            with contextlib.ExitStack() as stack, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                stack.enter_context(mock.patch.object(
-                    lifecycle, "dispatch", lambda *args: dispatched.append(args[1][0].shape) or real(*args)))
-                stack.enter_context(mock.patch.dict(marks(), clear=True))  # no tensor marked host by another test
-                if in_c:  # the gate answers: take() is never asked
-                    stack.enter_context(mock.patch.object(
-                        dispatch_module.KnownRefused, "take", side_effect=AssertionError("take() asked")))
-                else:  # no gate, and take() says no: every call goes through dispatch()
-                    stack.enter_context(mock.patch.object(dispatch_module, "refused_gate", lambda *args: None))
-                    stack.enter_context(mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False))
-                for t in refusal_sequence(a, b, c):
-                    self.assertBitwise(graphed(t), own(t))
-                    books.append(wrapper_books(wrapper))
-            return books, dispatched
+            patches = [mock.patch.dict(marks(), clear=True)]  # no tensor marked host by another test
+            if in_c:  # the gate answers: take() is never asked
+                patches.append(mock.patch.object(
+                    dispatch_module.KnownRefused, "take", side_effect=AssertionError("take() asked")))
+            else:  # no gate, and take() says no: every call goes through dispatch()
+                patches += [mock.patch.object(dispatch_module, "refused_gate", lambda *args: None),
+                            mock.patch.object(dispatch_module.KnownRefused, "take", lambda *args: False)]
+            return refusal_books(behind(graphed.forward), lambda t: self.assertBitwise(graphed(t), own(t)), a, b, c,
+                                 patches)
 
         in_c, dispatched = run(True)
         full, every = run(False)
-        self.assertEqual(in_c, full)
-        self.assertEqual(len(every), 20)
-        self.assertEqual(len(dispatched), 20 - 6, "six calls of b refused from the front")
-        self.assertEqual(in_c[-1][0][1], {MAX_GRAPHS: 11})
+        assert_refused_from_front(self, in_c, full, every, dispatched)
 
     def test_a_call_the_front_asked_about_goes_straight_to_dispatch(self):
         """A call that the front's known key does not take (a graphed key's call beside it), or whose keyless rule
