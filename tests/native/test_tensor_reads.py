@@ -132,6 +132,44 @@ class CompiledReadsTest(unittest.TestCase):
                     self.assertEqual(self.reads.moved(params._compiled_homes) is None, label == "freed")
 
 
+class StepWalksTest(unittest.TestCase):
+    """``ptrs_hold`` and ``flags_hold`` (a whole step's replay checks) against the list comparisons they replace."""
+
+    def setUp(self):
+        self.reads = loaded()
+
+    def test_each_tensor_and_each_change(self):
+        readable = [t for _, t in tensors() if 0 not in t.shape]
+        ptrs = [t.data_ptr() for t in readable]
+        flags = [t.stop_gradient for t in readable]
+        self.assertIs(self.reads.ptrs_hold(tuple(readable), ptrs), True)
+        self.assertIs(self.reads.ptrs_hold(readable, ptrs), True)  # a list of tensors too
+        self.assertIs(self.reads.flags_hold(tuple(readable), flags), True)
+        for i in (0, len(readable) // 2, len(readable) - 1):
+            with self.subTest(i=i):
+                other = list(ptrs)
+                other[i] += 4
+                self.assertIs(self.reads.ptrs_hold(readable, other), False)
+                flipped = list(flags)
+                flipped[i] = not flipped[i]
+                self.assertIs(self.reads.flags_hold(readable, flipped), False)
+        self.assertIs(self.reads.ptrs_hold(readable, ptrs[:-1]), False)  # another length
+        self.assertIs(self.reads.flags_hold(readable, flags[:-1]), False)
+        self.assertIs(self.reads.ptrs_hold((), []), True)
+
+    def test_what_it_cannot_read_is_left_to_python(self):
+        x = paddle.zeros([2, 3])
+        p = paddle.create_parameter([3, 2], "float32")
+        p._clear_data()  # no memory: Python's data_ptr() is None or 0 by Paddle version
+        self.assertIsNone(self.reads.ptrs_hold((x, p), [x.data_ptr(), p.data_ptr()]))
+        self.assertIs(self.reads.ptrs_hold((x, p), [x.data_ptr() + 4, p.data_ptr()]), False)  # one differs
+        self.assertIsNone(self.reads.ptrs_hold((x,), (x.data_ptr(),)))  # not a list
+        self.assertIsNone(self.reads.ptrs_hold((x,), [float(x.data_ptr())]))
+        self.assertIsNone(self.reads.flags_hold((x,), [1]))  # not a bool: compared in Python
+        with self.assertRaises(AttributeError):  # as list(map(attrgetter("stop_gradient"), ...)) raises
+            self.reads.flags_hold((x, "not a tensor"), [True, True])
+
+
 class EmptyLikeEachTest(unittest.TestCase):
     """``empty_like_each`` makes what ``_C_ops.empty(t.shape, t.dtype, t.place)`` makes for each tensor, or leaves the
     whole list to Python."""
@@ -580,6 +618,9 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
                 self.assertEqual(reads.meta(g), key_meta(g))
                 self.assertIs(reads.match((g,), (key_meta(t),)), False)  # the CPU tensor's key
                 self.assertIs(reads.match((g,), (key_meta(g),)), True)
+                self.assertIs(reads.ptrs_hold((g,), [g.data_ptr()]), True)
+                self.assertIs(reads.ptrs_hold((g,), [t.data_ptr()]), False)  # the CPU tensor's address
+                self.assertIs(reads.flags_hold((g,), [g.stop_gradient]), True)
 
 
 @contextlib.contextmanager

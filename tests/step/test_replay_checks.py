@@ -12,7 +12,7 @@ import unittest
 import numpy as np
 import paddle
 
-from paddlefleet.cudagraph import autocudagraph_step
+from paddlefleet.cudagraph import autocudagraph_step, native
 from paddlefleet.cudagraph.core.body import Action
 from paddlefleet.cudagraph.core.call import Call
 from paddlefleet.cudagraph.step.grad_slots import CLOSED, grad_ptr
@@ -183,6 +183,26 @@ class ReplayChecksAgreeWithTheWalksTest(unittest.TestCase):
     def test_the_grad_slot_mode_changed(self):
         self.run_.step.body().slots.mode = "persistent"
         self.assertEqual(self.assertAgree(True)[0], Action.RECAPTURE)
+
+    def test_a_parameter_frozen_and_unfrozen(self):
+        p = self.run_.model.parameters()[1]
+        p.stop_gradient = True
+        frozen, _ = self.run_.verdicts()
+        self.assertEqual(frozen[0], Action.REWARM)
+        self.assertIn(f"parameter {p.name} was frozen", frozen[1])
+        p.stop_gradient = False
+        self.assertAgree(False)
+
+
+class ReplayChecksInPythonAgreeTest(ReplayChecksAgreeWithTheWalksTest):
+    """The same changes with every tensor read in Python (NOTE [ Compiled tensor reads ] in native/__init__.py: the
+    walks of addresses and flags are compiled calls where the module is in use)."""
+
+    def setUp(self):
+        super().setUp()
+        python_reads = native.disabled()
+        python_reads.__enter__()
+        self.addCleanup(python_reads.__exit__, None, None, None)
 
 
 class BindingWatchFastCheckTest(unittest.TestCase):

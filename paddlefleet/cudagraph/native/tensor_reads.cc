@@ -465,6 +465,73 @@ PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   return answer(views_hold(args[0], nullptr, args[1]));
 }
 
+// ptrs_hold(tensors, ptrs): whether ``list(map(Tensor.data_ptr, tensors)) == ptrs`` (``ptrs`` a list of ints), read
+// from the C++ tensors: True, False, or None where a tensor cannot be read here and no other one differs (read in
+// Python). A tensor whose pointer differs answers False whatever the others are, as the list comparison does.
+PyObject* py_ptrs_hold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ptrs_hold(tensors, ptrs)");
+    return nullptr;
+  }
+  if (!PyList_CheckExact(args[1]) || tensor_type == nullptr) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(args[0], "ptrs_hold() takes a sequence of tensors");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  int result = n == PyList_GET_SIZE(args[1]) ? kYes : kNo;
+  for (Py_ssize_t i = 0; i < n && result != kNo; ++i) {
+    long long want;
+    if (!exact_int(PyList_GET_ITEM(args[1], i), &want) || !PyObject_TypeCheck(items[i], tensor_type)) {
+      result = kUnknown;
+      continue;
+    }
+    const paddle::Tensor& t = reinterpret_cast<TensorObject*>(items[i])->tensor;
+    try {
+      if (!t.defined() || !t.is_dense_tensor() || !t.initialized()) {
+        result = kUnknown;
+        continue;
+      }
+      if (reinterpret_cast<int64_t>(t.data()) != want) result = kNo;
+    } catch (...) {
+      result = kUnknown;
+    }
+  }
+  Py_DECREF(fast);
+  if (PyErr_Occurred()) return nullptr;
+  return answer(result);
+}
+
+// flags_hold(tensors, flags): whether ``list(map(attrgetter("stop_gradient"), tensors)) == flags`` (``flags`` a list
+// of bools): True or False, read through the same attribute; None where a flag is not a bool (compared in Python).
+PyObject* py_flags_hold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "flags_hold(tensors, flags)");
+    return nullptr;
+  }
+  if (!PyList_CheckExact(args[1])) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(args[0], "flags_hold() takes a sequence of tensors");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  int result = n == PyList_GET_SIZE(args[1]) ? kYes : kNo;
+  for (Py_ssize_t i = 0; i < n && result == kYes; ++i) {
+    PyObject* want = PyList_GET_ITEM(args[1], i);
+    if (!PyBool_Check(want)) {
+      result = kUnknown;
+      break;
+    }
+    PyObject* now = PyObject_GetAttr(items[i], stop_gradient_name);
+    if (now == nullptr) {
+      result = -2;
+      break;
+    }
+    if (now != want) result = PyBool_Check(now) ? kNo : kUnknown;
+    Py_DECREF(now);
+  }
+  Py_DECREF(fast);
+  return answer(result);
+}
+
 // ---------------------------------------------------------------- the call's state
 // (paddle.is_grad_enabled(), amp_state()) of core/keys.py and core/state.py: grad mode, and the autocast level
 // (its int) and dtype, read from Paddle's tracer in C++. Python reads them through pybind properties of the tracer
@@ -1199,6 +1266,10 @@ PyMethodDef methods[] = {
      "A new unfilled tensor like each tensor of a list (shape, dtype, place), or None (made in Python)."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
     {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
+    {"ptrs_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ptrs_hold)), METH_FASTCALL,
+     "ptrs_hold(tensors, ptrs): whether each tensor has its data pointer: True, False, or None (read in Python)."},
+    {"flags_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_flags_hold)), METH_FASTCALL,
+     "flags_hold(tensors, flags): whether each tensor has its stop_gradient: True, False, or None."},
     {"unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_unchanged)), METH_FASTCALL,
      "unchanged(views, ptrs, versions): True, False, or None (read in Python)."},
     {"key_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_key_of)), METH_FASTCALL,

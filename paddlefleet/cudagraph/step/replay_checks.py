@@ -15,8 +15,9 @@ answers cost host time on every call, and a replayed step should cost little mor
 launch. So what to look at is fixed when the key is captured (``ReplayChecks``): flat tuples of
 the tensors and the addresses they must still have, and a bindings check
 (``BindingWatch.unchanged_since``), only those the key has. A call where nothing changed walks each
-tuple once at C level (``map`` over the tensors, compared as lists of ints or by identity) and
-builds no dict; when a walk finds any difference, the per-item walk runs and names the first one
+tuple once at C level (``map`` over the tensors, compared as lists of ints or by identity; the addresses and
+the ``stop_gradient`` flags in one compiled call each where the compiled reads are in use, ``ptrs_hold`` and
+``flags_hold``: NOTE [ Compiled tensor reads ] in native/__init__.py) and builds no dict; when a walk finds any difference, the per-item walk runs and names the first one
 exactly as before. Each fast walk compares the same values the per-item walk compares (the same
 addresses, the same objects by identity), so it is False exactly when that walk would find
 something (tests/step/test_replay_checks.py changes each thing once and expects the same Blocked
@@ -27,6 +28,7 @@ import operator
 
 import paddle
 
+from .. import native
 from ..core.body import Action, Blocked
 from ..guards.layer_attrs import AttrWatch, attr_message, layers_with_sublayers
 from .grad_slots import CLOSED, grad_ptr
@@ -99,7 +101,7 @@ class ReplayChecks:
     def _adopted_moved(self, _, tensors):
         # NOTE [ Adopted inputs of a step ] in step/capture.py; StaticInputs.moved's test, all at once
         picked = tensors if self._every_input_adopted else [tensors[i] for i in self._adopted]
-        if list(map(_data_ptr, picked)) == self._adopted_ptrs and all(map(_is_contiguous, picked)):
+        if _ptrs_hold(picked, self._adopted_ptrs) and all(map(_is_contiguous, picked)):
             return None
         name = self._graphs.static_inputs.moved(tensors)
         if name is None:
@@ -107,7 +109,9 @@ class ReplayChecks:
         return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
 
     def _freezes(self, *_):
-        if list(map(_stop_gradient, self._reached)) == self._frozen:
+        compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py
+        same = None if compiled is None else compiled.flags_hold(self._reached, self._frozen)
+        if same if same is not None else list(map(_stop_gradient, self._reached)) == self._frozen:
             return None
         for p, was in zip(self._reached, self._frozen):
             if p.stop_gradient != was:
@@ -138,7 +142,7 @@ class ReplayChecks:
         return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
 
     def _moved(self, *_):
-        if list(map(_data_ptr, self._params)) == self._param_ptrs:
+        if _ptrs_hold(self._params, self._param_ptrs):
             return None
         for p, ptr in self._graphs.params:
             if p.data_ptr() != ptr:
@@ -156,6 +160,14 @@ class ReplayChecks:
                     "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
                     "inside the step function."))
         return None
+
+
+def _ptrs_hold(tensors, ptrs):
+    """``list(map(Tensor.data_ptr, tensors)) == ptrs``, read in one compiled call where it can be (NOTE [ Compiled
+    tensor reads ] in native/__init__.py)."""
+    compiled = native.reads
+    same = None if compiled is None else compiled.ptrs_hold(tensors, ptrs)
+    return same if same is not None else list(map(_data_ptr, tensors)) == ptrs
 
 
 def _grads_between(between, _=None):
