@@ -627,15 +627,14 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
 def fresh_load(**env):
     """Inside: the process as before its first wrapper (nothing loaded), with ``env`` set; the module in use and the
     loader's state are put back after."""
-    saved_reads, saved_state_read, saved_copy, saved_state = (native.reads, native.state_read, native.copy_into,
-                                                              dict(native._state))
-    native.reads = native.state_read = native.copy_into = None
+    saved_reads, saved_state_read, saved_state = native.reads, native.state_read, dict(native._state)
+    native.reads = native.state_read = None
     native._state.update(loaded=False, why="not loaded yet")
     try:
         with mock.patch.dict(os.environ, env):
             yield
     finally:
-        native.reads, native.state_read, native.copy_into = saved_reads, saved_state_read, saved_copy
+        native.reads, native.state_read = saved_reads, saved_state_read
         native._state.clear()
         native._state.update(saved_state)
 

@@ -28,8 +28,6 @@ int tracer_amp_level(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer
     __attribute__((weak));
 std::string tracer_amp_dtype(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer11GetAmpDtypeB5cxx11Ev")
     __attribute__((weak));
-// phi::backends::gpu::GetCurrentDeviceId(): the current GPU (copy_into copies on it only); weak: absent from a CPU build.
-int current_gpu() __asm__("_ZN3phi8backends3gpu18GetCurrentDeviceIdEv") __attribute__((weak));
 // const std::shared_ptr<Tracer>& GetCurrentTracer(): the reference's first word is the tracer.
 void* const* current_tracer() __asm__("_ZN6paddle10imperative16GetCurrentTracerEv") __attribute__((weak));
 
@@ -465,44 +463,6 @@ PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     return nullptr;
   }
   return answer(views_hold(args[0], nullptr, args[1]));
-}
-
-// copy_into(dst, src): ``dst.copy_(src, False)`` for two initialized dense tensors of the same shape, dtype and place,
-// on the CPU or on the current GPU: Paddle's own Tensor::copy_ to dst's place, as Tensor.copy_ calls it for an
-// initialized dst, with the GIL released around it as there: True. None where one of them is not such a tensor, they
-// differ, dst is on another GPU than the current one (Tensor.copy_ may make it current first) or the current GPU
-// cannot be read here: the caller copies in Python, errors included.
-PyObject* py_copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "copy_into(dst, src)");
-    return nullptr;
-  }
-  paddle::Tensor* dst = defined(args[0]);
-  paddle::Tensor* src = defined(args[1]);
-  if (dst == nullptr || src == nullptr) Py_RETURN_NONE;
-  bool copied = false;
-  try {
-    if (!dst->initialized() || !src->initialized() || dst->dtype() != src->dtype() || dst->dims() != src->dims())
-      Py_RETURN_NONE;
-    const phi::Place& place = dst->place();
-    if (place != src->place()) Py_RETURN_NONE;
-    if (place.GetType() == phi::AllocationType::GPU) {
-      if (current_gpu == nullptr || current_gpu() != place.GetDeviceId()) Py_RETURN_NONE;
-    } else if (place.GetType() != phi::AllocationType::CPU) {
-      Py_RETURN_NONE;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    try {
-      dst->copy_(*src, place, false);
-      copied = true;
-    } catch (...) {
-    }
-    Py_END_ALLOW_THREADS
-  } catch (...) {
-    Py_RETURN_NONE;
-  }
-  if (!copied) Py_RETURN_NONE;
-  Py_RETURN_TRUE;
 }
 
 // ptrs_hold(tensors, ptrs): whether ``list(map(Tensor.data_ptr, tensors)) == ptrs`` (``ptrs`` a list of ints), read
@@ -1306,8 +1266,6 @@ PyMethodDef methods[] = {
      "A new unfilled tensor like each tensor of a list (shape, dtype, place), or None (made in Python)."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
     {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
-    {"copy_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_copy_into)), METH_FASTCALL,
-     "copy_into(dst, src): dst.copy_(src, False) for two alike initialized dense tensors: True, or None."},
     {"ptrs_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ptrs_hold)), METH_FASTCALL,
      "ptrs_hold(tensors, ptrs): whether each tensor has its data pointer: True, False, or None (read in Python)."},
     {"flags_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_flags_hold)), METH_FASTCALL,
