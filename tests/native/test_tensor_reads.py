@@ -170,49 +170,6 @@ class StepWalksTest(unittest.TestCase):
             self.reads.flags_hold((x, "not a tensor"), [True, True])
 
 
-class CopyIntoTest(unittest.TestCase):
-    """``copy_into`` (NOTE [ Compiled copies ] in native/__init__.py) copies what ``Tensor.copy_`` copies, or leaves it
-    to Python."""
-
-    def setUp(self):
-        self.reads = loaded()
-
-    def test_the_bytes_of_every_tensor(self):
-        for label, t in tensors():
-            with self.subTest(label):
-                if 0 in t.shape:  # no memory
-                    self.assertIsNone(self.reads.copy_into(paddle.zeros(t.shape).astype(t.dtype), t))
-                    continue
-                ours = paddle.to_tensor(np.ones(t.shape, t.numpy().dtype))
-                theirs = paddle.to_tensor(np.ones(t.shape, t.numpy().dtype))
-                ptr, version, flag = ours.data_ptr(), ours._inplace_version(), ours.stop_gradient
-                copied = self.reads.copy_into(ours, t)
-                theirs.copy_(t, False)
-                if copied is None:  # a strided view: Python copies it
-                    self.assertFalse(t.is_contiguous(), label)
-                    continue
-                self.assertIs(copied, True)
-                self.assertEqual(ours.numpy().tobytes(), theirs.numpy().tobytes())
-                self.assertEqual((ours.data_ptr(), ours._inplace_version(), ours.stop_gradient), (ptr, version, flag))
-        x = paddle.arange(6, dtype="float32")
-        self.assertIs(self.reads.copy_into(x, x), True)  # onto itself: nothing to copy, as Paddle's copy
-
-    def test_what_it_does_not_copy_is_left_to_python(self):
-        dst = paddle.zeros([2, 3])
-        empty = paddle.create_parameter([2, 3], "float32")
-        empty._clear_data()  # no memory: Tensor.copy_ does nothing with it as a source
-        wide = paddle.arange(12, dtype="float32").reshape([2, 6])
-        cases = [("another shape", paddle.zeros([3, 2])), ("another dtype", paddle.zeros([2, 3], "float64")),
-                 ("an uninitialized source", empty), ("not a tensor", "x"), ("a strided view", wide[:, ::2])]
-        for label, src in cases:
-            with self.subTest(label):
-                if label == "a strided view" and src.is_contiguous():
-                    continue  # this Paddle copied the slice: no view to try
-                self.assertIsNone(self.reads.copy_into(dst, src))
-        self.assertIsNone(self.reads.copy_into(empty, dst))  # an uninitialized destination
-        self.assertEqual(dst.numpy().tolist(), [[0.0] * 3] * 2)
-
-
 class EmptyLikeEachTest(unittest.TestCase):
     """``empty_like_each`` makes what ``_C_ops.empty(t.shape, t.dtype, t.place)`` makes for each tensor, or leaves the
     whole list to Python."""
@@ -664,25 +621,20 @@ class DeviceTensorReadsTest(MatmulOnlyCase):
                 self.assertIs(reads.ptrs_hold((g,), [g.data_ptr()]), True)
                 self.assertIs(reads.ptrs_hold((g,), [t.data_ptr()]), False)  # the CPU tensor's address
                 self.assertIs(reads.flags_hold((g,), [g.stop_gradient]), True)
-                if g.is_contiguous():  # the driver's copy on the current GPU, on Paddle's stream
-                    dst = paddle.to_tensor(np.ones(t.shape, t.numpy().dtype), place=g.place)
-                    self.assertIs(reads.copy_into(dst, g), True)
-                    self.assertEqual(dst.numpy().tobytes(), g.numpy().tobytes())
 
 
 @contextlib.contextmanager
 def fresh_load(**env):
     """Inside: the process as before its first wrapper (nothing loaded), with ``env`` set; the module in use and the
     loader's state are put back after."""
-    saved_reads, saved_state_read, saved_copy, saved_state = (native.reads, native.state_read, native.copy_into,
-                                                              dict(native._state))
-    native.reads = native.state_read = native.copy_into = None
+    saved_reads, saved_state_read, saved_state = native.reads, native.state_read, dict(native._state)
+    native.reads = native.state_read = None
     native._state.update(loaded=False, why="not loaded yet")
     try:
         with mock.patch.dict(os.environ, env):
             yield
     finally:
-        native.reads, native.state_read, native.copy_into = saved_reads, saved_state_read, saved_copy
+        native.reads, native.state_read = saved_reads, saved_state_read
         native._state.clear()
         native._state.update(saved_state)
 

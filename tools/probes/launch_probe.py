@@ -16,8 +16,7 @@ way to launch that work in four states:
   bookkeeping do to the CPU's caches between two of Paddle's calls), against **alone**: each call timed alone
   without that pass (the same timer, so the difference is the caches').
 
-The ways: ``Tensor.copy_(src, False)``, the compiled ``copy_into`` (NOTE [ Compiled copies ] in native/__init__.py:
-the driver's copy on Paddle's stream, without Paddle's kernel dispatch), ``_C_ops.assign_out_`` (Paddle's in-place assign), ``_C_ops.assign`` (a new
+The ways: ``Tensor.copy_(src, False)``, ``_C_ops.assign_out_`` (Paddle's in-place assign), ``_C_ops.assign`` (a new
 tensor holding a copy: the output hand-out of a call replayed alone), ``CUDAGraph.replay()`` of a graph of one
 matmul of the shape, and a bare ``paddle.matmul`` for scale. Each copy is checked bit for bit before timing. Needs a
 CUDA GPU (cuBLAS matmuls and copies only: NOTE [ Kernel-less GPUs ] in testkit/common.py).
@@ -36,7 +35,6 @@ import paddle  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 from paddle.device.cuda.graphs import CUDAGraph  # noqa: E402
 
-from paddlefleet.cudagraph import native  # noqa: E402
 from testkit.common import host_tensor, normal  # noqa: E402
 
 STATES = ("idle", "busy", "queued", "alone", "cold")
@@ -55,8 +53,6 @@ def captured(fn):
 
 def ways(src, dst, wt):
     made = {"Tensor.copy_(src, False)": lambda: dst.copy_(src, False)}
-    if native.copy_into is not None:
-        made["compiled copy_into(dst, src)"] = lambda: native.copy_into(dst, src)
     if hasattr(_C_ops, "assign_out_"):
         made["_C_ops.assign_out_(src, dst)"] = lambda: _C_ops.assign_out_(src, dst)
     made["_C_ops.assign(src) (a new tensor)"] = lambda: _C_ops.assign(src)
@@ -72,10 +68,9 @@ def check(made, src, dst):
         if "copy_" not in name and "assign_out" not in name:
             continue
         dst.copy_(host_tensor(normal(9)(*src.shape)), False)
-        done = way()
+        way()
         paddle.device.cuda.synchronize()
         assert dst.numpy().tobytes() == want, name
-        assert done is not None or "compiled" not in name, f"{name} left the copy to Python"
 
 
 def timed_round(way, state, calls, before, junk):
@@ -111,7 +106,6 @@ def main():
     if not (paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0):
         print("launch_probe: needs a CUDA GPU")
         return 2
-    native.load()
     rows, cols = (int(v) for v in args.shape.split("x"))
     src = host_tensor(normal(3)(rows, cols))
     dst = host_tensor(normal(5)(rows, cols))
@@ -149,8 +143,7 @@ def main():
     print(f"paddle {paddle.__version__}, shape {args.shape} float32, {args.calls} calls x {args.rounds} rounds; "
           f"busy: one graph of {args.busy} 4096 x 4096 matmuls ({span['busy']:.1f} ms alone); queued: "
           f"{args.queued} launches of a graph of six {args.shape} x {cols} matmuls ({span['queued']:.2f} ms alone); "
-          f"cold: a pass over {args.cold_mb} MB of Python objects before each call; compiled reads: "
-          f"{'in use' if native.reads is not None else native.status()[1]}")
+          f"cold: a pass over {args.cold_mb} MB of Python objects before each call")
     print("  host us per call, best / median of the rounds")
     print(f"  {'way':36s}" + "".join(f"{state:>16s}" for state in STATES))
     for name in made:

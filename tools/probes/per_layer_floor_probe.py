@@ -13,9 +13,6 @@ sync at the end of N steps, or a sync after every step), with the same model, da
   the floor): the benchmark's own runners (tools/benchmark/paddle_runs.py).
 * ``autocudagraph_python_empties``: ``autocudagraph`` with a chain head's unfilled outputs for its later members made
   one ``_C_ops.empty`` each, as before the compiled ``empty_like_each`` (chains/bridge.py), for the difference.
-* ``autocudagraph_python_copies``: ``autocudagraph`` with every device copy its replays make into an existing
-  tensor through ``Tensor.copy_``, as before the compiled ``copy_into`` (NOTE [ Compiled copies ] in
-  native/__init__.py), for the difference.
 * ``raw_per_layer``: Paddle's own CUDAGraph per layer and direction, nothing else: layer i's forward graph reads
   layer i-1's static output in place (a detached alias) and its backward graph reads layer i+1's static input
   grad in place, so a step is 2 x layers ``replay()`` calls and no copy. No wrapper can graph layer by layer for
@@ -54,7 +51,6 @@ from paddle import _C_ops  # noqa: E402
 from benchmark.paddle_runs import (Entry, Setup, capture_raw, compare, eager_entry, graphed_entry,  # noqa: E402
                                    raw_entry, whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds, timed_call  # noqa: E402
-from paddlefleet.cudagraph import native  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
@@ -166,29 +162,11 @@ def python_empties(entry):
     return entry
 
 
-def python_copies(entry):
-    """``entry`` (a graphed runner) with its replays' device copies made by ``Tensor.copy_``, as before the compiled
-    ``copy_into`` (NOTE [ Compiled copies ] in native/__init__.py): the two timed side by side."""
-    step = entry.runner.step
-
-    def run():
-        compiled, native.copy_into = native.copy_into, None
-        try:
-            return step()
-        finally:
-            native.copy_into = compiled
-
-    entry.runner.step = run
-    return entry
-
-
 def run_config(cfg, rounds, steps, warmup, profile=False, backend="cuda"):
     s = Setup(cfg, backend)
     made = [("paddle_eager", lambda: [eager_entry(s)]),
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
             ("autocudagraph_python_empties", lambda: [python_empties(graphed_entry(s, "autocudagraph_python_empties", {}))]),
-            ("autocudagraph_python_copies",
-             lambda: [python_copies(graphed_entry(s, "autocudagraph_python_copies", {}))]),
             ("autocudagraph_unchained", lambda: [graphed_entry(s, "autocudagraph_unchained", {"chain_calls": False})]),
             ("autocudagraph_step", lambda: [whole_step_entry(s, "autocudagraph_step", with_sgd=False)]),
             ("raw_replay", lambda: [raw_entry(s)]),

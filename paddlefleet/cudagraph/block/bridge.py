@@ -34,7 +34,6 @@ import weakref
 import paddle
 from paddle.autograd import PyLayer
 
-from .. import native
 from ..core.call_state import grad_enabled
 from ..errors import CudaGraphError, PendingBackwardError
 from ..grads.accumulate import own_backward
@@ -194,9 +193,7 @@ def replay_backward(graphs, grads, generation, token):
         if grad is None:
             buf.zero_()
         elif grad is not buf:
-            into = native.copy_into  # NOTE [ Compiled copies ] in native/__init__.py
-            if into is None or into(buf, grad) is None:
-                buf.copy_(grad, False)
+            buf.copy_(grad, False)
     acc = backward.accumulators
     if acc is not None:
         acc.prepare()

@@ -6,7 +6,6 @@ import weakref
 
 import paddle
 
-from .. import native
 from ..core.body import Replayed
 from ..errors import ReplayShapeError
 from ..grads.accumulate import note_call
@@ -140,15 +139,11 @@ class ChainRun:
         if self.extras:
             copied, skipped = member.graphs.static_inputs.copy_in([first] + self.extras)
         else:
-            into = native.copy_into  # NOTE [ Compiled copies ] in native/__init__.py
-            if into is None or into(member.in_buf, first) is None:
-                member.in_buf.copy_(first, False)
+            member.in_buf.copy_(first, False)
             copied, skipped = 1, 0
         replay_forward(self, j)
         if member.clone:  # the head made it, empty, as an output of the one grad node
-            into, out = native.copy_into, self.outputs[j]
-            if into is None or into(out, member.out_buf) is None:
-                out.copy_(member.out_buf, False)
+            self.outputs[j].copy_(member.out_buf, False)
         return copied, skipped
 
     def forget(self):

@@ -32,7 +32,6 @@ autograd sums the grads of the tensor viewed).
 import numpy as np
 import paddle
 
-from .. import native
 from ..errors import InputMismatchError
 
 __all__ = ["StaticInputs", "tensor_meta", "key_meta", "place_key", "numel", "nbytes", "contiguous_outputs",
@@ -220,9 +219,7 @@ class StaticInputs:
             if t is b or (t.data_ptr() == ptr and t.is_contiguous()):
                 skipped += 1
                 continue
-            into = native.copy_into  # NOTE [ Compiled copies ] in native/__init__.py
-            if into is None or into(b, t) is None:
-                b.copy_(t, False)
+            b.copy_(t, False)
             copied += 1
         return copied, skipped
 

@@ -26,23 +26,6 @@ them is not shipped), ~0.08 us, None where Python's tracer is None (static mode)
 (docs/reports/host_breakdown.md); the state read alone took a fallen-back key's eager call from +16 to +8 us over the
 Layer's own forward on the CPU (tools/cpu_host_time.py --eager-calls, Paddle 2.6.2, runs minutes apart).
 
-NOTE [ Compiled copies ]
-A replay copies device tensors into tensors that exist: the call's inputs into the static buffers
-(StaticInputs.copy_in), a chain member's input into its static buffer and its output into the tensor the chain's head
-made for it (chains/run.py), an output's grad into its static buffer (block/bridge.py). ``Tensor.copy_(src, False)``
-goes through Paddle's kernel dispatch (kernel key, device context, meta inference, ``phi::Copy``) to one
-``cudaMemcpyAsync`` on the device's stream: 5.3 us of host time alone on an H200 host, and 26 us after a pass of
-Python over a few MB of objects (docs/reports/launch_probe.md: the cold caches a call's own Python leaves, which is
-why it costs 12-13 us inside a training step). ``copy_into(dst, src)`` makes the same copy without that path, for
-two initialized dense tensors with canonical strides, of one shape and dtype, on one place: on the CPU
-``std::memcpy`` (what Paddle's CPU copy calls), on the current GPU the driver's ``cuMemcpyDtoDAsync`` on the stream
-Paddle's copy uses (``paddle::Tensor::stream()``: the current GPU's context stream, so the copy is ordered with the
-replays and Paddle's own work as Paddle's copy is), the GIL released around it as Tensor.copy_ releases it; it
-answers True. Where it did not copy it answers None and the caller calls ``copy_``: another GPU than the current
-one, a strided view, tensors that differ, an uninitialized source (Python's copy_ does nothing there), the driver
-or Paddle's stream getter not found (a CPU build), the driver refusing the copy. Checked at load against the bytes
-of each probe tensor, on the GPU too where there is one.
-
 It answers exactly what the Python reads answer, or None where it cannot tell, and the caller then reads in
 Python as before (the same values, the same errors): a tensor that is not a defined, initialized dense tensor
 (an uninitialized one raises in Python; a zero-size one holds no memory), a 4-D tensor (Paddle's layout autotune
@@ -70,8 +53,9 @@ import numpy as np
 import paddle
 
 from ..errors import CudaGraphError
+from ..io.static_inputs import key_meta  # the Python read the module replaces, for its check
 
-__all__ = ["ENV_NATIVE", "reads", "state_read", "copy_into", "load", "status", "disabled"]
+__all__ = ["ENV_NATIVE", "reads", "state_read", "load", "status", "disabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +69,6 @@ reads = None
 #: The module's ``state()`` once bound and checked: ``(grad enabled, amp_state())`` read from Paddle's tracer, or
 #: None where it cannot tell; None where the module or the tracer's getters are unavailable (read in Python).
 state_read = None
-
-#: The module's ``copy_into(dst, src)`` once loaded and checked: ``dst.copy_(src, False)`` in one compiled call, True,
-#: or None where it does not copy (the caller then calls ``dst.copy_(src, False)``); None where the module is
-#: unavailable. The device copies every replay makes go through it: NOTE [ Compiled copies ].
-copy_into = None
 
 _state = {"loaded": False, "why": "not loaded yet (no wrapper made in this process)"}
 _lock = threading.Lock()
@@ -126,7 +105,6 @@ def _dtype_table(module):
 
 def _check(module):
     """None when the module reads what Python reads on a few tensors, else what differed."""
-    from ..io.static_inputs import key_meta  # the Python read the module replaces (io imports this package)
     # copies from numpy only: no kernel runs (a GPU may lack this Paddle's kernels)
     arrays = [np.zeros([3, 5], "float32"), np.zeros([7], "int64"), np.array(1.5, "float32"),
               np.zeros([2, 3, 4], "float16"), np.zeros([1, 2], "bool")]
@@ -147,13 +125,6 @@ def _check(module):
             return f"the compiled data pointer of a {t.dtype} tensor differs"
         if module.ptrs_hold((t,), [t.data_ptr()]) is not True or module.flags_hold((t,), [t.stop_gradient]) is not True:
             return f"the compiled pointer or flag walk of a {t.dtype} tensor differs"
-    for t in probes:
-        if 0 in t.shape:
-            continue
-        dst = paddle.to_tensor(np.ones(t.shape, t.numpy().dtype), place=t.place)
-        copied = module.copy_into(dst, t)  # None on a GPU without the driver's copy: Tensor.copy_ stays
-        if (copied is None and t.place.is_cpu_place()) or (copied and dst.numpy().tobytes() != t.numpy().tobytes()):
-            return f"the compiled copy of a {t.dtype} tensor on {t.place} did not copy its bytes"
     made = module.empty_like_each(probes)
     for t, got in zip(probes, made or ()):
         want = paddle._C_ops.empty(t.shape, t.dtype, t.place)
@@ -200,7 +171,7 @@ def load():
         ValueError: for a value of PADDLEFLEET_CUDAGRAPH_NATIVE other than 0, 1, require.
         CudaGraphError: with ``require``, when the module is unavailable.
     """
-    global reads, state_read, copy_into
+    global reads, state_read
     if _state["loaded"]:
         return
     mode = _mode()
@@ -226,7 +197,6 @@ def load():
                 logger.info("paddlefleet.cudagraph: compiled tensor reads unavailable (%s); reading in Python", why)
         reads = module
         state_read = None if module is None else module.state
-        copy_into = None if module is None else module.copy_into
         _state.update(loaded=True, why=why)
     if module is None and mode == "require":
         raise CudaGraphError(f"{ENV_NATIVE}=require, but the compiled tensor reads are unavailable: {why}. "
@@ -242,12 +212,12 @@ class disabled:
     """``with native.disabled():`` every read in Python inside the block (tests of the fallback)."""
 
     def __enter__(self):
-        global reads, state_read, copy_into
-        self._saved = reads, state_read, copy_into
-        reads = state_read = copy_into = None
+        global reads, state_read
+        self._saved = reads, state_read
+        reads = state_read = None
         return self
 
     def __exit__(self, *exc):
-        global reads, state_read, copy_into
-        reads, state_read, copy_into = self._saved
+        global reads, state_read
+        reads, state_read = self._saved
         return False

@@ -79,7 +79,7 @@ def _compile(target):
                *[f"-I{d}" for d in includes], f"-I{python_include}", source(), "-o", target, f"-L{base}",
                # libpaddle.so is always loaded before this module (paddle is imported first), so no rpath: the
                # loader finds it by its soname; --no-as-needed keeps it where the symbols live in its dependencies.
-               "-Wl,--no-as-needed", "-l:libpaddle.so", "-Wl,--as-needed", "-ldl"]
+               "-Wl,--no-as-needed", "-l:libpaddle.so", "-Wl,--as-needed"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:

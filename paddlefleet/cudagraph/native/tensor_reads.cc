@@ -8,11 +8,8 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <dlfcn.h>
-
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 
 #include <new>
@@ -31,10 +28,6 @@ int tracer_amp_level(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer
     __attribute__((weak));
 std::string tracer_amp_dtype(const void* tracer) __asm__("_ZNK6paddle10imperative6Tracer11GetAmpDtypeB5cxx11Ev")
     __attribute__((weak));
-// phi::backends::gpu::GetCurrentDeviceId(): the current GPU (copy_into copies on it only); weak: absent from a CPU build.
-int current_gpu() __asm__("_ZN3phi8backends3gpu18GetCurrentDeviceIdEv") __attribute__((weak));
-// paddle::Tensor::stream() const: Paddle's stream of the current GPU (copy_into's device copies go on it); weak too.
-void* tensor_stream(const paddle::Tensor* self) __asm__("_ZNK6paddle6Tensor6streamEv") __attribute__((weak));
 // const std::shared_ptr<Tracer>& GetCurrentTracer(): the reference's first word is the tracer.
 void* const* current_tracer() __asm__("_ZN6paddle10imperative16GetCurrentTracerEv") __attribute__((weak));
 
@@ -470,82 +463,6 @@ PyObject* py_freed_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     return nullptr;
   }
   return answer(views_hold(args[0], nullptr, args[1]));
-}
-
-// copy_into(dst, src): ``dst.copy_(src, False)`` (NOTE [ Compiled copies ] in native/__init__.py) for two initialized
-// contiguous dense tensors of the same shape and dtype on the same place: the CPU (std::memcpy, as Paddle's CPU copy)
-// or the current GPU (the driver's cuMemcpyDtoDAsync on Paddle's stream of that GPU, as Paddle's device copy calls
-// cudaMemcpyAsync on it), the GIL released around it as Tensor.copy_ releases it: True. None where it did not copy: a
-// tensor that is not such a tensor, tensors that differ, another GPU than the current one, the driver or Paddle's
-// stream getter not found, or the driver refusing the copy (the caller copies in Python, errors included).
-using DtoDAsync = int (*)(unsigned long long dst, unsigned long long src, size_t bytes, void* stream);
-DtoDAsync dtod_async = nullptr;  // cuMemcpyDtoDAsync_v2 of libcuda.so.1, once the driver is loaded
-bool driver_looked = false;
-
-bool canonical_strides(const paddle::Tensor& t) {
-  const auto& dims = t.dims();
-  const auto& strides = t.strides();
-  if (strides.size() != dims.size()) return false;
-  int64_t want = 1;
-  for (int i = dims.size() - 1; i >= 0; --i) {
-    if (strides[i] != want) return false;
-    want *= dims[i];
-  }
-  return true;
-}
-
-PyObject* py_copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "copy_into(dst, src)");
-    return nullptr;
-  }
-  paddle::Tensor* dst = defined(args[0]);
-  paddle::Tensor* src = defined(args[1]);
-  if (dst == nullptr || src == nullptr) Py_RETURN_NONE;
-  void* to;
-  const void* from;
-  size_t bytes;
-  void* stream = nullptr;
-  bool gpu;
-  try {
-    if (!dst->initialized() || !src->initialized() || dst->dtype() != src->dtype() || dst->dims() != src->dims() ||
-        dst->numel() <= 0 || !canonical_strides(*dst) || !canonical_strides(*src))
-      Py_RETURN_NONE;
-    const phi::Place& place = dst->place();
-    if (place != src->place()) Py_RETURN_NONE;
-    gpu = place.GetType() == phi::AllocationType::GPU;
-    if (gpu) {
-      if (current_gpu == nullptr || tensor_stream == nullptr || current_gpu() != place.GetDeviceId())
-        Py_RETURN_NONE;
-      if (!driver_looked) {  // the driver is loaded by the time a GPU tensor exists
-        driver_looked = true;
-        void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-        if (driver != nullptr) dtod_async = reinterpret_cast<DtoDAsync>(dlsym(driver, "cuMemcpyDtoDAsync_v2"));
-      }
-      if (dtod_async == nullptr) Py_RETURN_NONE;
-      stream = tensor_stream(dst);
-      if (stream == nullptr) Py_RETURN_NONE;
-    } else if (place.GetType() != phi::AllocationType::CPU) {
-      Py_RETURN_NONE;
-    }
-    to = dst->data();
-    from = src->data();
-    bytes = static_cast<size_t>(dst->numel()) * phi::SizeOf(dst->dtype());
-  } catch (...) {
-    Py_RETURN_NONE;
-  }
-  if (to == from) Py_RETURN_TRUE;  // Paddle's copy skips it too
-  int status = 0;
-  Py_BEGIN_ALLOW_THREADS
-  if (gpu) {
-    status = dtod_async(reinterpret_cast<unsigned long long>(to), reinterpret_cast<unsigned long long>(from), bytes,
-                        stream);
-  } else {
-    std::memcpy(to, from, bytes);
-  }
-  Py_END_ALLOW_THREADS
-  if (status != 0) Py_RETURN_NONE;
-  Py_RETURN_TRUE;
 }
 
 // ptrs_hold(tensors, ptrs): whether ``list(map(Tensor.data_ptr, tensors)) == ptrs`` (``ptrs`` a list of ints), read
@@ -1349,8 +1266,6 @@ PyMethodDef methods[] = {
      "A new unfilled tensor like each tensor of a list (shape, dtype, place), or None (made in Python)."},
     {"moved", py_moved, METH_O, "The first moved home's index, -1, or None (read in Python)."},
     {"versions", py_versions, METH_O, "[v._inplace_version() for v in views], or None."},
-    {"copy_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_copy_into)), METH_FASTCALL,
-     "copy_into(dst, src): dst.copy_(src, False) for two alike initialized dense tensors: True, or None."},
     {"ptrs_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ptrs_hold)), METH_FASTCALL,
      "ptrs_hold(tensors, ptrs): whether each tensor has its data pointer: True, False, or None (read in Python)."},
     {"flags_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_flags_hold)), METH_FASTCALL,
