@@ -32,7 +32,8 @@ The whole-step rows are followed by the step's replayed call piece by piece (hos
 each piece run alone in a loop), once for a step without a Paddle optimizer (``optimizers=[]``, as
 tools/host_breakdown.py and tools/bench.py time it) and once for a step function closing over the model
 and ``paddle.optimizer.SGD`` on a learning-rate scheduler (the closure check, the learning-rate feed,
-every parameter's address and a grad checked).
+every parameter's address and a grad checked), then the replay preconditions of that SGD step with 32 and 256
+parameters, their walks of the parameters compiled and in Python, side by side (step_check_rows()).
 """
 
 import argparse
@@ -129,6 +130,28 @@ def whole_step(args, x, dy, with_sgd=False):
     for _ in range(4 + 16):  # 2 warmup steps, capture, first replay; the replays timed by core/host_cost.py
         graphed(x, dy)
     return graphed
+
+
+def step_check_rows(args, x, dy, counts=(32, 256), rounds=21):
+    """``[(parameters, compiled us, Python us)]``: the replay preconditions (StepBody.blocker) of a replaying SGD step
+    of ``counts`` layers, with the compiled walks of its parameters' data pointers and flags (NOTE [ Step replay
+    checks ] in step/replay_checks.py) and with every read in Python (``native.disabled()``), in alternating rounds
+    of 300 calls (medians, thread CPU time)."""
+    from paddlefleet.cudagraph import native
+    from paddlefleet.cudagraph.core.call import Call
+
+    rows = []
+    for n in counts:
+        graphed = whole_step(argparse.Namespace(layers=n, width=args.width, batch=args.batch), x, dy, with_sgd=True)
+        body, entry, call = graphed.body(), graphed.entry(), Call((x, dy), {})
+        times = {"compiled": [], "python": []}
+        for r in range(rounds):
+            for way in (("compiled", "python") if r % 2 else ("python", "compiled")):
+                with native.disabled() if way == "python" else contextlib.nullcontext():
+                    times[way].append(loop_us(lambda: body.blocker(entry, call), n=300, rounds=1))
+        rows.append((len(entry.graphs.checks._params), statistics.median(times["compiled"]),
+                     statistics.median(times["python"])))
+    return rows
 
 
 def loop_us(fn, n=200, rounds=9):
@@ -402,6 +425,8 @@ def main():
     print("  |---|" + "---|" * len(pieces))
     for k, (name, _, _) in enumerate(pieces[0][1]):
         print(f"  | {name} | " + " | ".join(rows[k][1] for _, rows in pieces) + " |")
+    checks = "; ".join(f"{n} parameters {fast:.1f} against {slow:.1f} us" for n, fast, slow in step_check_rows(args, x, dy))
+    print(f"- replay preconditions of the SGD step (StepBody.blocker), its walks compiled against in Python: {checks}")
     said = [line.strip() for line in layers[0].forward.explain().splitlines()
             if line.strip().startswith(("key ", "host time:"))]
     print(f"- explain() of the first layer: {'; '.join(said)}")

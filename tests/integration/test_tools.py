@@ -439,3 +439,5 @@ def test_cpu_host_time_times_the_per_layer_and_whole_step_host_work():
     # Each eager-call row runs for the reason it names (a row whose wrapper graphed instead would time a replay).
     assert "(max_graphs=0: no key may hold graphs" in log and "every key of this wrapper was slower" in log, log[-2000:]
     assert "a key refused under max_graphs=1 (max_graphs reached)" in log, log[-2000:]
+    checks = re.search(r"in Python: 32 parameters [\d.]+ against [\d.]+ us; 256 parameters [\d.]+ against", log)
+    assert checks, log[-2000:]  # both step sizes timed both ways (step_check_rows)
