@@ -14,7 +14,7 @@ without making Python objects: ``match(tensors, metas)`` and ``moved(homes)`` ~0
 whole call with a key (its tensors, grad mode, autocast and the Layers' training flags: KeyMaker.is_key_of) in one
 call; ``versions``, ``unchanged`` and ``freed_unchanged`` read a whole hand-out's views in one call; ``ptrs_hold`` and
 ``flags_hold`` a whole step's parameters' data pointers and ``stop_gradient`` flags (NOTE [ Step replay checks ] in
-step/replay_checks.py: about half the time of the same walk in Python, 0.06 and 0.025 us a tensor on the CPU); ``empty_like_each``
+step/replay_checks.py; tools/cpu_host_time.py times the step's preconditions both ways); ``empty_like_each``
 makes the unfilled outputs a chain's head call hands its later members (chains/bridge.py: Paddle's own ``empty()``
 per tensor, the Python objects made as Paddle makes an op's output): with its copy, 9.8 us a tensor against 12.5
 through ``_C_ops.empty`` on an H200 host (docs/reports/copy_probe.md). Grad mode and the autocast state,
