@@ -18,7 +18,9 @@ way to launch that work in four states:
 
 The ways: ``Tensor.copy_(src, False)``, ``_C_ops.assign_out_`` (Paddle's in-place assign), ``_C_ops.assign`` (a new
 tensor holding a copy: the output hand-out of a call replayed alone), ``CUDAGraph.replay()`` of a graph of one
-matmul of the shape, and a bare ``paddle.matmul`` for scale. Each copy is checked bit for bit before timing. Needs a
+matmul of the shape, ``CUDAGraph.replay()`` of a graph of one copy between two fixed buffers (what a copy between two
+static buffers costs as a captured graph: a chain member's input copy, were it captured from the previous member's
+static output), and a bare ``paddle.matmul`` for scale. Each copy is checked bit for bit before timing. Needs a
 CUDA GPU (cuBLAS matmuls and copies only: NOTE [ Kernel-less GPUs ] in testkit/common.py).
 """
 
@@ -51,13 +53,22 @@ def captured(fn):
     return graph
 
 
+class _Ways(dict):
+    """The ways by name, and the static buffer the captured copy writes (``link``)."""
+
+    link = None
+
+
 def ways(src, dst, wt):
-    made = {"Tensor.copy_(src, False)": lambda: dst.copy_(src, False)}
+    made = _Ways({"Tensor.copy_(src, False)": lambda: dst.copy_(src, False)})
     if hasattr(_C_ops, "assign_out_"):
         made["_C_ops.assign_out_(src, dst)"] = lambda: _C_ops.assign_out_(src, dst)
     made["_C_ops.assign(src) (a new tensor)"] = lambda: _C_ops.assign(src)
     graph = captured(lambda: paddle.matmul(src, wt))
     made["CUDAGraph.replay() of one matmul"] = graph.replay
+    link = host_tensor(normal(7)(*src.shape))
+    made["CUDAGraph.replay() of a captured copy"] = captured(lambda: link.copy_(src, False)).replay
+    made.link = link
     made["paddle.matmul (scale)"] = lambda: paddle.matmul(src, wt)
     return made
 
@@ -65,12 +76,13 @@ def ways(src, dst, wt):
 def check(made, src, dst):
     want = src.numpy().tobytes()
     for name, way in made.items():
-        if "copy_" not in name and "assign_out" not in name:
+        if "copy" not in name and "assign_out" not in name:
             continue
-        dst.copy_(host_tensor(normal(9)(*src.shape)), False)
+        into = made.link if "captured copy" in name else dst
+        into.copy_(host_tensor(normal(9)(*src.shape)), False)
         way()
         paddle.device.cuda.synchronize()
-        assert dst.numpy().tobytes() == want, name
+        assert into.numpy().tobytes() == want, name
 
 
 def timed_round(way, state, calls, before, junk):
@@ -145,11 +157,11 @@ def main():
           f"{args.queued} launches of a graph of six {args.shape} x {cols} matmuls ({span['queued']:.2f} ms alone); "
           f"cold: a pass over {args.cold_mb} MB of Python objects before each call")
     print("  host us per call, best / median of the rounds")
-    print(f"  {'way':36s}" + "".join(f"{state:>16s}" for state in STATES))
+    print(f"  {'way':40s}" + "".join(f"{state:>16s}" for state in STATES))
     for name in made:
         cells = "".join(f"{min(times[(name, s)]):8.2f} /{statistics.median(times[(name, s)]):6.2f}"
                         for s in STATES)
-        print(f"  {name:36s}{cells}")
+        print(f"  {name:40s}{cells}")
     return 0
 
 
