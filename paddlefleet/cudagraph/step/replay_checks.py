@@ -109,9 +109,7 @@ class ReplayChecks:
         return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
 
     def _freezes(self, *_):
-        compiled = native.reads  # NOTE [ Compiled tensor reads ] in native/__init__.py
-        same = None if compiled is None else compiled.flags_hold(self._reached, self._frozen)
-        if same if same is not None else list(map(_stop_gradient, self._reached)) == self._frozen:
+        if _flags_hold(self._reached, self._frozen):
             return None
         for p, was in zip(self._reached, self._frozen):
             if p.stop_gradient != was:
@@ -168,6 +166,14 @@ def _ptrs_hold(tensors, ptrs):
     compiled = native.reads
     same = None if compiled is None else compiled.ptrs_hold(tensors, ptrs)
     return same if same is not None else list(map(_data_ptr, tensors)) == ptrs
+
+
+def _flags_hold(tensors, flags):
+    """``list(map(attrgetter("stop_gradient"), tensors)) == flags``, read in one compiled call where it can be (NOTE
+    [ Compiled tensor reads ] in native/__init__.py)."""
+    compiled = native.reads
+    same = None if compiled is None else compiled.flags_hold(tensors, flags)
+    return same if same is not None else list(map(_stop_gradient, tensors)) == flags
 
 
 def _grads_between(between, _=None):
