@@ -53,14 +53,9 @@ def captured(fn):
     return graph
 
 
-class _Ways(dict):
-    """The ways by name, and the static buffer the captured copy writes (``link``)."""
-
-    link = None
-
-
 def ways(src, dst, wt):
-    made = _Ways({"Tensor.copy_(src, False)": lambda: dst.copy_(src, False)})
+    """``(the ways by name, the static buffer the captured copy writes)``."""
+    made = {"Tensor.copy_(src, False)": lambda: dst.copy_(src, False)}
     if hasattr(_C_ops, "assign_out_"):
         made["_C_ops.assign_out_(src, dst)"] = lambda: _C_ops.assign_out_(src, dst)
     made["_C_ops.assign(src) (a new tensor)"] = lambda: _C_ops.assign(src)
@@ -68,17 +63,16 @@ def ways(src, dst, wt):
     made["CUDAGraph.replay() of one matmul"] = graph.replay
     link = host_tensor(normal(7)(*src.shape))
     made["CUDAGraph.replay() of a captured copy"] = captured(lambda: link.copy_(src, False)).replay
-    made.link = link
     made["paddle.matmul (scale)"] = lambda: paddle.matmul(src, wt)
-    return made
+    return made, link
 
 
-def check(made, src, dst):
+def check(made, src, dst, link):
     want = src.numpy().tobytes()
     for name, way in made.items():
         if "copy" not in name and "assign_out" not in name:
             continue
-        into = made.link if "captured copy" in name else dst
+        into = link if "captured copy" in name else dst
         into.copy_(host_tensor(normal(9)(*src.shape)), False)
         way()
         paddle.device.cuda.synchronize()
@@ -122,8 +116,8 @@ def main():
     src = host_tensor(normal(3)(rows, cols))
     dst = host_tensor(normal(5)(rows, cols))
     wt = host_tensor(normal(4)(cols, cols))
-    made = ways(src, dst, wt)
-    check(made, src, dst)
+    made, link = ways(src, dst, wt)
+    check(made, src, dst, link)
     big = host_tensor(normal(6)(4096, 4096))
     busy = captured(lambda: [paddle.matmul(big, big) for _ in range(args.busy)])
 
