@@ -11,8 +11,10 @@ sync at the end of N steps, or a sync after every step), with the same model, da
 * ``paddle_eager``, ``autocudagraph`` (every layer graphed on its own, default options), ``autocudagraph,
   chain_calls=False``, ``autocudagraph_step`` (the whole step) and ``raw_replay`` (one raw graph of the whole step:
   the floor): the benchmark's own runners (tools/benchmark/paddle_runs.py).
-* ``autocudagraph_python_empties``: ``autocudagraph`` with a chain head's unfilled outputs for its later members made
-  one ``_C_ops.empty`` each, as before the compiled ``empty_like_each`` (chains/bridge.py), for the difference.
+* ``autocudagraph_launched_copies``: ``autocudagraph`` with every copy between two chained calls launched
+  (``copy_``) instead of replayed as a link graph (NOTE [ Link graphs ] in chains/link_graphs.py), for the
+  difference; ``autocudagraph_static_outputs`` and ``autocudagraph_static_outputs_launched_copies``: the same two
+  with ``clone_outputs=False`` (outputs handed as the static buffers themselves, whose forward copies link too).
 * ``raw_per_layer``: Paddle's own CUDAGraph per layer and direction, nothing else: layer i's forward graph reads
   layer i-1's static output in place (a detached alias) and its backward graph reads layer i+1's static input
   grad in place, so a step is 2 x layers ``replay()`` calls and no copy. No wrapper can graph layer by layer for
@@ -52,6 +54,7 @@ from benchmark.paddle_runs import (Entry, Setup, capture_raw, compare, eager_ent
                                    raw_entry, whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds, timed_call  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
+from paddlefleet.cudagraph.chains import run as chain_run  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
 
@@ -143,20 +146,21 @@ def profiled(entry, steps):
     return out
 
 
-def python_empties(entry):
-    """``entry`` (a graphed runner) with its chain heads' unfilled outputs made by ``_C_ops.empty`` one by one, as
-    before the compiled ``empty_like_each`` (chains/bridge.py): the two timed side by side."""
+def launched_copies(entry):
+    """``entry`` (a graphed runner) with every copy between two chained calls launched (``copy_``), as before link
+    graphs (NOTE [ Link graphs ] in chains/link_graphs.py): the two timed side by side."""
     step = entry.runner.step
 
-    def made_in_python(statics):
-        return [_C_ops.empty(t.shape, t.dtype, t.place) for t in statics]
+    def unlinked(*args, **kwargs):
+        return False
 
     def run():
-        compiled, chain_bridge._unfilled = chain_bridge._unfilled, made_in_python
+        linked = chain_run.linked_copy, chain_bridge.linked_copy
+        chain_run.linked_copy = chain_bridge.linked_copy = unlinked
         try:
             return step()
         finally:
-            chain_bridge._unfilled = compiled
+            chain_run.linked_copy, chain_bridge.linked_copy = linked
 
     entry.runner.step = run
     return entry
@@ -166,7 +170,13 @@ def run_config(cfg, rounds, steps, warmup, profile=False, backend="cuda"):
     s = Setup(cfg, backend)
     made = [("paddle_eager", lambda: [eager_entry(s)]),
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
-            ("autocudagraph_python_empties", lambda: [python_empties(graphed_entry(s, "autocudagraph_python_empties", {}))]),
+            ("autocudagraph_launched_copies",
+             lambda: [launched_copies(graphed_entry(s, "autocudagraph_launched_copies", {}))]),
+            ("autocudagraph_static_outputs",
+             lambda: [graphed_entry(s, "autocudagraph_static_outputs", {"clone_outputs": False})]),
+            ("autocudagraph_static_outputs_launched_copies",
+             lambda: [launched_copies(graphed_entry(s, "autocudagraph_static_outputs_launched_copies",
+                                                    {"clone_outputs": False}))]),
             ("autocudagraph_unchained", lambda: [graphed_entry(s, "autocudagraph_unchained", {"chain_calls": False})]),
             ("autocudagraph_step", lambda: [whole_step_entry(s, "autocudagraph_step", with_sgd=False)]),
             ("raw_replay", lambda: [raw_entry(s)]),

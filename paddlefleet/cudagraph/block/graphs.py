@@ -90,6 +90,8 @@ class BlockGraphs(Graphs):
             that need grad, and no backward ] in block/slots.py).
         bridge, diff_at, non_diff_at, grad_feeds: per-replay work decided once by settle() (NOTE
             [ Replay work decided at capture ] in block/replay.py).
+        links: the graphs that copy another key's static buffer into one of these (a chain's: NOTE [ Link
+            graphs ] in chains/link_graphs.py), or None.
     """
 
     backend: Any
@@ -118,6 +120,7 @@ class BlockGraphs(Graphs):
     diff_at: tuple = ()
     non_diff_at: tuple = ()
     grad_feeds: tuple = ()
+    links: Any = None  # chains/link_graphs.py's LinkGraphs that write these buffers (NOTE [ Link graphs ]), or None
 
     def settle(self):
         """Decides once, after capture, what every replay of these graphs passes and hands out
@@ -188,6 +191,9 @@ class BlockGraphs(Graphs):
 
     def release(self):
         """Frees the graphs and drops every static buffer."""
+        if self.links is not None:
+            self.links.release()
+            self.links = None
         if self.backward is not None:
             self.backward.release()
         if self.fwd_graph is not None:

@@ -13,6 +13,7 @@ from ..core.call_state import grad_enabled
 from ..errors import CudaGraphError
 from ..grads.handles import alias, copy
 from . import outputs as chain_outputs
+from .link_graphs import linked_copy
 from .links import OUTSIDE, bar
 from ..block.bridge import DOUBLE_BACKWARD, new_token, replay_backward
 
@@ -96,10 +97,10 @@ def member_backwards(run, grads):
             if grads[j] is not None and j < handed - 1:  # NOTE [ Outputs with consumers outside the chain ]
                 bar(members[j].entry, OUTSIDE)
             total = chain_outputs.output_grad(run, j, _add(grads[j], given), given)
-            given = None
+            static, given = total is not None and total is given, None
             if total is None:  # nothing reached this output: its call's backward does not run (eager)
                 continue
-            inputs, param_grads[j] = _replayed_backward(run, j, total)
+            inputs, param_grads[j] = _replayed_backward(run, j, total, static)
             if j == 0:
                 head_grads = inputs
             else:
@@ -110,9 +111,16 @@ def member_backwards(run, grads):
     return head_grads, param_grads
 
 
-def _replayed_backward(run, j, grad):
-    """Member ``j``'s backward graph replayed (its input's grad a static buffer)."""
-    plan = replay_backward(run.members[j].graphs, (grad,), run.generations[j], run.tokens[j])
+def _replayed_backward(run, j, grad, static):
+    """Member ``j``'s backward graph replayed (its input's grad a static buffer); ``static``: ``grad`` is the next
+    member's static input grad, which a link graph may copy into the grad-output buffer (NOTE [ Link graphs ] in
+    chains/link_graphs.py)."""
+    graphs, token = run.members[j].graphs, run.tokens[j]
+    if static and token.hooked is None:
+        feed = graphs.grad_feeds[0][1]
+        if linked_copy(graphs, feed, grad):
+            grad = feed  # replay_backward copies nothing into a buffer handed itself
+    plan = replay_backward(graphs, (grad,), run.generations[j], token)
     out = plan.hand_out(inputs=j == 0)
     n = len(run.call.tensors)
     return (list(out[:n]) if j == 0 else [plan.input_grad(0)]), list(out[n:])
