@@ -11,10 +11,8 @@ sync at the end of N steps, or a sync after every step), with the same model, da
 * ``paddle_eager``, ``autocudagraph`` (every layer graphed on its own, default options), ``autocudagraph,
   chain_calls=False``, ``autocudagraph_step`` (the whole step) and ``raw_replay`` (one raw graph of the whole step:
   the floor): the benchmark's own runners (tools/benchmark/paddle_runs.py).
-* ``autocudagraph_launched_copies``: ``autocudagraph`` with every copy between two chained calls launched
-  (``copy_``) instead of replayed as a link graph (NOTE [ Link graphs ] in chains/link_graphs.py), for the
-  difference; ``autocudagraph_static_outputs`` and ``autocudagraph_static_outputs_launched_copies``: the same two
-  with ``clone_outputs=False`` (outputs handed as the static buffers themselves, whose forward copies link too).
+* ``autocudagraph_launched_copies``: ``autocudagraph`` with each chained member's grad copy launched (``copy_``)
+  instead of replayed as a link graph (NOTE [ Link graphs ] in chains/link_graphs.py), for the difference.
 * ``raw_per_layer``: Paddle's own CUDAGraph per layer and direction, nothing else: layer i's forward graph reads
   layer i-1's static output in place (a detached alias) and its backward graph reads layer i+1's static input
   grad in place, so a step is 2 x layers ``replay()`` calls and no copy. No wrapper can graph layer by layer for
@@ -54,7 +52,6 @@ from benchmark.paddle_runs import (Entry, Setup, capture_raw, compare, eager_ent
                                    raw_entry, whole_step_entry)
 from benchmark.timing import MODES, PER_LAYER, Runner, run_rounds, timed_call  # noqa: E402
 from paddlefleet.cudagraph.chains import bridge as chain_bridge  # noqa: E402
-from paddlefleet.cudagraph.chains import run as chain_run  # noqa: E402
 from testkit.common import device, info_lines, run_info, short  # noqa: E402
 
 
@@ -147,20 +144,19 @@ def profiled(entry, steps):
 
 
 def launched_copies(entry):
-    """``entry`` (a graphed runner) with every copy between two chained calls launched (``copy_``), as before link
-    graphs (NOTE [ Link graphs ] in chains/link_graphs.py): the two timed side by side."""
+    """``entry`` (a graphed runner) with each chained member's grad copy launched (``copy_``) instead of replayed as a
+    link graph (NOTE [ Link graphs ] in chains/link_graphs.py): the two timed side by side."""
     step = entry.runner.step
 
     def unlinked(*args, **kwargs):
         return False
 
     def run():
-        linked = chain_run.linked_copy, chain_bridge.linked_copy
-        chain_run.linked_copy = chain_bridge.linked_copy = unlinked
+        linked, chain_bridge.linked_copy = chain_bridge.linked_copy, unlinked
         try:
             return step()
         finally:
-            chain_run.linked_copy, chain_bridge.linked_copy = linked
+            chain_bridge.linked_copy = linked
 
     entry.runner.step = run
     return entry
@@ -172,11 +168,6 @@ def run_config(cfg, rounds, steps, warmup, profile=False, backend="cuda"):
             ("autocudagraph", lambda: [graphed_entry(s, "autocudagraph", {})]),
             ("autocudagraph_launched_copies",
              lambda: [launched_copies(graphed_entry(s, "autocudagraph_launched_copies", {}))]),
-            ("autocudagraph_static_outputs",
-             lambda: [graphed_entry(s, "autocudagraph_static_outputs", {"clone_outputs": False})]),
-            ("autocudagraph_static_outputs_launched_copies",
-             lambda: [launched_copies(graphed_entry(s, "autocudagraph_static_outputs_launched_copies",
-                                                    {"clone_outputs": False}))]),
             ("autocudagraph_unchained", lambda: [graphed_entry(s, "autocudagraph_unchained", {"chain_calls": False})]),
             ("autocudagraph_step", lambda: [whole_step_entry(s, "autocudagraph_step", with_sgd=False)]),
             ("raw_replay", lambda: [raw_entry(s)]),

@@ -30,8 +30,7 @@ once for a run of consecutive graphed calls:
   replays the same graphs (none waiting for a backward) and every precondition an alone replay
   checks holds (NOTE [ Replay preconditions ] in block/replay.py: no parameter moved, no Layer
   attribute or structure changed; ChainRun._mismatch is the one place a member's call is checked). Then its
-  inputs are copied in (by a link graph where the copy provably reads the previous static output: NOTE
-  [ Link graphs ] in chains/link_graphs.py), its forward graph replays - when the call comes, so that parameters,
+  inputs are copied in, its forward graph replays - when the call comes, so that parameters,
   random numbers and running statistics are read and drawn at eager's moment - and its output is
   filled and handed out. Otherwise the chain *breaks* there: that call and the rest run through
   their own keys as usual, and the link is seen again before it is used again. Calls that never

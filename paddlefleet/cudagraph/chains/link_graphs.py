@@ -1,30 +1,31 @@
-"""Copies between two static buffers of a chain, captured as graphs (NOTE [ Link graphs ]).
+"""The copy of a grad between two members of a chain, captured as a graph (NOTE [ Link graphs ]).
 
 NOTE [ Link graphs ]
-Between two members of a chain a copy moves a tensor from a buffer of one key to a static buffer of the
-next: in backward, the grad member ``j + 1``'s backward graph wrote for its first input (a static buffer
-of its grad set) into member ``j``'s grad-output buffer; in forward, member ``j``'s output into member
-``j + 1``'s static input. Both addresses are fixed, so the copy can be captured once as a graph that holds
-that one copy and replayed at the moment the copy would be launched: the host pays a graph launch
-instead of a copy's (2.1-2.8 us against 5.2-7.8 on an H200 host, 11.8-16 against 26-35 in a step's cold
-caches: docs/reports/launch_probe.md). The device copies the same bytes between the same addresses, so
-the result is the same bit for bit.
+In a chain's backward, member ``j`` gets the grad member ``j + 1``'s backward graph wrote for its first input: a
+static buffer of that member's grad set, which the launched copy moves into member ``j``'s grad-output buffer.
+Both addresses are fixed, so the copy is captured once as a graph that holds that one copy and replayed at the
+moment the copy would be launched: the host pays a graph launch instead of a copy's (2.1-2.8 us against 5.2-7.8
+on an H200 host, 11.8-16 against 26-35 in a step's cold caches: docs/reports/launch_probe.md). The device copies
+the same bytes between the same addresses, so the result is the same bit for bit.
 
 A link graph replays only where it provably does what the launched copy would:
-- its source and destination are the very tensors it was captured with, still at the data pointers they
-  had (both checked at each use; a buffer given back or re-pointed gets a new capture or none);
+- its source and destination are the very tensors it was captured with, still at the data pointers they had
+  (both checked at each use; a buffer given back or re-pointed gets a new capture or none);
 - same shape and dtype on both sides (a copy that casts is launched, never captured);
-- in forward, only where the tensor the call was given shares the previous member's static output (a
-  key with ``clone_outputs=False`` hands out that buffer itself): a copy handed out is a tensor of its own
-  that ``copy_`` or ``set_value`` can change without any version count telling, so its copy is launched;
-- in backward, only where the grad the member gets is the next member's static input grad itself (no
-  hook on the output, no grad from outside the chain);
+- the grad the member gets is the next member's static input grad itself (no hook on the output, no grad from
+  outside the chain: those make a tensor of their own);
 - no capture is open (a whole step's, or another key's) and no simulated replay is re-running Python.
-A capture that fails leaves the launched copy for good for that pair; the copy of that call is launched
-as before. On the simulated backend the capture runs the copy and each replay runs it again, reading the
-source when it replays, as a GPU's copy node does.
+A capture that fails leaves the launched copy for good for that pair; the copy of that call is launched as
+before. On the simulated backend the capture runs the copy and each replay runs it again, reading the source
+when it replays, as a GPU's copy node does. The graphs are kept on the destination's BlockGraphs (``links``), by
+source (one per grad buffer set of the next member), and freed with them.
 
-The graphs are kept on the destination's BlockGraphs (``links``), by source, and freed with them.
+A member's forward input copy stays launched. Where outputs are handed out as copies (``clone_outputs=True``, the
+default) the tensor a member is given is one of its own, which ``copy_`` and ``set_value`` change without any
+version count telling, so no link can prove it still holds the previous static output; where they are the static
+buffers themselves, a link graph from the previous static output made the step no faster on an H200 (the 24 x 1024
+and 32 x 512 per-layer models in docs/reports/per_layer_floor_probe.md: within 0.4% in latency), while the backward
+links took 1.4-2.6% off a default step's latency.
 """
 
 import logging
@@ -81,21 +82,13 @@ class LinkGraphs:
         self.replays = 0  # copies made by a link graph
         self.by_src = {}  # id(src) -> _Link (graph None: its capture failed, the copy is launched)
 
-    def copy(self, dst, src, given=None):
+    def copy(self, dst, src):
         """Copies ``src`` into ``dst`` by a link graph and returns True, or returns False (nothing done:
-        the caller launches the copy). ``given``: the tensor the caller was given to copy, which must
-        then be at ``src``'s data pointer (an alias of it), else ``src`` itself."""
+        the caller launches the copy)."""
         link = self.by_src.get(id(src))
         if link is None or link.src() is not src or link.dst is not dst:
             link = self._new(dst, src)
-        if link.graph is None:
-            return False
-        if given is None:
-            held = _hold((src, dst), link.ptrs)
-        else:
-            # its shape and dtype are its key's (ChainRun.claim), those of ``dst`` and so of ``src``
-            held = _hold((src, dst, given), link.ptrs + link.ptrs[:1])
-        if not held:
+        if link.graph is None or not _hold((src, dst), link.ptrs):
             return False
         link.graph.replay()
         self.replays += 1
@@ -128,13 +121,12 @@ class LinkGraphs:
         self.by_src = {}
 
 
-def linked_copy(graphs, dst, src, given=None):
-    """``dst.copy_(given or src)`` by a link graph from ``src`` kept on ``graphs`` (the BlockGraphs ``dst``
-    belongs to) where one may serve (NOTE [ Link graphs ]); returns whether it did (False: nothing done).
-    ``given``: a tensor that shares ``src``'s memory (its alias), proven by its data pointer."""
+def linked_copy(graphs, dst, src):
+    """``dst.copy_(src)`` by a link graph kept on ``graphs`` (the BlockGraphs ``dst`` belongs to) where one may
+    serve (NOTE [ Link graphs ]); returns whether it did (False: nothing done)."""
     if capture_open() or in_rerun_replay():
         return False
     links = graphs.links
     if links is None:
         links = graphs.links = LinkGraphs(graphs.backend)
-    return links.copy(dst, src, given)
+    return links.copy(dst, src)

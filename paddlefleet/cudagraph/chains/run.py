@@ -15,7 +15,6 @@ from ..block import partial_grad
 from ..block.capture import capture_second_backward
 from .bridge import ChainFunction, replay_forward
 from .eligible import mismatch
-from .link_graphs import linked_copy
 from .links import current_run, forget_link, remember, set_run
 from ..block.replay_fallback import state_restored_on_refusal
 
@@ -140,10 +139,7 @@ class ChainRun:
         if self.extras:
             copied, skipped = member.graphs.static_inputs.copy_in([first] + self.extras)
         else:
-            prev = self.members[j - 1]
-            # NOTE [ Link graphs ] in chains/link_graphs.py: only where ``first`` is the previous static output itself
-            if prev.clone or not linked_copy(member.graphs, member.in_buf, prev.out_buf, first):
-                member.in_buf.copy_(first, False)
+            member.in_buf.copy_(first, False)  # launched: NOTE [ Link graphs ] in chains/link_graphs.py says why
             copied, skipped = 1, 0
         replay_forward(self, j)
         if member.clone:  # the head made it, empty, as an output of the one grad node
