@@ -46,6 +46,9 @@ class LinkGraphChainCases(ChainCase, MatmulOnlyCase):
         self.assertEqual([replays(layer) for layer in model], [runs] * (LAYERS - 1) + [0])
         for layer in model:
             self.assertEqual(eager_calls(layer.forward.stats()), 0, layer.forward.explain())
+        self.assertIn(f"{runs} output grad(s) from the next chained call copied in by a link graph",
+                      model[0].forward.explain())
+        self.assertNotIn("link graph", model[LAYERS - 1].forward.explain())
 
     def test_outputs_handed_as_static_buffers_still_link_only_the_grads(self):
         model = self.run_twins(forward_backward, self.batches(), clone_outputs=False)

@@ -161,6 +161,9 @@ class Slots:
             copies = sum(p.copies for p in self.plans())
             rescues = sum(p.rescues for p in self.plans())
             text = hand_out_text(first.grad_plan.policy, copies, rescues, len(self.plans()), len(self.all))
+        linked = sum(graphs.links.replays for graphs in self.all if graphs.links is not None)
+        if linked:  # NOTE [ Link graphs ] in chains/link_graphs.py
+            text += f"; {linked} output grad(s) from the next chained call copied in by a link graph"
         return text
 
     def pool_words(self):
