@@ -15,7 +15,8 @@ first config of tools/bench.py). The rows split a graphed step into the wrapper'
 checks, copies), Paddle's (PyLayer, autograd engine, Tensor.backward, copies), and the whole step
 with default options and with each speed option this version has. ``layer_call_us`` (layer_call_us()):
 one graphed Layer called alone, forward + backward, for ``--layers`` matmuls (16 parameters by
-default) and for a realistic layer (6 matmuls x 1024), with every piece's share, ours and Paddle's;
+default) and for a realistic layer (6 matmuls x 1024), with every piece's share, ours and Paddle's. The forward
+call of a chain's later member (the same MLP with each layer graphed on its own) is timed stage by stage too;
 written as tables in the report and as JSON to ``--json`` (by default the report's path with
 ``.json``: docs/reports/host_breakdown.json). ``--profile PATH`` also writes
 a cProfile of the graphed step's host side, and of the start-up (first 3 steps: warmup, capture,
@@ -37,7 +38,9 @@ view of the StepBody: ``blocker``, ``_between``,
 ``CallStages`` (NOTE [ Call stages ]): ``core.lifecycle.Lifecycle.__call__`` and ``_dispatched`` (a front door's call)
 and the module's ``dispatch``,
 ``block.graphed.BlockBody.replay``, ``block.replay.GraphedFunction`` (its ``apply``),
-``block.bridge.GraphedFunction.forward`` / ``backward`` and ``block.bridge.replay_backward``. A piece whose name moved
+``block.bridge.GraphedFunction.forward`` / ``backward`` and ``block.bridge.replay_backward``; for the stages of a
+chained call, in ``ChainStages``: the same two of ``Lifecycle``, ``chains.run.ChainRun.claim`` / ``hand_out`` and the
+``replay_forward`` that ``chains.run`` calls. A piece whose name moved
 reads "n/a (...)" in the report, with what was missing, and the other rows still run: update
 ``Internals`` / ``StepInternals`` after a refactor.
 """
@@ -495,6 +498,68 @@ class CallStages:
         return rows, statistics.median(totals) / 1e3
 
 
+#: The stages of a chained call's forward (NOTE [ Call stages ]; a later member of a chain: NOTE [ Chains of graphed
+#: calls ] in chains/chain.py): (stage, whose, from boundary, to boundary), in the order the call runs them.
+CHAIN_STAGES = (
+    ("Paddle's Layer.__call__ into the wrapper", "Paddle", "start", "call<"),
+    ("dispatch until the chain's claim", "ours", "call<", "claim<"),
+    ("the chain's claim: key, replay preconditions (ChainRun.claim)", "ours", "claim<", "claim>"),
+    ("from the claim to the hand-out", "ours", "claim>", "hand<"),
+    ("input copy into the static input (copy_)", "ours (1 device copy)", "hand<", "fwd<"),
+    ("forward graph replay() and its token", "ours and Paddle", "fwd<", "fwd>"),
+    ("output copy into the tensor the head made (copy_), hand-out", "ours (1 device copy)", "fwd>", "hand>"),
+    ("runner back to the wrapper's return (Replayed, counters)", "ours", "hand>", "call>"),
+    ("Layer.__call__ back to the caller", "Paddle", "call>", "end"),
+)
+
+
+class ChainStages(CallStages):
+    """The stages of a chained call's forward, timed inside the call (NOTE [ Call stages ])."""
+
+    def __enter__(self):
+        from paddlefleet.cudagraph.chains import run
+        from paddlefleet.cudagraph.core import lifecycle
+
+        try:
+            self._wrap(lifecycle.Lifecycle, "__call__", "call<", "call>")
+            self._wrap(lifecycle.Lifecycle, "_dispatched", "call<", "call>")  # the front door's calls
+            self._wrap(run.ChainRun, "claim", "claim<", "claim>")
+            self._wrap(run.ChainRun, "hand_out", "hand<", "hand>")
+            self._wrap(run, "replay_forward", "fwd<", "fwd>")
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def time_chain(self, layers, x, backward, reps, after):
+        """``([(stage, whose, median us)], instrumented median us of a later member's forward call, median us of
+        the head's)`` over ``reps`` forward passes through ``layers`` (every call after the first a chain's), each
+        followed by ``backward(h)`` and ``after()``, untimed."""
+        samples = {stage: [] for stage, _, _, _ in CHAIN_STAGES}
+        totals, heads = [], []
+        marks = self.marks
+        for _ in range(reps):
+            h = x
+            for j, layer in enumerate(layers):
+                marks.clear()
+                marks["start"] = _ns()
+                h = layer(h)
+                marks["end"] = _ns()
+                if j == 0:
+                    heads.append(marks["end"] - marks["start"])
+                    continue
+                if any(mark not in marks for _, _, a, b in CHAIN_STAGES for mark in (a, b)):
+                    raise RuntimeError(f"call {j} was not served by a chain (marks {sorted(marks)})")
+                for stage, _, start, end in CHAIN_STAGES:
+                    samples[stage].append(marks[end] - marks[start])
+                totals.append(marks["end"] - marks["start"])
+            backward(h)
+            del h
+            after()
+        rows = [(stage, whose, statistics.median(samples[stage]) / 1e3) for stage, whose, _, _ in CHAIN_STAGES]
+        return rows, statistics.median(totals) / 1e3, statistics.median(heads) / 1e3
+
+
 def timed(fn, reps, sync, after=None):
     """Median host us of ``fn()`` alone; ``after()`` (where given, else ``fn.after`` where ``fn`` has one) and a
     device sync run untimed after each call."""
@@ -688,6 +753,48 @@ class Breakdown:
             self.per_layer_row(f"per-layer step, {what}", step)
         self.whole_step_row()
 
+    def chain_stage_lines(self):
+        """Markdown of a chained call's forward stage by stage (NOTE [ Call stages ]), the per-layer model's
+        calls after the first (each served by the chain), and the same forward calls timed without probes."""
+        args = self.args
+        step, layers = self.per_layer_model({})
+        for _ in range(3 + 2):  # warmup, capture, replays until the links are confirmed and the chain runs
+            step()
+        self.sync()
+        params = layers.parameters()
+        after = lambda: ([p.clear_gradient(False) for p in params], self.sync())  # noqa: E731
+        plain = []
+        for _ in range(args.reps):
+            h, times = self.x, []
+            for layer in layers:
+                start = time.perf_counter()
+                h = layer(h)
+                times.append(time.perf_counter() - start)
+            h.backward(self.dy)
+            del h
+            after()
+            plain.append(times)
+        later = statistics.median(t for times in plain for t in times[1:]) * 1e6
+        head = statistics.median(times[0] for times in plain) * 1e6
+        head_lines = ["", f"## A chained call's forward, stage by stage ({args.layers} graphed layers of one matmul x "
+                          f"{args.width}, batch {args.batch})", ""]
+        try:
+            with ChainStages() as probes:
+                rows, total, head_probed = probes.time_chain(list(layers), self.x, lambda h: h.backward(self.dy),
+                                                             args.reps, after)
+        except Exception as err:  # noqa: BLE001 - a private name a refactor moved (NOTE [ Host breakdown internals ])
+            return head_lines + [f"n/a ({short(err, 160)})"]
+        chained = sum(layer.forward.stats()["chained_calls"] for layer in layers)
+        lines = head_lines + [
+            f"The forward calls of the per-layer step after the first, each served by the chain ({chained} chained "
+            f"calls in all), timed inside the call (median of {args.reps} passes x {args.layers - 1} calls per stage; "
+            f"the instrumented call {total:.1f} us; uninstrumented, the same calls {later:.1f} us and the head's "
+            f"{head:.1f} us, {head_probed:.1f} instrumented: it applies the one bridge of every member; NOTE [ Call "
+            "stages ] in tools/host_breakdown.py). The backward and the grads' release run untimed between passes.",
+            "", "| stage | whose | host us |", "|---|---|---|"]
+        lines += [f"| {stage} | {whose} | {us:.1f} |" for stage, whose, us in rows]
+        return lines
+
     def per_layer_row(self, name, step):
         self.row(name, "total", lambda: step)
         us = self.rows[-1][2]
@@ -837,6 +944,7 @@ def main():
         (6, 1024 if cuda else args.width, f"realistic: 6 matmuls x {1024 if cuda else args.width}"))]
     model, step = bd.wrapper_rows()
     bd.per_layer_rows()
+    chain_lines = bd.chain_stage_lines()
     bd.option_rows()
     bd.paddle_rows(model.parameters())
     if args.profile:
@@ -850,6 +958,7 @@ def main():
         f"run: {model.forward.stats().get('replays')} replays, {model.forward.stats().get('captures')} capture",
         "", "| piece | whose | host us |", "|---|---|---|"]
     lines += [f"| {name} | {who} | {us} |" for name, who, us in bd.rows]
+    lines += chain_lines
     lines += layer_call_lines(calls, args.reps)
     sys.stdout.write("\n".join(lines) + "\n")
     if args.out:

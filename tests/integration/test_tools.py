@@ -146,6 +146,18 @@ def test_host_breakdown_times_every_piece_including_the_wrappers_own():
     assert off[0] < 0.25, off
 
 
+def test_host_breakdown_times_a_chained_call_stage_by_stage():
+    text, _ = host_breakdown_smoke()
+    section = text.split("## A chained call's forward, stage by stage", 1)
+    assert len(section) == 2, text[-3000:]
+    rows = re.findall(r"^\| ([^|]+) \| [^|]+ \| ([\d.]+) \|$", section[1].split("\n## ", 1)[0], re.M)
+    # every probe found its private name (NOTE [ Host breakdown internals ]): nine stages, each a number
+    assert len(rows) == 9, section[1][:3000]
+    assert any(name.startswith("input copy") for name, _ in rows) and all(float(us) >= 0 for _, us in rows), rows
+    served = re.search(r"each served by the chain \((\d+) chained calls in all\)", section[1])
+    assert served and int(served.group(1)) > 0, section[1][:1000]
+
+
 def stages_off(calls):
     """(how far the stages' sum is from the instrumented call, at worst over ``calls``; the stages and total)."""
     return max((abs(sum(st["us"] for st in c["stages"]) / c["stages_total_us"] - 1), repr(c["stages"]),
