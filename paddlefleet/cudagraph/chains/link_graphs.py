@@ -52,16 +52,6 @@ def _ptrs(tensors):
     return [t.data_ptr() for t in tensors]
 
 
-def _hold(tensors, ptrs):
-    """Whether ``tensors`` are at ``ptrs`` (one compiled read where the module is loaded)."""
-    compiled = native.reads
-    if compiled is not None:
-        held = compiled.ptrs_hold(tensors, ptrs)
-        if held is not None:
-            return held
-    return _ptrs(tensors) == ptrs
-
-
 class _Link:
     __slots__ = ("src", "dst", "ptrs", "graph")
 
@@ -88,7 +78,7 @@ class LinkGraphs:
         link = self.by_src.get(id(src))
         if link is None or link.src() is not src or link.dst is not dst:
             link = self._new(dst, src)
-        if link.graph is None or not _hold((src, dst), link.ptrs):
+        if link.graph is None or not native.ptrs_hold((src, dst), link.ptrs):
             return False
         link.graph.replay()
         self.replays += 1

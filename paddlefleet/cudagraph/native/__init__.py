@@ -46,6 +46,7 @@ Layers (grads freed, grads zeroed) bitwise eager's with the module and without i
 """
 
 import logging
+import operator
 import os
 import threading
 
@@ -55,7 +56,7 @@ import paddle
 from ..errors import CudaGraphError
 from ..io.static_inputs import key_meta  # the Python read the module replaces, for its check
 
-__all__ = ["ENV_NATIVE", "reads", "state_read", "load", "status", "disabled"]
+__all__ = ["ENV_NATIVE", "reads", "state_read", "load", "status", "disabled", "ptrs_hold", "flags_hold"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,24 @@ def load():
 def status():
     """``(active, why not)``: whether the compiled reads are in use in this process, and the reason where not."""
     return reads is not None, _state["why"]
+
+
+_data_ptr = paddle.Tensor.data_ptr
+_stop_gradient = operator.attrgetter("stop_gradient")
+
+
+def ptrs_hold(tensors, ptrs):
+    """``[t.data_ptr() for t in tensors] == ptrs`` (``ptrs`` a list), read in one compiled call where it can be, else
+    in Python (step/replay_checks.py's walks, chains/link_graphs.py's link check)."""
+    same = None if reads is None else reads.ptrs_hold(tensors, ptrs)
+    return same if same is not None else list(map(_data_ptr, tensors)) == ptrs
+
+
+def flags_hold(tensors, flags):
+    """``[t.stop_gradient for t in tensors] == flags`` (``flags`` a list), read in one compiled call where it can be,
+    else in Python."""
+    same = None if reads is None else reads.flags_hold(tensors, flags)
+    return same if same is not None else list(map(_stop_gradient, tensors)) == flags
 
 
 class disabled:

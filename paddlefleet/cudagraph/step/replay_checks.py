@@ -36,7 +36,6 @@ from ..guards.host_reads import BindingWatch, short_repr
 
 __all__ = ["ReplayChecks", "binding_message"]
 
-_data_ptr = paddle.Tensor.data_ptr
 _is_contiguous = paddle.Tensor.is_contiguous
 _stop_gradient = operator.attrgetter("stop_gradient")
 
@@ -101,7 +100,7 @@ class ReplayChecks:
     def _adopted_moved(self, _, tensors):
         # NOTE [ Adopted inputs of a step ] in step/capture.py; StaticInputs.moved's test, all at once
         picked = tensors if self._every_input_adopted else [tensors[i] for i in self._adopted]
-        if _ptrs_hold(picked, self._adopted_ptrs) and all(map(_is_contiguous, picked)):
+        if native.ptrs_hold(picked, self._adopted_ptrs) and all(map(_is_contiguous, picked)):
             return None
         name = self._graphs.static_inputs.moved(tensors)
         if name is None:
@@ -109,7 +108,7 @@ class ReplayChecks:
         return Blocked(Action.RECAPTURE, f"input '{name}' is another tensor than the one the graph reads in place")
 
     def _freezes(self, *_):
-        if _flags_hold(self._reached, self._frozen):
+        if native.flags_hold(self._reached, self._frozen):
             return None
         for p, was in zip(self._reached, self._frozen):
             if p.stop_gradient != was:
@@ -140,7 +139,7 @@ class ReplayChecks:
         return Blocked(Action.EAGER, f"binding '{changed[0]}' changed since capture", reason)
 
     def _moved(self, *_):
-        if _ptrs_hold(self._params, self._param_ptrs):
+        if native.ptrs_hold(self._params, self._param_ptrs):
             return None
         for p, ptr in self._graphs.params:
             if p.data_ptr() != ptr:
@@ -158,22 +157,6 @@ class ReplayChecks:
                     "parameters' grads; the key is captured again (a second time it runs eagerly). Clear grads "
                     "inside the step function."))
         return None
-
-
-def _ptrs_hold(tensors, ptrs):
-    """``list(map(Tensor.data_ptr, tensors)) == ptrs``, read in one compiled call where it can be (NOTE [ Compiled
-    tensor reads ] in native/__init__.py)."""
-    compiled = native.reads
-    same = None if compiled is None else compiled.ptrs_hold(tensors, ptrs)
-    return same if same is not None else list(map(_data_ptr, tensors)) == ptrs
-
-
-def _flags_hold(tensors, flags):
-    """``list(map(attrgetter("stop_gradient"), tensors)) == flags``, read in one compiled call where it can be (NOTE
-    [ Compiled tensor reads ] in native/__init__.py)."""
-    compiled = native.reads
-    same = None if compiled is None else compiled.flags_hold(tensors, flags)
-    return same if same is not None else list(map(_stop_gradient, tensors)) == flags
 
 
 def _grads_between(between, _=None):
